@@ -1,0 +1,18 @@
+"""dsv4core: the reference way to run DeepSeek-V4 on any accelerator.
+
+Layers: ``dsv4core.model`` (device-neutral model core) -> ``dsv4core.hal`` (op specs, backends,
+binding) -> backends (the built-in ``reference`` and plugins in entry-point group
+``dsv4core.backends``).
+"""
+
+__version__ = "0.1.0"
+
+
+def load_model(path_or_name, *, backend="auto", dtype=None, device=None):
+    """Load a DSV4 model (a checkpoint directory or ``"tiny"``). See :mod:`dsv4core.model.api`."""
+    from .model.api import load_model as _load
+
+    return _load(path_or_name, backend=backend, dtype=dtype, device=device)
+
+
+__all__ = ["__version__", "load_model"]

@@ -1,0 +1,5 @@
+import sys
+
+from dsv4core.cli import main
+
+sys.exit(main())

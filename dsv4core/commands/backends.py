@@ -1,0 +1,27 @@
+"""``dsv4core backends``: every backend found, its version, devices, availability and priority."""
+
+from __future__ import annotations
+
+from ._util import print_json, print_table
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("backends", help="list backends (built-in and plugins) and whether they are available",
+                              description="List every backend: the built-in reference and each plugin found in "
+                                          "the 'dsv4core.backends' entry-point group, with why it is unavailable.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dsv4core.hal import discover
+
+    statuses = sorted(discover().values(), key=lambda s: (-s.priority, s.name))
+    if args.json:
+        print_json([s.as_dict() for s in statuses])
+        return 0
+    rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-", s.priority,
+             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0, s.source)
+            for s in statuses]
+    print_table(("backend", "version", "devices", "priority", "available", "ops", "source"), rows)
+    return 0

@@ -1,0 +1,221 @@
+"""Selection and binding: resolve each op once to a plain callable.
+
+Per op, an ordered candidate list is built (per-op override, then the explicit backend or the
+available backends for the device by priority, then ``reference``). The first candidate that
+implements the op serves it; the others that were skipped are recorded with their reason. If the
+serving implementation has a ``supports`` predicate, the bound callable checks it and hands
+unsupported calls down the chain (one warning per op under ``warn``; an error under ``strict``).
+The result is an :class:`OpTable`: attribute access + call, no registry lookups on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .backend import Impl
+from .discovery import PluginStatus, discover
+from .errors import BackendNotFoundError, FallbackError, HALError
+from .spec import catalogue
+
+log = logging.getLogger("dsv4core.hal")
+POLICIES = ("strict", "warn", "allow")
+REFERENCE = "reference"
+
+
+@dataclass
+class OpBinding:
+    """How one op is served: the serving backend, the candidate order and why others declined."""
+
+    op: str
+    backend: str
+    candidates: tuple[str, ...]
+    declined: dict[str, str]
+    call: Callable = field(repr=False)
+    runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.backend != self.candidates[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
+                "candidates": list(self.candidates), "declined": dict(self.declined),
+                "runtime_fallbacks": self.runtime_fallbacks}
+
+
+class OpTable:
+    """A frozen op -> callable table for one device type. ``table.rms_norm(x, w, eps)``."""
+
+    def __init__(self, device_type: str, policy: str, bindings: dict[str, OpBinding]):
+        object.__setattr__(self, "device_type", device_type)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "bindings", bindings)
+        for name, b in bindings.items():
+            object.__setattr__(self, name, b.call)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("OpTable is frozen; bind again to change it")
+
+    def __getattr__(self, name):  # only reached for unknown names
+        raise AttributeError(f"no HAL op named {name!r} (known: {', '.join(self.bindings)})")
+
+    def report(self) -> list[dict[str, Any]]:
+        """The binding table: per op, the serving backend, the candidates and declined reasons."""
+        return [b.as_dict() for b in self.bindings.values()]
+
+    def __repr__(self) -> str:
+        served = {}
+        for b in self.bindings.values():
+            served.setdefault(b.backend, []).append(b.op)
+        return f"OpTable(device_type={self.device_type!r}, policy={self.policy!r}, served={served})"
+
+
+def parse_ops_override(text: str | None) -> dict[str, str]:
+    """Parse ``"rms_norm=reference,attention=cuda"``; keys are op names or op family names."""
+    if not text:
+        return {}
+    specs = catalogue()
+    families: dict[str, list[str]] = {}
+    for s in specs.values():
+        families.setdefault(s.family, []).append(s.name)
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise HALError(f"DSV4CORE_OPS: expected 'op=backend' items, got {item!r}")
+        if key in specs:
+            out[key] = value
+        elif key in families:
+            for name in families[key]:
+                out.setdefault(name, value)
+        else:
+            raise HALError(f"DSV4CORE_OPS: unknown op or family {key!r} (ops: {', '.join(specs)}; "
+                           f"families: {', '.join(families)})")
+    return out
+
+
+def _usable(name: str, statuses: dict[str, PluginStatus], device_type: str, why: str) -> PluginStatus:
+    """An explicitly requested backend must exist, be available and serve the device type."""
+    st = statuses.get(name)
+    if st is None:
+        raise BackendNotFoundError(f"backend {name!r} ({why}) is not installed; known backends: "
+                                   f"{', '.join(sorted(statuses))}")
+    if not st.available or st.backend is None:
+        raise BackendNotFoundError(f"backend {name!r} ({why}) is not available: {st.reason}") from st.error
+    if not st.backend.serves(device_type):
+        raise BackendNotFoundError(f"backend {name!r} ({why}) does not serve device type {device_type!r} "
+                                   f"(it serves {', '.join(st.backend.device_types)})")
+    return st
+
+
+def bind(device: str | torch.device = "cpu", backend: str | None = None, policy: str | None = None,
+         ops: dict[str, str] | str | None = None, check: bool | None = None) -> OpTable:
+    """Resolve every op for ``device`` and return the frozen :class:`OpTable`.
+
+    backend: a backend name or ``"auto"``; default: env ``DSV4CORE_BACKEND``, else ``"auto"``.
+    policy:  ``strict`` (raise on any fallback), ``warn`` (default; one warning per op and process)
+             or ``allow``; default: env ``DSV4CORE_FALLBACK``, else ``"warn"``.
+    ops:     per-op (or per-family) backend overrides; default: env ``DSV4CORE_OPS``.
+    check:   validate inputs on every call (default: on under ``strict`` or env ``DSV4CORE_CHECK=1``).
+    """
+    device_type = torch.device(device).type
+    backend = backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
+    policy = policy or os.environ.get("DSV4CORE_FALLBACK") or "warn"
+    if policy not in POLICIES:
+        raise HALError(f"fallback policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if ops is None:
+        ops = os.environ.get("DSV4CORE_OPS")
+    overrides = parse_ops_override(ops) if isinstance(ops, str) or ops is None else dict(ops)
+    if check is None:
+        check = policy == "strict" or os.environ.get("DSV4CORE_CHECK", "") not in ("", "0")
+    return _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
+
+
+@functools.lru_cache(maxsize=64)
+def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, check: bool) -> OpTable:
+    statuses = discover()
+    specs = catalogue()
+    if backend == "auto":
+        main = [n for n, st in sorted(statuses.items(), key=lambda kv: -kv[1].priority)
+                if n != REFERENCE and st.available and st.backend and st.backend.serves(device_type)]
+    else:
+        main = [_usable(backend, statuses, device_type, "requested explicitly").name]
+    override_map = dict(overrides)
+    for op_name, b in override_map.items():
+        if op_name not in specs:
+            raise HALError(f"per-op override names unknown op {op_name!r}")
+        _usable(b, statuses, device_type, f"per-op override for {op_name}")
+
+    bindings: dict[str, OpBinding] = {}
+    for op_name, spec in specs.items():
+        order = list(dict.fromkeys(([override_map[op_name]] if op_name in override_map else []) + main + [REFERENCE]))
+        declined: dict[str, str] = {}
+        chain: list[Impl] = []
+        for name in order:
+            st = statuses[name]
+            impl = st.backend.impls.get(op_name) if st.backend else None
+            if not st.available:
+                declined[name] = f"backend unavailable: {st.reason}"
+            elif not st.backend.serves(device_type):
+                declined[name] = f"does not serve device type {device_type!r}"
+            elif impl is None:
+                declined[name] = "does not implement this op"
+            else:
+                chain.append(impl)
+        serving = chain[0].backend
+        if serving != order[0]:
+            msg = f"{op_name}: {order[0]!r} declined ({declined[order[0]]}); served by {serving!r}"
+            if policy == "strict":
+                raise FallbackError(msg + " — strict policy forbids fallbacks")
+            if policy == "warn":
+                log.warning(msg)
+        binding = OpBinding(op_name, serving, tuple(order), declined, call=None)
+        binding.call = _make_call(spec, chain, policy, binding, check)
+        bindings[op_name] = binding
+    return OpTable(device_type, policy, bindings)
+
+
+def _make_call(spec, chain: list[Impl], policy: str, binding: OpBinding, check: bool) -> Callable:
+    call = _dispatch_chain(spec.name, chain, policy, binding)
+    if not check:
+        return call
+    validate = spec.validate
+
+    def checked(*args, **kwargs):
+        validate(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    checked.__name__ = spec.name
+    return checked
+
+
+def _dispatch_chain(op_name: str, chain: list[Impl], policy: str, binding: OpBinding) -> Callable:
+    head = chain[0]
+    if head.supports is None or len(chain) == 1:
+        return head.fn   # the common case: the bound callable IS the implementation
+    fn, supports, why_not = head.fn, head.supports, head.why_not
+    rest = _dispatch_chain(op_name, chain[1:], policy, binding)
+    warned = [False]
+
+    def dispatch(*args, **kwargs):
+        if supports(*args, **kwargs):
+            return fn(*args, **kwargs)
+        binding.runtime_fallbacks += 1
+        if policy != "allow" and not warned[0]:
+            reason = why_not(*args, **kwargs) if why_not else "its supports() predicate declined these inputs"
+            msg = f"{op_name}: backend {head.backend!r} declined a call ({reason}); next: {chain[1].backend!r}"
+            if policy == "strict":
+                raise FallbackError(msg + " — strict policy forbids fallbacks")
+            warned[0] = True
+            log.warning(msg)
+        return rest(*args, **kwargs)
+
+    dispatch.__name__ = op_name
+    return dispatch

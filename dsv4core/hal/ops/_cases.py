@@ -1,0 +1,39 @@
+"""Shared helpers for the op modules' sample-case generators.
+
+Shape sets: ``small`` (CPU-friendly), ``flash`` and ``pro`` (the published models' real dims).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Real model dimensions (SPEC.md / PEERS.md table 1.1).
+DIMS = {
+    "small": dict(H=256, n=4, heads=8, d=128, d_r=64, q_lora=128, G=2, R=64, E=8, k=2, I=64,
+                  nI=4, dI=64, window=16, topk=8),
+    "flash": dict(H=4096, n=4, heads=64, d=512, d_r=64, q_lora=1024, G=8, R=1024, E=256, k=6, I=2048,
+                  nI=64, dI=128, window=128, topk=512),
+    "pro": dict(H=7168, n=4, heads=128, d=512, d_r=64, q_lora=1536, G=16, R=1024, E=384, k=6, I=3072,
+                nI=64, dI=128, window=128, topk=1024),
+}
+#: Token counts exercised per shape set (0 and 1 always; an odd count; a larger one).
+TOKENS = {"small": (0, 1, 7, 33), "flash": (0, 1, 5, 64), "pro": (0, 1, 5, 64)}
+
+
+def dims(shapes: str) -> dict:
+    if shapes not in DIMS:
+        raise ValueError(f"unknown shape set {shapes!r}; expected one of {', '.join(DIMS)}")
+    return DIMS[shapes]
+
+
+def randn(shape, gen: torch.Generator, dtype: torch.dtype, device, scale: float = 1.0) -> torch.Tensor:
+    """Deterministic normal samples (drawn on the CPU in fp32, then moved and cast)."""
+    return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def inv_freq_main(d_r: int = 64, theta: float = 10000.0) -> torch.Tensor:
+    return theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)
+
+
+def positions(T: int, gen: torch.Generator, device, max_pos: int = 70000) -> torch.Tensor:
+    return torch.randint(0, max_pos, (T,), generator=gen).to(device)

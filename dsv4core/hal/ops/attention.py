@@ -1,0 +1,82 @@
+"""Shared-KV multi-query attention over per-query row lists, with a per-head sink (SPEC.md section 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, op
+from ._cases import TOKENS, dims, randn
+
+#: Rows gathered per chunk of queries (bounds the reference's memory: T * K * d floats at once).
+_GATHER_BUDGET = 1 << 24
+
+
+@op(family="attention", tolerance=Tolerance(
+    k=4.0, floor=1e-6,
+    why="a length-d dot product per logit, a softmax over up to K rows and a weighted sum of K "
+        "rows: three reductions whose order a kernel is free to choose (online softmax, split K)"))
+def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Attention of q [T, h, d] over the rows ``kv[indices[t]]`` (K = V), -1 entries ignored.
+
+    ``o_h = sum_u exp(l_u) kv_u / (sum_u exp(l_u) + exp(sink_h))`` with ``l_u = scale * q_h . kv_u``.
+    The sink is a raw logit (not scaled, no value). An empty row list gives 0. fp32 math.
+    """
+    T, h, d = q.shape
+    ct = compute_dtype(q)
+    out = torch.empty((T, h, d), dtype=q.dtype, device=q.device)
+    K = indices.shape[1]
+    chunk = max(1, _GATHER_BUDGET // max(1, K * d))
+    sink_c = sink.to(ct)
+    for s in range(0, T, chunk):
+        idx = indices[s:s + chunk].long()
+        valid = idx >= 0
+        rows = kv[idx.clamp_min(0)].to(ct)                                  # [t, K, d]
+        logits = torch.einsum("thd,tkd->thk", q[s:s + chunk].to(ct), rows) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        m = torch.maximum(logits.amax(-1), sink_c[None, :])                 # sink joins the max
+        p = torch.exp(logits - m[..., None])
+        denom = p.sum(-1) + torch.exp(sink_c[None, :] - m)
+        out[s:s + chunk] = (torch.einsum("thk,tkd->thd", p, rows) / denom[..., None]).to(q.dtype)
+    return out
+
+
+@sparse_mqa_attention.check
+def _(q, kv, indices, sink, scale):
+    d = Dims("sparse_mqa_attention").tensor("q", q, ("T", "h", "d"), ACT_DTYPES + (torch.float64,))
+    d.tensor("kv", kv, ("N", "d"), (q.dtype,))
+    d.tensor("indices", indices, ("T", "K"), (torch.int32, torch.int64))
+    d.tensor("sink", sink, ("h",), F32)
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= kv.shape[0]:
+            from ..errors import OpInputError
+            raise OpInputError("sparse_mqa_attention", "indices", f"values in [-1, {kv.shape[0] - 1}]",
+                               f"range [{lo}, {hi}]")
+
+
+def _window_indices(T: int, N: int, K: int, gen: torch.Generator, device, empty_rows: int = 0) -> torch.Tensor:
+    """Distinct random rows per query, a random number of trailing -1 sentinels, some empty rows."""
+    idx = torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    idx = idx.long()
+    if T:
+        keep = torch.randint(1, K + 1, (T,), generator=gen)
+        idx[torch.arange(K)[None, :] >= keep[:, None]] = -1
+        idx[:empty_rows] = -1
+    return idx.to(device=device, dtype=torch.int32)
+
+
+@sparse_mqa_attention.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    h, d = D["heads"], D["d"]
+    K = D["window"] + (D["topk"] if shapes != "small" else 8)
+    N = 2 * K
+    for T in TOKENS[shapes]:
+        yield Case(f"T{T}-K{K}", dict(q=randn((T, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
+                                      indices=_window_indices(T, N, K, gen, device, empty_rows=min(T, 1)),
+                                      sink=randn((h,), gen, torch.float32, device), scale=d ** -0.5))
+    for label, sink_scale in (("sink-large", 30.0), ("sink-small", -30.0)):
+        yield Case(label, dict(q=randn((3, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
+                               indices=_window_indices(3, N, K, gen, device),
+                               sink=torch.full((h,), sink_scale, device=device), scale=d ** -0.5), ("extreme",))

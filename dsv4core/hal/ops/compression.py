@@ -1,0 +1,174 @@
+"""KV compression and the lightning indexer: compress_pool, indexer_scores, indexer_topk
+(SPEC.md section 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import OpInputError
+from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
+from ._cases import dims, randn
+
+_GATHER_BUDGET = 1 << 24
+
+
+@op(family="compression", tolerance=Tolerance(
+    k=2.0, floor=1e-6, why="a softmax over at most 2m slots and a weighted sum per channel, fp32"))
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, overlap: bool,
+                  prev_kv: torch.Tensor | None = None, prev_score: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax-gated pooling of complete windows. kv, score [Wn, m, c*d'] (c = 2 if overlap);
+    ape [m, c*d'] f32. Returns [Wn, d'] in kv.dtype.
+
+    overlap=False (HCA): window w pools its own m slots. overlap=True (CSA): entry w pools the A
+    halves (``[..., :d']``) of window w-1 (``prev_*`` for w = 0; kv 0 and score -inf when None)
+    and the B halves (``[..., d':]``) of window w, each with its half of ape. fp32 math.
+    """
+    ct = compute_dtype(kv)
+    kv_c, s_c, ape_c = kv.to(ct), score.to(ct) + ape.to(ct), ape.to(ct)
+    if overlap:
+        Wn, m, two_d = kv.shape
+        dp = two_d // 2
+        if prev_kv is None:
+            first_kv = torch.zeros((1, m, dp), dtype=ct, device=kv.device)
+            first_s = torch.full((1, m, dp), float("-inf"), dtype=ct, device=kv.device)
+        else:
+            first_kv = prev_kv.to(ct)[None]
+            first_s = (prev_score.to(ct) + ape_c[:, :dp])[None]
+        a_kv = torch.cat((first_kv, kv_c[:-1, :, :dp]), 0)[:Wn]    # window w-1's A halves
+        a_s = torch.cat((first_s, s_c[:-1, :, :dp]), 0)[:Wn]
+        kv_c = torch.cat((a_kv, kv_c[:, :, dp:]), 1)                 # [Wn, 2m, d']
+        s_c = torch.cat((a_s, s_c[:, :, dp:]), 1)
+    weights = torch.softmax(s_c, dim=1)
+    return (weights * kv_c).sum(1).to(kv.dtype)
+
+
+@compress_pool.check
+def _(kv, score, ape, overlap, prev_kv=None, prev_score=None):
+    d = Dims("compress_pool").tensor("kv", kv, ("Wn", "m", "cd"), ACT_DTYPES + (torch.float64,))
+    d.tensor("score", score, ("Wn", "m", "cd"), ACT_DTYPES + (torch.float64,))
+    d.tensor("ape", ape, ("m", "cd"), F32)
+    if overlap:
+        expect("compress_pool", "kv", kv.shape[2] % 2 == 0, "an even last dim (A|B halves) with overlap=True",
+               kv.shape[2])
+        if (prev_kv is None) != (prev_score is None):
+            raise OpInputError("compress_pool", "prev_score" if prev_score is None else "prev_kv",
+                               "both prev_kv and prev_score, or neither", "only one of them")
+        half = kv.shape[2] // 2
+        d.tensor("prev_kv", prev_kv, ("m", half), ACT_DTYPES + (torch.float64,), optional=True)
+        d.tensor("prev_score", prev_score, ("m", half), ACT_DTYPES + (torch.float64,), optional=True)
+    else:
+        expect("compress_pool", "prev_kv", prev_kv is None and prev_score is None,
+               "None when overlap=False", "a tensor")
+
+
+@compress_pool.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    for dp, label in ((D["d"], "main"), (D["dI"], "indexer")):
+        for Wn in (0, 1, 5):
+            yield Case(f"hca-{label}-W{Wn}", dict(kv=randn((Wn, 128, dp), gen, torch.float32, device),
+                                                  score=randn((Wn, 128, dp), gen, torch.float32, device, 2.0),
+                                                  ape=randn((128, dp), gen, torch.float32, device), overlap=False))
+            args = dict(kv=randn((Wn, 4, 2 * dp), gen, torch.float32, device),
+                        score=randn((Wn, 4, 2 * dp), gen, torch.float32, device, 2.0),
+                        ape=randn((4, 2 * dp), gen, torch.float32, device), overlap=True)
+            yield Case(f"csa-{label}-W{Wn}-first", dict(args))
+            yield Case(f"csa-{label}-W{Wn}-carry", dict(args, prev_kv=randn((4, dp), gen, torch.float32, device),
+                                                        prev_score=randn((4, dp), gen, torch.float32, device)))
+
+
+@op(family="compression", tolerance=Tolerance(
+    k=4.0, floor=1e-5,
+    why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
+        "reductions in fp32; the floor absorbs cancellation when the weighted sum is near zero"))
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_offsets: torch.Tensor,
+                   k_lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[k_offsets[t] + w])`` for
+    ``w < k_lengths[t]``, ``-inf`` beyond. q [T, nI, dI]; k [N, dI]; returns [T, max(k_lengths)] f32."""
+    T = q.shape[0]
+    L = int(k_lengths.max()) if T else 0
+    ct = compute_dtype(q)
+    out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32), device=q.device)
+    if L == 0 or k.shape[0] == 0:
+        return out
+    w_pos = torch.arange(L, device=q.device)
+    chunk = max(1, _GATHER_BUDGET // (L * q.shape[2]))
+    for s in range(0, T, chunk):
+        lengths, offsets = k_lengths[s:s + chunk], k_offsets[s:s + chunk]
+        valid = w_pos[None, :] < lengths[:, None]
+        rows = (offsets[:, None] + w_pos[None, :]).clamp(0, k.shape[0] - 1)
+        keys = k[rows].to(ct)                                                    # [t, L, dI]
+        dots = torch.relu(torch.einsum("thd,tld->thl", q[s:s + chunk].to(ct), keys))
+        sc = torch.einsum("th,thl->tl", weights[s:s + chunk].to(ct), dots) * scale
+        out[s:s + chunk] = sc.masked_fill(~valid, float("-inf"))
+    return out
+
+
+@indexer_scores.check
+def _(q, k, weights, k_offsets, k_lengths, scale):
+    d = Dims("indexer_scores").tensor("q", q, ("T", "nI", "dI"), ACT_DTYPES + (torch.float64,))
+    d.tensor("k", k, ("N", "dI"), (q.dtype,))
+    d.tensor("weights", weights, ("T", "nI"), F32)
+    d.tensor("k_offsets", k_offsets, ("T",), INT_DTYPES)
+    d.tensor("k_lengths", k_lengths, ("T",), INT_DTYPES)
+    if q.shape[0]:
+        end = int((k_offsets + k_lengths).max())
+        expect("indexer_scores", "k_lengths", int(k_lengths.min()) >= 0 and int(k_offsets.min()) >= 0
+               and end <= k.shape[0], f"offsets/lengths within the {k.shape[0]} rows of k",
+               f"a key range ending at {end}")
+
+
+@indexer_scores.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    nI, dI = D["nI"], D["dI"]
+    for T in (0, 1, 7):
+        N = 40 if shapes == "small" else 2048
+        lengths = torch.randint(0, N // 2, (T,), generator=gen)
+        offsets = torch.randint(0, N // 2, (T,), generator=gen)
+        yield Case(f"T{T}-N{N}", dict(q=randn((T, nI, dI), gen, dtype, device), k=randn((N, dI), gen, dtype, device),
+                                      weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
+                                      k_offsets=offsets.to(device), k_lengths=lengths.to(device), scale=dI ** -0.5))
+
+
+@op(family="compression", tolerance=Tolerance(
+    k=0.0, floor=0.0, metric="index_set",
+    why="integer output: compared as index sets, swaps allowed only among scores equal within the "
+        "indexer_scores tolerance; -1 padding must match exactly"))
+def indexer_topk(scores: torch.Tensor, k_lengths: torch.Tensor, topk: int) -> torch.Tensor:
+    """Indices of the ``min(topk, k_lengths[t])`` largest scores among each query's valid entries
+    ``w < k_lengths[t]``; remaining slots are -1. Returns [T, topk] int32 (order unspecified)."""
+    T, L = scores.shape
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=scores.device)
+    kk = min(topk, L)
+    if T == 0 or kk == 0:
+        return out
+    pos = torch.arange(L, device=scores.device)
+    valid = pos[None, :] < k_lengths[:, None]
+    picked = scores.masked_fill(~valid, float("-inf")).topk(kk, dim=-1).indices
+    keep = picked < k_lengths[:, None]        # too-early picks (fewer valid entries than kk) -> -1
+    out[:, :kk] = torch.where(keep, picked, -1).to(torch.int32)
+    return out
+
+
+@indexer_topk.check
+def _(scores, k_lengths, topk):
+    d = Dims("indexer_topk").tensor("scores", scores, ("T", "L"), F32)
+    d.tensor("k_lengths", k_lengths, ("T",), INT_DTYPES)
+    expect("indexer_topk", "topk", isinstance(topk, int) and topk >= 1, "an int >= 1", topk)
+    if scores.shape[0]:
+        expect("indexer_topk", "k_lengths", int(k_lengths.max()) <= scores.shape[1] and int(k_lengths.min()) >= 0,
+               f"values in [0, {scores.shape[1]}]", f"range [{int(k_lengths.min())}, {int(k_lengths.max())}]")
+
+
+@indexer_topk.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    topk = D["topk"]
+    for T, L in ((0, 0), (1, 3), (7, 4 * topk), (5, topk // 2)):
+        lengths = torch.randint(0, L + 1, (T,), generator=gen)
+        yield Case(f"T{T}-L{L}", dict(scores=randn((T, L), gen, torch.float32, device),
+                                      k_lengths=lengths.to(device), topk=topk))
+    ties = torch.randint(0, 3, (4, 3 * topk), generator=gen).float()   # many exact ties
+    yield Case("ties", dict(scores=ties.to(device), k_lengths=torch.full((4,), 3 * topk, device=device), topk=topk),
+               ("ties",))

@@ -1,0 +1,113 @@
+"""Mixture of experts: routing (sqrtsoftplus top-k with selection-only bias, or hash) and the
+SwiGLU-with-clamp experts with a weighted combine (SPEC.md section 2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
+from ._cases import TOKENS, dims, randn
+
+RENORM_EPS = 1e-20
+
+
+@op(family="moe", tolerance=Tolerance(
+    k=2.0, floor=1e-6, metric="route",
+    why="ids compared as sets (swaps allowed among keys equal within fp32 rounding); weights "
+        "elementwise after matching ids: softplus, sqrt and a k-term sum, a few roundings"))
+def moe_route(logits: torch.Tensor, topk: int, scaling: float, correction_bias: torch.Tensor | None = None,
+              hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = sqrt(softplus(logits))``; ids = ``topk(s + correction_bias)`` (the bias only selects)
+    or ``hash_ids``; weights = ``s[ids] / (sum s[ids] + 1e-20) * scaling``. Returns
+    (weights [T, k] f32, ids [T, k] int32)."""
+    s = torch.sqrt(F.softplus(logits.to(compute_dtype(logits))))
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        key = s if correction_bias is None else s + correction_bias.to(s.dtype)
+        ids = key.topk(topk, dim=-1).indices
+    w = s.gather(-1, ids)
+    return w / (w.sum(-1, keepdim=True) + RENORM_EPS) * scaling, ids.to(torch.int32)
+
+
+@moe_route.check
+def _(logits, topk, scaling, correction_bias=None, hash_ids=None):
+    d = Dims("moe_route").tensor("logits", logits, ("T", "E"), F32)
+    expect("moe_route", "topk", isinstance(topk, int) and 1 <= topk <= logits.shape[1],
+           f"an int in [1, {logits.shape[1]}]", topk)
+    d.tensor("correction_bias", correction_bias, ("E",), F32, optional=True)
+    d.tensor("hash_ids", hash_ids, ("T", topk), INT_DTYPES, optional=True)
+    if hash_ids is not None and hash_ids.numel():
+        expect("moe_route", "hash_ids", 0 <= int(hash_ids.min()) and int(hash_ids.max()) < logits.shape[1],
+               f"expert ids in [0, {logits.shape[1]})", f"range [{int(hash_ids.min())}, {int(hash_ids.max())}]")
+
+
+@moe_route.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    E, k = D["E"], D["k"]
+    bias = randn((E,), gen, torch.float32, device, 0.1)
+    for T in TOKENS[shapes]:
+        logits = randn((T, E), gen, torch.float32, device, 2.0)
+        yield Case(f"T{T}-topk", dict(logits=logits, topk=k, scaling=1.5, correction_bias=bias))
+        hid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+        yield Case(f"T{T}-hash", dict(logits=logits, topk=k, scaling=2.5, hash_ids=hid.long().to(device)))
+    yield Case("no-bias", dict(logits=randn((5, E), gen, torch.float32, device), topk=k, scaling=1.0))
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(g, L)) * clamp(u, -L, L)`` for ``gate_up = [g | u]`` (gate clamped from above only)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
+@op(family="moe", tolerance=Tolerance(
+    k=4.0, floor=1e-6,
+    why="two chained fp32 GEMMs (length H then I) and a k-term weighted sum: more roundings "
+        "than linear, ordered freely by grouped kernels"))
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    """``sum_i weights[t, i] * expert_{ids[t, i]}(x[t])`` with SwiGLU experts
+    ``(silu(min(x W1^T, L)) * clamp(x W3^T, -L, L)) W2^T``; w13 [E, 2I, H] holds W1 rows then W3
+    rows; w2 [E, H, I]; negative ids are skipped. fp32 math and accumulation, result in x.dtype."""
+    ct = compute_dtype(x)
+    xf = x.to(ct)
+    out = torch.zeros(x.shape, dtype=ct, device=x.device)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = swiglu(xf[tok] @ w13[e].to(ct).T, swiglu_limit)
+        y = h @ w2[e].to(ct).T
+        out.index_add_(0, tok, y * weights[tok, slot].to(ct)[:, None])
+    return out.to(x.dtype)
+
+
+@moe_experts.check
+def _(x, ids, weights, w13, w2, swiglu_limit):
+    d = Dims("moe_experts").tensor("x", x, ("T", "H"), ACT_DTYPES + (torch.float64,))
+    d.tensor("ids", ids, ("T", "k"), INT_DTYPES)
+    d.tensor("weights", weights, ("T", "k"), F32)
+    d.tensor("w13", w13, ("E", "2I", "H"), ACT_DTYPES + (torch.float64,))
+    d.tensor("w2", w2, ("E", "H", "I"), ACT_DTYPES + (torch.float64,))
+    expect("moe_experts", "w13", w13.shape[1] == 2 * w2.shape[2], f"dim 1 = 2 * w2.shape[2] = {2 * w2.shape[2]}",
+           f"shape {tuple(w13.shape)}")
+    if ids.numel():
+        expect("moe_experts", "ids", int(ids.max()) < w13.shape[0], f"expert ids < {w13.shape[0]}", int(ids.max()))
+
+
+@moe_experts.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    E, k, H, I = min(D["E"], 16), D["k"], D["H"], D["I"]
+    w13 = randn((E, 2 * I, H), gen, dtype, device, H ** -0.5 * 4)
+    w2 = randn((E, H, I), gen, dtype, device, I ** -0.5)
+    for T in TOKENS[shapes]:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+        yield Case(f"T{T}-E{E}", dict(x=randn((T, H), gen, dtype, device, 3.0), ids=ids.long().to(device),
+                                      weights=torch.rand((T, k), generator=gen).to(device), w13=w13, w2=w2,
+                                      swiglu_limit=10.0))
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(4)]).long()
+    ids[0, 0] = -1
+    yield Case("skip-negative-ids", dict(x=randn((4, H), gen, dtype, device, 3.0), ids=ids.to(device),
+                                         weights=torch.rand((4, k), generator=gen).to(device), w13=w13, w2=w2,
+                                         swiglu_limit=10.0))

@@ -1,0 +1,116 @@
+"""Projections: linear (bf16 / fp8 128x128 block-scaled) and the grouped wo_a (SPEC.md section 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import ACT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
+from ._cases import TOKENS, dims, randn
+
+FP8 = torch.float8_e4m3fn
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+BLOCK = 128
+WEIGHT_DTYPES = ACT_DTYPES + (torch.float64, FP8)
+
+
+def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """``W[i, j] = Wq[i, j] * S[i // block, j // block]`` over the last two dims, computed in ``dtype``.
+
+    The scale is the dequantisation multiplier (float32 or float8_e8m0fnu, i.e. ``2^(byte-127)``).
+    """
+    rows, cols = w.shape[-2], w.shape[-1]
+    s = scale.to(dtype).repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols]
+    return w.to(dtype) * s
+
+
+def _weight(w: torch.Tensor, scale: torch.Tensor | None, ct: torch.dtype) -> torch.Tensor:
+    return w.to(ct) if scale is None else dequant_block_fp8(w, scale, ct)
+
+
+def _check_scale(op_name: str, d: Dims, weight, weight_scale, lead: tuple) -> None:
+    if weight.dtype == FP8:
+        expect(op_name, "weight_scale", weight_scale is not None,
+               "a block scale tensor for a float8_e4m3fn weight", None)
+    if weight_scale is not None:
+        expect(op_name, "weight", weight.dtype == FP8, "dtype float8_e4m3fn when weight_scale is given", weight.dtype)
+        grid = lead + (-(-weight.shape[-2] // BLOCK), -(-weight.shape[-1] // BLOCK))
+        d.tensor("weight_scale", weight_scale, grid, SCALE_DTYPES)
+
+
+@op(family="projections", tolerance=Tolerance(
+    k=4.0, floor=1e-6,
+    why="a length-K fp32 dot product per output: blocked/split-K accumulation orders differ from "
+        "torch's by a few roundings of K-term sums; fp8 weights are dequantised exactly"))
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = x @ W^T`` with fp32 accumulation. weight [N, K] in an act dtype, or float8_e4m3fn with
+    ``weight_scale`` [ceil(N/128), ceil(K/128)] block dequantisation multipliers. Output dtype
+    ``out_dtype`` (default x.dtype)."""
+    ct = compute_dtype(x)
+    return (x.to(ct) @ _weight(weight, weight_scale, ct).T).to(out_dtype or x.dtype)
+
+
+@linear.check
+def _(x, weight, weight_scale=None, out_dtype=None):
+    d = Dims("linear").tensor("x", x, dtypes=ACT_DTYPES + (torch.float64,), min_rank=1)
+    d.sizes["K"] = x.shape[-1]
+    d.tensor("weight", weight, ("N", "K"), WEIGHT_DTYPES)
+    _check_scale("linear", d, weight, weight_scale, ())
+    expect("linear", "out_dtype", out_dtype is None or isinstance(out_dtype, torch.dtype), "a torch.dtype or None",
+           out_dtype)
+
+
+def quantize_block_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32, block: int = BLOCK):
+    """Test/case helper: quantise [.., N, K] to float8_e4m3fn with power-of-two 128x128 block scales."""
+    rows, cols = w.shape[-2], w.shape[-1]
+    pr, pc = -(-rows // block) * block, -(-cols // block) * block
+    padded = torch.nn.functional.pad(w.float(), (0, pc - cols, 0, pr - rows))
+    blocks = padded.unflatten(-1, (pc // block, block)).unflatten(-3, (pr // block, block))
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (w.float() / scale.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols])
+    return q.to(FP8), scale.to(scale_dtype)
+
+
+@linear.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    H, q_lora = D["H"], D["q_lora"]
+    for T in TOKENS[shapes]:
+        yield Case(f"T{T}-wq_a", dict(x=randn((T, H), gen, dtype, device),
+                                      weight=randn((q_lora, H), gen, dtype, device, H ** -0.5)))
+    w = randn((q_lora, H), gen, torch.float32, device, H ** -0.5)
+    for sd in SCALE_DTYPES:
+        q, s = quantize_block_fp8(w, sd)
+        yield Case(f"fp8-{str(sd).replace('torch.', '')}", dict(x=randn((5, H), gen, dtype, device), weight=q,
+                                                                weight_scale=s), ("fp8",))
+    yield Case("out-fp32", dict(x=randn((3, H), gen, dtype, device), weight=randn((64, H), gen, dtype, device),
+                                out_dtype=torch.float32))
+
+
+@op(family="projections", tolerance=Tolerance(
+    k=4.0, floor=1e-6, why="a length-D fp32 dot product per output, like linear"))
+def wo_a(o: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped low-rank output projection ``out[t, g, r] = sum_d o[t, g, d] * W[g, r, d]``.
+    o [T, G, D]; weight [G, R, D] (act, or float8_e4m3fn with scales [G, R/128, D/128]); fp32
+    accumulation, result in o.dtype."""
+    ct = compute_dtype(o)
+    return torch.einsum("tgd,grd->tgr", o.to(ct), _weight(weight, weight_scale, ct)).to(o.dtype)
+
+
+@wo_a.check
+def _(o, weight, weight_scale=None):
+    d = Dims("wo_a").tensor("o", o, ("T", "G", "D"), ACT_DTYPES + (torch.float64,))
+    d.tensor("weight", weight, ("G", "R", "D"), WEIGHT_DTYPES)
+    _check_scale("wo_a", d, weight, weight_scale, (weight.shape[0],))
+
+
+@wo_a.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    G, R, Din = D["G"], D["R"], D["heads"] * D["d"] // D["G"]
+    w = randn((G, R, Din), gen, torch.float32, device, Din ** -0.5)
+    for T in TOKENS[shapes]:
+        yield Case(f"T{T}", dict(o=randn((T, G, Din), gen, dtype, device), weight=w.to(dtype)))
+    q, s = quantize_block_fp8(w, torch.float8_e8m0fnu)
+    yield Case("fp8", dict(o=randn((3, G, Din), gen, dtype, device), weight=q, weight_scale=s), ("fp8",))

@@ -1,0 +1,140 @@
+"""Rotary position embedding: interleaved, partial (trailing channels), forward and inverse;
+fused with the per-head q norm and the kv norm (SPEC.md section 2, rope)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
+from ._cases import TOKENS, dims, inv_freq_main, positions, randn
+from .norms import rms
+
+
+def rotate(xf: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rotate the last ``2 * len(inv_freq)`` channels of ``xf`` (compute dtype) in pairs (2i, 2i+1).
+
+    Angles are ``fl32(p) * fl32(inv_freq_i)`` (the product rounded to fp32, as the spec says), then
+    cos/sin are taken in the compute dtype. Dims between the token dim and the channel dim broadcast.
+    """
+    d_r = 2 * inv_freq.shape[0]
+    angle = (positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]).to(xf.dtype)
+    angle = angle.view(angle.shape[0], *([1] * (xf.dim() - 2)), angle.shape[1])
+    cos, sin = angle.cos(), angle.sin()
+    if inverse:
+        sin = -sin
+    pairs = xf[..., xf.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((xf[..., :xf.shape[-1] - d_r], rotated), dim=-1)
+
+
+def yarn_inv_freq(d_r: int, theta: float, factor: float, original_max_position: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """Compressed layers' inv_freq (SPEC.md rope): YaRN ramp between base and base/factor, no mscale."""
+    base = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)
+
+    def corr(r):
+        return d_r * math.log(original_max_position / (2 * math.pi * r)) / (2 * math.log(theta))
+
+    lo = max(math.floor(corr(beta_fast)), 0)
+    hi = min(math.ceil(corr(beta_slow)), d_r - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d_r // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    return (base * (1 - ramp) + base / factor * ramp).to(torch.float32)
+
+
+def main_inv_freq(d_r: int, theta: float) -> torch.Tensor:
+    """Sliding-only layers' inv_freq: ``theta^(-2i/d_r)``."""
+    return inv_freq_main(d_r, theta).to(torch.float32)
+
+
+def _check_rope_args(op_name: str, d: Dims, x_arg: str, x, positions, inv_freq) -> None:
+    d.tensor("positions", positions, ("T",), INT_DTYPES)
+    d.tensor("inv_freq", inv_freq, ("R",), F32)
+    expect(op_name, "inv_freq", 0 < 2 * inv_freq.shape[0] <= x.shape[-1],
+           f"2 * len(inv_freq) <= {x_arg}.shape[-1] = {x.shape[-1]}", f"len {inv_freq.shape[0]}")
+
+
+@op(family="rope", tolerance=Tolerance(
+    k=2.0, floor=1e-6,
+    why="two products and a sum per channel with fp32 cos/sin of the same fp32 angle; angle "
+        "rounding is part of the spec, so a backend computing the angle differently fails at "
+        "large positions, as it should"))
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``d_r = 2 * len(inv_freq)`` channels of x [T, ..., d] in interleaved
+    pairs by ``t = fl32(p) * inv_freq_i`` (``-t`` if inverse); other channels pass through."""
+    return rotate(x.to(compute_dtype(x)), positions, inv_freq, inverse).to(x.dtype)
+
+
+@rope.check
+def _(x, positions, inv_freq, inverse=False):
+    d = Dims("rope").tensor("x", x, dtypes=ACT_DTYPES + (torch.float64,), min_rank=2)
+    d.sizes["T"] = x.shape[0]
+    _check_rope_args("rope", d, "x", x, positions, inv_freq)
+
+
+def _rope_cases(shapes, dtype, device, gen, make_x, extra, arg="x"):
+    D = dims(shapes)
+    freqs = {"main": main_inv_freq(D["d_r"], 10000.0),
+             "yarn": yarn_inv_freq(D["d_r"], 160000.0, 16.0, 65536, 32.0, 1.0)}
+    for T in TOKENS[shapes]:
+        for fname, f in freqs.items():
+            yield Case(f"T{T}-{fname}", dict({arg: make_x(T)}, positions=positions(T, gen, device),
+                                             inv_freq=f.to(device), **extra))
+
+
+@rope.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    yield from _rope_cases(shapes, dtype, device, gen, lambda T: randn((T, D["heads"], D["d"]), gen, dtype, device),
+                           dict(inverse=False))
+    yield Case("inverse", dict(x=randn((5, D["heads"], D["d"]), gen, dtype, device), positions=positions(5, gen, device),
+                               inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), inverse=True))
+    yield Case("indexer-2d", dict(x=randn((6, D["dI"]), gen, dtype, device), positions=positions(6, gen, device),
+                                  inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), inverse=False))
+
+
+@op(family="rope", tolerance=Tolerance(
+    k=2.0, floor=1e-6, why="an rms reduction of length d then the rotation, fp32 with one rounding"))
+def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head unweighted rms_norm of q [T, h, d], then rope on its trailing channels; fp32, one cast."""
+    return rotate(rms(q.to(compute_dtype(q)), None, eps), positions, inv_freq, False).to(q.dtype)
+
+
+@q_norm_rope.check
+def _(q, positions, inv_freq, eps):
+    d = Dims("q_norm_rope").tensor("q", q, ("T", "h", "d"), ACT_DTYPES + (torch.float64,))
+    _check_rope_args("q_norm_rope", d, "q", q, positions, inv_freq)
+
+
+@q_norm_rope.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    yield from _rope_cases(shapes, dtype, device, gen,
+                           lambda T: randn((T, D["heads"], D["d"]), gen, dtype, device, 4.0), dict(eps=1e-6), "q")
+
+
+@op(family="rope", tolerance=Tolerance(
+    k=2.0, floor=1e-6, why="a weighted rms reduction of length d then the rotation, fp32 with one rounding"))
+def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Weighted rms_norm of kv [T, d], then rope on its trailing channels; fp32, one cast."""
+    return rotate(rms(kv.to(compute_dtype(kv)), weight, eps), positions, inv_freq, False).to(kv.dtype)
+
+
+@kv_norm_rope.check
+def _(kv, weight, positions, inv_freq, eps):
+    d = Dims("kv_norm_rope").tensor("kv", kv, ("T", "d"), ACT_DTYPES + (torch.float64,))
+    d.tensor("weight", weight, ("d",), ACT_DTYPES + F32)
+    _check_rope_args("kv_norm_rope", d, "kv", kv, positions, inv_freq)
+
+
+@kv_norm_rope.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    w = randn((D["d"],), gen, torch.float32, device) + 1.0
+    yield from _rope_cases(shapes, dtype, device, gen, lambda T: randn((T, D["d"]), gen, dtype, device, 2.0),
+                           dict(weight=w, eps=1e-6), "kv")

@@ -1,0 +1,220 @@
+"""Op specifications: the single source of truth for every HAL op.
+
+An op is declared once, in ``dsv4core/hal/ops/<family>.py``, as a plain function whose body is the
+reference math (fp32 internal math, cast once), decorated with :func:`op`.  Beside it, in the same
+module, live its input check (``@<op>.check``), its sample-case generator (``@<op>.cases``) and its
+tolerance policy with the reason for it.  The reference backend, the conformance suite, the docs and
+the capability table are all derived from these specs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from .errors import OpInputError
+
+#: Activation dtypes every op accepts for its "act" tensors.
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+#: Float dtypes accepted where the spec says "fp32 parameter" (fp64 is allowed for fp64 evaluation).
+F32 = (torch.float32, torch.float64)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype reference math runs in: float64 for float64 inputs (fp64 evaluation), else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a backend may be from an fp64 evaluation of the spec.
+
+    A backend passes a case when ``err_backend <= k * err_reference + floor`` where both errors are
+    measured against the fp64 evaluation on the same inputs in the same dtype (``metric`` says how:
+    ``"max_rel"`` = max |diff| / max |fp64|, ``"max_abs"`` = max |diff|).  ``why`` is the reason for
+    the numbers and is printed in conformance reports.
+    """
+
+    k: float
+    floor: float
+    why: str
+    metric: str = "max_rel"
+
+
+@dataclass
+class Case:
+    """One conformance / test input: keyword arguments for the op, plus a readable name and tags."""
+
+    name: str
+    kwargs: dict[str, Any]
+    tags: tuple[str, ...] = ()
+
+
+CaseGenerator = Callable[[str, torch.dtype, torch.device, torch.Generator], Iterable[Case]]
+
+
+class OpSpec:
+    """A HAL op: name, signature, reference implementation, input check, cases, tolerance."""
+
+    def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int]):
+        self.name: str = fn.__name__
+        self.family = family
+        self.reference = fn
+        self.signature = inspect.signature(fn)
+        self.doc = inspect.getdoc(fn) or ""
+        self.tolerance = tolerance
+        self.since = since
+        self._check: Callable | None = None
+        self._cases: CaseGenerator | None = None
+
+    # -- declaration helpers (used as decorators in the op modules) --------------------------
+    def check(self, fn: Callable) -> Callable:
+        """Register the input check; it takes the op's exact parameters and raises OpInputError."""
+        _require_same_signature(self, fn, "check")
+        self._check = fn
+        return fn
+
+    def cases(self, fn: CaseGenerator) -> CaseGenerator:
+        """Register the sample-case generator ``fn(shapes, dtype, device, generator)``."""
+        self._cases = fn
+        return fn
+
+    # -- use ---------------------------------------------------------------------------------
+    def validate(self, *args, **kwargs) -> None:
+        """Run the input check (binding arguments to the signature first)."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise OpInputError(self.name, "<call>", f"signature {self.name}{self.signature}", str(e)) from None
+        if self._check is not None:
+            self._check(*bound.args, **bound.kwargs)
+
+    def sample_cases(self, shapes: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                     seed: int = 0) -> Iterator[Case]:
+        if self._cases is None:
+            return iter(())
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        return iter(self._cases(shapes, dtype, torch.device(device), gen))
+
+    def __call__(self, *args, **kwargs):
+        """Public validating entry point: check the inputs, then run the reference math."""
+        self.validate(*args, **kwargs)
+        return self.reference(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<op {self.name}{self.signature}>"
+
+
+_CATALOGUE: dict[str, OpSpec] = {}
+
+
+def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0)) -> Callable[[Callable], OpSpec]:
+    """Declare a HAL op. The decorated function is its reference implementation."""
+
+    def wrap(fn: Callable) -> OpSpec:
+        spec = OpSpec(fn, family, tolerance, since)
+        if spec.name in _CATALOGUE:
+            raise ValueError(f"op {spec.name!r} declared twice")
+        _CATALOGUE[spec.name] = spec
+        return spec
+
+    return wrap
+
+
+def catalogue() -> dict[str, OpSpec]:
+    """All declared ops by name, in declaration order."""
+    from . import ops  # noqa: F401  (importing the op modules fills the catalogue)
+
+    return dict(_CATALOGUE)
+
+
+def _require_same_signature(spec: OpSpec, fn: Callable, what: str) -> None:
+    got = [p.name for p in inspect.signature(fn).parameters.values()]
+    want = [p.name for p in spec.signature.parameters.values()]
+    if got != want:
+        raise TypeError(f"{spec.name}: {what} function parameters {got} differ from the op's {want}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checking helpers
+# ---------------------------------------------------------------------------------------------
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+@dataclass
+class Dims:
+    """Collects named dimensions across an op's arguments and reports the first inconsistency.
+
+    ``Dims("hc_pre").tensor("x", x, ("T", "n", "H"))`` binds T, n, H from ``x``; a later tensor
+    whose shape names ``"n"`` must agree, else OpInputError names the op, argument and dimension.
+    Integers in a shape pattern are literal sizes; ``None`` matches anything.
+    """
+
+    op: str
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    def tensor(self, arg: str, t: Any, shape: tuple | None = None, dtypes: Iterable[torch.dtype] | None = None,
+               *, min_rank: int | None = None, optional: bool = False) -> "Dims":
+        if t is None:
+            if optional:
+                return self
+            raise OpInputError(self.op, arg, "a tensor", "None")
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(self.op, arg, "a torch.Tensor", type(t).__name__)
+        if dtypes is not None:
+            dtypes = tuple(dtypes)
+            if t.dtype not in dtypes:
+                raise OpInputError(self.op, arg, f"dtype {_dtype_names(dtypes)}", str(t.dtype).replace("torch.", ""))
+        if min_rank is not None and t.dim() < min_rank:
+            raise OpInputError(self.op, arg, f"rank >= {min_rank}", f"rank {t.dim()} (shape {tuple(t.shape)})")
+        if shape is not None:
+            if t.dim() != len(shape):
+                raise OpInputError(self.op, arg, f"rank {len(shape)} {self._pattern(shape)}",
+                                   f"rank {t.dim()} (shape {tuple(t.shape)})")
+            for i, (want, got) in enumerate(zip(shape, t.shape)):
+                self._match(arg, i, want, int(got), shape, tuple(t.shape))
+        return self
+
+    def require(self, name: str, value: int, why: str) -> "Dims":
+        """Require the named dimension (already bound) to equal ``value``."""
+        if name in self.sizes and self.sizes[name] != value:
+            raise OpInputError(self.op, name, f"{value} ({why})", str(self.sizes[name]))
+        self.sizes[name] = value
+        return self
+
+    def _match(self, arg, i, want, got, shape, actual):
+        if want is None:
+            return
+        if isinstance(want, int):
+            if want != got:
+                raise OpInputError(self.op, arg, f"dim {i} = {want} in shape {self._pattern(shape)}", f"shape {actual}")
+            return
+        if want in self.sizes and self.sizes[want] != got:
+            raise OpInputError(self.op, arg, f"dim {i} ({want}) = {self.sizes[want]} to match the other arguments",
+                               f"shape {actual}")
+        self.sizes[want] = got
+
+    def _pattern(self, shape) -> str:
+        return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def expect(op_name: str, arg: str, ok: bool, expected: str, actual: Any) -> None:
+    """Raise OpInputError unless ``ok``."""
+    if not ok:
+        raise OpInputError(op_name, arg, expected, str(actual))
+
+
+def same_device(op_name: str, **tensors: torch.Tensor | None) -> None:
+    """All given tensors must live on one device."""
+    devs = {k: t.device for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devs.values())) > 1:
+        first = next(iter(devs))
+        for k, d in devs.items():
+            if d != devs[first]:
+                raise OpInputError(op_name, k, f"device {devs[first]} (like '{first}')", str(d))
