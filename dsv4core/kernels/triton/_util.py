@@ -1,0 +1,59 @@
+"""Small helpers shared by the portable Triton kernels (no device work at import)."""
+from __future__ import annotations
+
+import torch
+import triton
+
+#: activation dtypes the Triton kernels accept (the contract's ``act``); fp64 and fp16 are declined.
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def np2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def c(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous view (a no-op for contiguous inputs): non-contiguous inputs are handled, never misread."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def same_device(device_type: str, *ts) -> bool:
+    return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == device_type) for t in ts)
+
+
+def accurate(t: torch.Tensor) -> bool:
+    """Use libdevice (correctly rounded-ish sin/cos) on a GPU; plain tl.sin/cos in the interpreter."""
+    return t.device.type != "cpu"
+
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def rne_bf16(y):
+    """Round fp32 to the nearest bf16 value (ties to even), kept in fp32. The Triton interpreter's
+    fp32->bf16 cast truncates; GPUs round to nearest, so the interpreter path rounds here first."""
+    u = y.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_out(y, out_ptr, RNE: tl.constexpr):
+    if RNE:
+        y = rne_bf16(y)
+    return y.to(out_ptr.dtype.element_ty)
+
+
+def rne(out: torch.Tensor) -> bool:
+    """RNE constexpr: True only for bf16 outputs under the interpreter (CPU tensors)."""
+    return out.device.type == "cpu" and out.dtype == torch.bfloat16
+
+
+def interp(t: torch.Tensor) -> bool:
+    """The interpreter's bf16 tl.dot is unreliable: upcast dot operands to fp32 there."""
+    return t.device.type == "cpu"

@@ -1,0 +1,225 @@
+"""mHC kernels: hc_post (one pass), hc_pre (split-K mixes product + fused Sinkhorn/collapse), hc_head.
+
+hc_pre / hc_head run as two launches:
+  1. ``_hc_mix_kernel``: partial ``fn @ xf`` and ``sum(xf^2)`` over a K-slice (split-K so that the
+     1.5 MiB ``fn`` read is spread over all SMs at small T). fp32 activations use true fp32
+     products (``ieee``); bf16 activations use 3xTF32 (allowed by SPEC 2, hc_pre accuracy contract).
+  2. an epilogue kernel per (token, H-block): reduce the partials, rms, sigmoid / Sinkhorn (n x n in
+     registers, recomputed per H-block, it is tiny), collapse ``y = sum_j pre_j x_j``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import c, np2, cdiv, rne, to_out
+
+_TARGET_PROGRAMS = 264  # ~2 per SM on an H200
+
+
+# --------------------------------------------------------------------------------------------- hc_post
+@triton.jit
+def _hc_post_kernel(o_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, H,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                    RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    cols = hb * BLOCK + tl.arange(0, BLOCK)
+    cm = cols < H
+    k = tl.arange(0, NP)
+    km = k < N
+    o = tl.load(o_ptr + t * H + cols, mask=cm, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + k, mask=km, other=0.0).to(tl.float32)
+    acc = post[:, None] * o[None, :]
+    for j in tl.static_range(N):
+        rj = tl.load(r_ptr + (t * N + j) * H + cols, mask=cm, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + t * N * N + j * N + k, mask=km, other=0.0).to(tl.float32)
+        acc += cj[:, None] * rj[None, :]
+    m = km[:, None] & cm[None, :]
+    tl.store(out_ptr + (t * N + k[:, None]) * H + cols[None, :], to_out(acc, out_ptr, RNE), mask=m)
+
+
+def hc_post(o, residual, post, comb):
+    T, n, H = residual.shape
+    out = torch.empty((T, n, H), dtype=residual.dtype, device=residual.device)
+    if T == 0 or H == 0:
+        return out
+    o, residual, post, comb = c(o), c(residual), c(post), c(comb)
+    BLOCK = min(1024, np2(H))
+    while BLOCK > 128 and T * cdiv(H, BLOCK) < _TARGET_PROGRAMS:
+        BLOCK //= 2
+    nw = 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1)
+    _hc_post_kernel[(T, cdiv(H, BLOCK))](o, residual, post, comb, out, H, N=n, NP=np2(n),
+                                         BLOCK=BLOCK, RNE=rne(out), num_warps=nw)
+    return out
+
+
+# -------------------------------------------------------------------------------- mixes product (split-K)
+@triton.jit
+def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
+                   BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, IEEE: tl.constexpr):
+    pt = tl.program_id(0)
+    ps = tl.program_id(1)
+    toks = pt * BT + tl.arange(0, BT)
+    tm = toks < T
+    toks64 = toks.to(tl.int64)
+    ms = tl.arange(0, MP)
+    mm = ms < M
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    k_lo = ps * KSPLIT
+    k_hi = tl.minimum(k_lo + KSPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < k_hi
+        x = tl.load(x_ptr + toks64[:, None] * K + ks[None, :], mask=tm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(f), input_precision="tf32x3")
+        ss += tl.sum(x * x, axis=1)
+    row = ps * T + toks64
+    tl.store(zp_ptr + row[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
+    tl.store(ssp_ptr + row, ss, mask=tm)
+
+
+def _mix(x2, fn, M):
+    """x2: [T, K] (contiguous, act dtype), fn [M, K] f32 -> (zpart [S, T, MP], sspart [S, T], S, MP)."""
+    T, K = x2.shape
+    MP = max(16, np2(M))
+    BT = 16 if T <= 16 else (32 if T <= 256 else 64)
+    BK = 128 if MP <= 32 else 64
+    ntb = cdiv(T, BT)
+    nkb = cdiv(K, BK)
+    S = max(1, min(nkb, _TARGET_PROGRAMS // ntb))
+    KSPLIT = cdiv(nkb, S) * BK
+    S = cdiv(K, KSPLIT)
+    zp = torch.empty((S, T, MP), dtype=torch.float32, device=x2.device)
+    ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
+    _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
+                             IEEE=x2.dtype == torch.float32, num_warps=4, num_stages=3)
+    return zp, ssp, S, MP
+
+
+# ------------------------------------------------------------------------------------- hc_pre epilogue
+@triton.jit
+def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+                       T, H, S, rms_eps, hc_eps, iters, post_mult,
+                       N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
+                       RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    K = N * H
+    i = tl.arange(0, NP)
+    im = i < N
+    m2 = im[:, None] & im[None, :]
+    zi2 = i[:, None] * N + i[None, :]
+    z_pre = tl.zeros([NP], dtype=tl.float32)
+    z_post = tl.zeros([NP], dtype=tl.float32)
+    Z = tl.zeros([NP, NP], dtype=tl.float32)
+    ss = tl.zeros([1], dtype=tl.float32)
+    for s in range(S):
+        rb = (s * T + t) * MP
+        z_pre += tl.load(zp_ptr + rb + i, mask=im, other=0.0)
+        z_post += tl.load(zp_ptr + rb + N + i, mask=im, other=0.0)
+        Z += tl.load(zp_ptr + rb + 2 * N + zi2, mask=m2, other=0.0)
+        ss += tl.load(ssp_ptr + s * T + t + tl.arange(0, 1))
+    rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))  # [1]
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + i, mask=im, other=0.0)
+    b_post = tl.load(base_ptr + N + i, mask=im, other=0.0)
+    B = tl.load(base_ptr + 2 * N + zi2, mask=m2, other=0.0)
+    pre = tl.sigmoid(s0 * (rho * z_pre) + b_pre) + hc_eps
+    post = post_mult * tl.sigmoid(s1 * (rho * z_post) + b_post)
+    L = s2 * (rho[:, None] * Z) + B
+    L = tl.where(m2, L, float("-inf"))
+    mx = tl.max(L, axis=1)
+    E = tl.exp(L - mx[:, None])
+    E = tl.where(m2, E, 0.0)
+    C = E / tl.sum(E, axis=1)[:, None] + hc_eps
+    C = tl.where(m2, C, 0.0)
+    C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
+        C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
+    if hb == 0:
+        tl.store(post_ptr + t * N + i, post, mask=im)
+        tl.store(comb_ptr + t * N * N + zi2, C, mask=m2)
+    cols = hb * BH + tl.arange(0, BH)
+    cm = cols < H
+    xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
+                 other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xs, axis=0)
+    tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+
+
+def _epi_block(T, H):
+    BH = min(1024, np2(H))
+    while BH > 128 and T * cdiv(H, BH) < _TARGET_PROGRAMS:
+        BH //= 2
+    return BH
+
+
+def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
+    T, n, H = x.shape
+    dev = x.device
+    y = torch.empty((T, H), dtype=x.dtype, device=dev)
+    post = torch.empty((T, n), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, n, n), dtype=torch.float32, device=dev)
+    if T == 0:
+        return y, post, comb
+    x = c(x)
+    zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
+    BH = _epi_block(T, H)
+    _hc_pre_epi_kernel[(T, cdiv(H, BH))](x, zp, ssp, c(scale), c(base), y, post, comb,
+                                         T, H, S, float(rms_eps), float(hc_eps), int(iters),
+                                         float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y),
+                                         num_warps=4)
+    return y, post, comb
+
+
+# ------------------------------------------------------------------------------------- hc_head epilogue
+@triton.jit
+def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
+                        T, H, S, rms_eps, hc_eps,
+                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
+                       RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    K = N * H
+    i = tl.arange(0, NP)
+    im = i < N
+    z = tl.zeros([NP], dtype=tl.float32)
+    ss = tl.zeros([1], dtype=tl.float32)
+    for s in range(S):
+        z += tl.load(zp_ptr + (s * T + t) * MP + i, mask=im, other=0.0)
+        ss += tl.load(ssp_ptr + s * T + t + tl.arange(0, 1))
+    rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))
+    s0 = tl.load(scale_ptr)
+    b = tl.load(base_ptr + i, mask=im, other=0.0)
+    pre = tl.sigmoid(s0 * (rho * z) + b) + hc_eps
+    cols = hb * BH + tl.arange(0, BH)
+    cm = cols < H
+    xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
+                 other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * xs, axis=0)
+    tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+
+
+def hc_head(x, fn, scale, base, rms_eps, hc_eps):
+    T, n, H = x.shape
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    x = c(x)
+    zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
+    BH = _epi_block(T, H)
+    _hc_head_epi_kernel[(T, cdiv(H, BH))](x, zp, ssp, c(scale), c(base), y, T, H, S,
+                                          float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
+                                          BH=BH, RNE=rne(y), num_warps=4)
+    return y

@@ -1,0 +1,152 @@
+"""supports predicates of the Triton kernels: pure torch (no triton import), plain bools."""
+from __future__ import annotations
+
+import torch
+
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+# ---- norm.py
+def rms_norm_supports(x, weight, eps) -> bool:
+    if x.dtype not in ACT_DTYPES or x.dim() < 1:
+        return False
+    if weight is not None:
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.dtype not in ACT_DTYPES:
+            return False
+        if weight.device != x.device:
+            return False
+    return True
+
+
+# ---- mhc.py
+def hc_post_supports(o, residual, post, comb) -> bool:
+    if residual.dim() != 3 or o.dim() != 2 or post.dim() != 2 or comb.dim() != 3:
+        return False
+    T, n, H = residual.shape
+    if o.shape != (T, H) or post.shape != (T, n) or comb.shape != (T, n, n):
+        return False
+    if residual.dtype not in ACT_DTYPES or o.dtype not in ACT_DTYPES:
+        return False
+    if post.dtype != torch.float32 or comb.dtype != torch.float32:
+        return False
+    return 1 <= n <= 16 or T == 0
+
+
+def hc_pre_supports(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0) -> bool:
+    if x.dim() != 3 or x.dtype not in ACT_DTYPES:
+        return False
+    T, n, H = x.shape
+    if not (1 <= n <= 8) or H == 0:
+        return False
+    M = (2 + n) * n
+    if fn.shape != (M, n * H) or fn.dtype != torch.float32:
+        return False
+    if scale.shape != (3,) or scale.dtype != torch.float32:
+        return False
+    if base.shape != (M,) or base.dtype != torch.float32:
+        return False
+    return int(iters) >= 1
+
+
+def hc_head_supports(x, fn, scale, base, rms_eps, hc_eps) -> bool:
+    if x.dim() != 3 or x.dtype not in ACT_DTYPES:
+        return False
+    T, n, H = x.shape
+    if not (1 <= n <= 16) or H == 0:
+        return False
+    if fn.shape != (n, n * H) or fn.dtype != torch.float32:
+        return False
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        return False
+    return base.shape == (n,) and base.dtype == torch.float32
+
+
+# ---- rope.py
+def _rope_ok(x, positions, inv_freq) -> bool:
+    if x.dtype not in ACT_DTYPES or x.dim() < 2:
+        return False
+    d = x.shape[-1]
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        return False
+    dr = 2 * inv_freq.shape[0]
+    if dr > d or (d - dr) % 2 != 0 or d > 16384:
+        return False
+    if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
+        return False
+    return positions.dtype in (torch.int64, torch.int32)
+
+
+def rope_supports(x, positions, inv_freq, inverse=False) -> bool:
+    return _rope_ok(x, positions, inv_freq)
+
+
+def q_norm_rope_supports(q, positions, inv_freq, eps) -> bool:
+    return q.dim() == 3 and _rope_ok(q, positions, inv_freq)
+
+
+def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps) -> bool:
+    if kv.dim() != 2 or not _rope_ok(kv, positions, inv_freq):
+        return False
+    return (weight is not None and weight.dim() == 1 and weight.shape[0] == kv.shape[-1]
+            and weight.dtype in ACT_DTYPES)
+
+
+# ---- attention.py
+def sparse_mqa_attention_supports(q, kv, indices, sink, scale) -> bool:
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or sink.dim() != 1:
+        return False
+    T, NH, D = q.shape
+    if q.dtype not in ACT_DTYPES or kv.dtype != q.dtype:
+        return False
+    if D not in (64, 128, 256, 512) or kv.shape[1] != D:
+        return False
+    if indices.shape[0] != T or indices.dtype not in (torch.int32, torch.int64):
+        return False
+    return sink.shape[0] == NH and sink.dtype == torch.float32
+
+
+# ---- compress.py
+def compress_pool_supports(kv, score, ape, overlap, prev_kv=None, prev_score=None) -> bool:
+    if kv.dim() != 3 or kv.dtype not in ACT_DTYPES or score.shape != kv.shape:
+        return False
+    if score.dtype not in ACT_DTYPES:
+        return False
+    Wn, m, CW = kv.shape
+    if m < 1 or m > 1024 or ape.shape != (m, CW) or ape.dtype != torch.float32:
+        return False
+    cc = 2 if overlap else 1
+    if CW % cc:
+        return False
+    DP = CW // cc
+    if overlap and (prev_kv is None) != (prev_score is None):
+        return False
+    if overlap and prev_kv is not None:
+        if prev_kv.shape != (m, DP) or prev_score.shape != (m, DP):
+            return False
+        if prev_kv.dtype not in ACT_DTYPES + (torch.float32,) or prev_score.dtype not in ACT_DTYPES:
+            return False
+    return True
+
+
+# ---- wo_a.py
+def wo_a_supports(o, weight, weight_scale=None) -> bool:
+    if o.dim() != 3 or weight.dim() != 3 or o.dtype not in ACT_DTYPES:
+        return False
+    T, G, D = o.shape
+    if weight.shape[0] != G or weight.shape[2] != D:
+        return False
+    R = weight.shape[1]
+    if weight_scale is None:
+        return weight.dtype == o.dtype
+    if not _FP8 or weight.dtype not in _FP8:
+        return False
+    if weight_scale.shape != (G, cdiv(R, 128), cdiv(D, 128)):
+        return False
+    return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
+

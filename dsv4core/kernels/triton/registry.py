@@ -1,0 +1,62 @@
+"""Register the Triton kernels on a HAL Backend for one device type (no triton import here)."""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from . import OPS, predicates
+
+_mods: dict = {}
+
+
+def _module(name: str):
+    mod = _mods.get(name)
+    if mod is None:
+        mod = _mods[name] = importlib.import_module(f"{__package__}.{name}")
+    return mod
+
+
+def _lazy(op: str, modname: str, sig: inspect.Signature):
+    """A wrapper with the op's exact signature that imports the kernel module on first use and then
+    rebinds itself to the kernel function (one extra Python call on the hot path)."""
+    target = []
+
+    def impl(*args, **kwargs):
+        if not target:
+            target.append(getattr(_module(modname), op))
+        return target[0](*args, **kwargs)
+
+    impl.__signature__ = sig
+    impl.__name__ = impl.__qualname__ = op
+    impl.__doc__ = f"Triton kernel for {op} ({__package__}.{modname})."
+    return impl
+
+
+def _on_device(pred, device_type: str):
+    """pred plus: every tensor argument lives on ``device_type``; any exception declines."""
+    sig = inspect.signature(pred)
+
+    def supports(*args, **kwargs):
+        try:
+            for v in (*args, *kwargs.values()):
+                if isinstance(v, torch.Tensor) and v.device.type != device_type:
+                    return False
+            return bool(pred(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - a predicate declines, it never raises
+            return False
+
+    supports.__signature__ = sig
+    supports.__name__ = supports.__qualname__ = pred.__name__
+    return supports
+
+
+def register_ops(backend, device_type: str, ops=None) -> None:
+    """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``."""
+    for op, modname in OPS.items():
+        if ops is not None and op not in ops:
+            continue
+        pred = getattr(predicates, f"{op}_supports")
+        backend.add(op, _lazy(op, modname, inspect.signature(pred)),
+                    supports=_on_device(pred, device_type))

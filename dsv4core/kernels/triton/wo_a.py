@@ -1,0 +1,92 @@
+"""wo_a: grouped projection out[t,g,r] = sum_d o[t,g,d] w[g,r,d]; bf16/fp32 weights, or fp8 e4m3
+weights with 128x128 block dequant multipliers (fp32 or e8m0). fp32 accumulation."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import c, cdiv, interp, rne, to_out
+
+_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+@triton.jit
+def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
+                 E8M0: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
+                 RNE: tl.constexpr):
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rows = pm * BM + tl.arange(0, BM)
+    rm = rows < T
+    cols = pn * BN + tl.arange(0, BN)
+    cm = cols < R
+    kk = tl.arange(0, BK)
+    a_base = o_ptr + (rows.to(tl.int64)[:, None] * G + g) * D
+    b_base = w_ptr + (g * R + cols.to(tl.int64)[:, None]) * D
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        ks = k0 + kk
+        km = ks < D
+        a = tl.load(a_base + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        b = tl.load(b_base + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+        if INTERP:
+            a = a.to(tl.float32)
+        if SCALE:
+            if INTERP:
+                b = b.to(tl.float32)
+            else:
+                b = b.to(a.dtype)
+            if F32 or INTERP:
+                part = tl.dot(a, tl.trans(b), input_precision="ieee")
+            else:
+                part = tl.dot(a, tl.trans(b))
+            sidx = (g * RB + cols // 128) * DB + k0 // 128
+            if E8M0:
+                sv = tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32)
+                sv = tl.exp2(sv - 127.0)
+            else:
+                sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
+            acc += part * sv[None, :]
+        else:
+            if F32 or INTERP:
+                acc += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    out_off = (rows.to(tl.int64)[:, None] * G + g) * R + cols[None, :]
+    tl.store(out_ptr + out_off, to_out(acc, out_ptr, RNE), mask=rm[:, None] & cm[None, :])
+
+
+def wo_a(o, weight, weight_scale=None):
+    T, G, D = o.shape
+    R = weight.shape[1]
+    out = torch.empty((T, G, R), dtype=o.dtype, device=o.device)
+    if T == 0 or G == 0 or R == 0:
+        return out
+    o, weight = c(o), c(weight)
+    f32 = o.dtype == torch.float32
+    scaled = weight_scale is not None
+    e8 = scaled and _E8M0 is not None and weight_scale.dtype == _E8M0
+    s = c(weight_scale) if scaled else o
+    if e8:
+        s = s.view(torch.uint8)
+    if scaled:
+        BK = 128 if not f32 else 32
+    else:
+        BK = 64 if not f32 else 32
+    if T <= 16:
+        BM, BN, nw, ns = 16, 32, 4, 4
+    elif T <= 64:
+        BM, BN, nw, ns = 64, 64, 4, 4
+    else:
+        BM, BN, nw, ns = 128, 128, 8, 3
+    if f32:
+        BM, BN, ns = min(BM, 64), min(BN, 64), 2
+    RB, DB = cdiv(R, 128), cdiv(D, 128)
+    grid = (cdiv(T, BM), cdiv(R, BN), G)
+    _wo_a_kernel[grid](o, weight, s, out, T, G, R, D, RB, DB, BM=BM, BN=BN, BK=BK, SCALE=scaled,
+                       E8M0=e8, F32=f32, INTERP=interp(o), RNE=rne(out), num_warps=nw, num_stages=ns)
+    return out

@@ -1,0 +1,39 @@
+"""dsv4core backend "cuda": the portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs.
+
+Cheap to import: neither triton nor any kernel module is imported here; the kernels load on their
+first call. ``available()`` is a static platform probe (a CUDA build of torch that sees a device;
+triton importable), with no kernel launch.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
+
+__version__ = "0.1.0"
+
+
+def _available():
+    import torch
+
+    if not getattr(torch.version, "cuda", None):
+        hip = getattr(torch.version, "hip", None)
+        build = f"a ROCm build (hip {hip})" if hip else "a CPU-only build"
+        return False, (f"torch {torch.__version__} is {build}; the cuda backend needs a CUDA build of "
+                       f"torch (install it from the PyTorch CUDA wheel index)")
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install 'dsv4core[cuda]')"
+    return True, ""
+
+
+@hookimpl
+def dsv4core_register_backends(register):
+    from dsv4core.kernels.triton.registry import register_ops
+
+    b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
+                priority=100, available=_available,
+                description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs")
+    register_ops(b, "cuda")
+    register(b)
