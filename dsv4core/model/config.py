@@ -1,0 +1,352 @@
+"""DSV4 model configuration.
+
+`DSV4Config` is the one validated description of a DeepSeek-V4 network that the model core uses.
+It is built from either of the two `config.json` dialects in circulation (SPEC.md section 1,
+PEERS.md section 1.2):
+
+* transformers 5.23.0 (`model_type: deepseek_v4`): `layer_types`, `mlp_layer_types`,
+  `compress_rates`, nested `rope_parameters = {"main": {...}, "compress": {...}}`;
+* the official DeepSeek `config.json`: `compress_ratios` (one entry per layer plus the MTP block,
+  truncated to `num_hidden_layers`), `num_hash_layers`, `qk_rope_head_dim`, flat `rope_scaling`.
+
+Both are normalised to the transformers vocabulary (so the model's parameter names and the
+layer schedule are the same whichever file a checkpoint ships), then validated: every error names
+the field, the value found and what was expected.
+
+The rope frequencies (`inv_freq`) of the two rope kinds are computed here as well
+(`DSV4Config.inv_freq("main" | "compress")`), exactly as SPEC.md's rope section states
+(YaRN with floor/ceil correction range, no magnitude factor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE = "hash_moe"
+MOE = "moe"
+MLP_LAYER_TYPES = (HASH_MOE, MOE)
+DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a DSV4 network (bad value, contradiction, unknown dialect)."""
+
+
+class RopeSpec(BaseModel):
+    """One rope kind. `type="default"`: plain `theta^(-2i/d_r)`; `type="yarn"`: YaRN frequencies
+    (SPEC.md rope section). The YaRN magnitude factor is never applied (attention_factor = 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["default", "yarn"] = "default"
+    theta: float = Field(gt=0)
+    factor: float | None = Field(default=None, gt=0)
+    original_max_position_embeddings: int | None = Field(default=None, gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    @model_validator(mode="after")
+    def _yarn_needs_fields(self) -> "RopeSpec":
+        if self.type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("yarn rope needs 'original_max_position_embeddings'")
+        return self
+
+
+class DSV4Config(BaseModel):
+    """Validated DSV4 hyper-parameters, in transformers' vocabulary (see module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = 1
+    head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    q_lora_rank: int = Field(gt=0)
+    o_groups: int = Field(gt=0)
+    o_lora_rank: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    n_routed_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = Field(default=10.0, gt=0)
+    max_position_embeddings: int = Field(default=1048576, gt=0)
+    sliding_window: int = Field(default=128, gt=0)
+    layer_types: list[str]
+    compress_rates: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_COMPRESS_RATES))
+    mlp_layer_types: list[str]
+    rope_main: RopeSpec
+    rope_compress: RopeSpec
+    hc_mult: int = Field(default=4, gt=0)
+    hc_sinkhorn_iters: int = Field(default=20, gt=0)
+    hc_eps: float = Field(default=1e-6, ge=0)
+    index_n_heads: int = Field(default=64, gt=0)
+    index_head_dim: int = Field(default=128, gt=0)
+    index_topk: int = Field(default=512, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = None
+
+    @field_validator("layer_types")
+    @classmethod
+    def _check_layer_types(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}; got {bad}")
+        return v
+
+    @field_validator("mlp_layer_types")
+    @classmethod
+    def _check_mlp_types(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if t not in MLP_LAYER_TYPES]
+        if bad:
+            raise ValueError(f"mlp_layer_types entries must be one of {MLP_LAYER_TYPES}; got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "DSV4Config":
+        L = self.num_hidden_layers
+        errs: list[str] = []
+        if len(self.layer_types) != L:
+            errs.append(f"len(layer_types)={len(self.layer_types)} != num_hidden_layers={L}")
+        if len(self.mlp_layer_types) != L:
+            errs.append(f"len(mlp_layer_types)={len(self.mlp_layer_types)} != num_hidden_layers={L}")
+        if self.num_key_value_heads != 1:
+            errs.append(f"num_key_value_heads must be 1 (shared-KV MQA); got {self.num_key_value_heads}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
+            errs.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= head_dim={self.head_dim}")
+        if self.num_attention_heads % self.o_groups:
+            errs.append(f"num_attention_heads={self.num_attention_heads} not divisible by o_groups={self.o_groups}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            errs.append(f"num_experts_per_tok={self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
+        if self.n_shared_experts != 1:
+            errs.append(f"n_shared_experts must be 1 (one shared expert of width moe_intermediate_size); got {self.n_shared_experts}")
+        if self.scoring_func != "sqrtsoftplus":
+            errs.append(f"scoring_func must be 'sqrtsoftplus'; got {self.scoring_func!r}")
+        if self.tie_word_embeddings:
+            errs.append("tie_word_embeddings=True is not supported (DSV4 has an untied lm_head)")
+        for t in set(self.layer_types) - {SLIDING}:
+            r = self.compress_rates.get(t)
+            if r is None or int(r) < 1:
+                errs.append(f"compress_rates[{t!r}] must be an int >= 1 for a model with {t} layers; got {r}")
+        if CSA in self.layer_types and self.qk_rope_head_dim > self.index_head_dim:
+            errs.append(f"qk_rope_head_dim={self.qk_rope_head_dim} > index_head_dim={self.index_head_dim}")
+        if errs:
+            raise ValueError("; ".join(errs))
+        return self
+
+    # ----------------------------------------------------------------- derived values
+    def compress_ratio(self, layer: int) -> int:
+        """0 for a sliding-only layer, else the layer type's compression rate m."""
+        t = self.layer_types[layer]
+        return 0 if t == SLIDING else int(self.compress_rates[t])
+
+    def rope_kind(self, layer: int) -> str:
+        """'main' for sliding-only layers, 'compress' for CSA / HCA layers (SPEC.md section 1)."""
+        return "main" if self.layer_types[layer] == SLIDING else "compress"
+
+    def inv_freq(self, kind: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """float32 [qk_rope_head_dim/2] inverse frequencies for rope `kind` ('main'/'compress')."""
+        spec = {"main": self.rope_main, "compress": self.rope_compress}[kind]
+        return rope_inv_freq(spec, self.qk_rope_head_dim, device=device)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DSV4Config":
+        """Build from a transformers or official DeepSeek `config.json` dict. Raises ConfigError."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config must be a dict; got {type(d).__name__}")
+        mt = d.get("model_type")
+        if mt is not None and mt != "deepseek_v4":
+            raise ConfigError(f"config model_type is {mt!r}, expected 'deepseek_v4'")
+        try:
+            kw = _normalise(d)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"cannot read DSV4 config: {e}") from e
+        try:
+            return cls(**kw)
+        except ValidationError as e:
+            raise ConfigError(f"invalid DSV4 config: {e}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers `DeepseekV4Config` kwargs dict describing the same network."""
+        def rope(spec: RopeSpec) -> dict[str, Any]:
+            out: dict[str, Any] = {"rope_type": spec.type, "rope_theta": spec.theta,
+                                   "partial_rotary_factor": self.qk_rope_head_dim / self.head_dim}
+            if spec.type == "yarn":
+                out.update(factor=spec.factor, original_max_position_embeddings=spec.original_max_position_embeddings,
+                           beta_fast=spec.beta_fast, beta_slow=spec.beta_slow, attention_factor=1.0)
+            return out
+
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
+                "num_experts_per_tok", "n_shared_experts", "scoring_func", "routed_scaling_factor", "swiglu_limit",
+                "max_position_embeddings", "sliding_window", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+                "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id")
+        out = {k: getattr(self, k) for k in keys}
+        out.update(model_type="deepseek_v4", layer_types=list(self.layer_types),
+                   mlp_layer_types=list(self.mlp_layer_types), compress_rates=dict(self.compress_rates),
+                   rope_theta=self.rope_main.theta, compress_rope_theta=self.rope_compress.theta,
+                   partial_rotary_factor=self.qk_rope_head_dim / self.head_dim,
+                   rope_parameters={"main": rope(self.rope_main), "compress": rope(self.rope_compress)})
+        return out
+
+
+# transformers DeepseekV4Config defaults (used when a key is absent, as transformers does)
+_HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, num_experts_per_tok=6,
+    n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+    max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
+    index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, pad_token_id=None,
+)
+_PLAIN_KEYS = tuple(k for k in _HF_DEFAULTS if k not in ("rope_theta", "compress_rope_theta"))
+
+
+def _normalise(d: dict[str, Any]) -> dict[str, Any]:
+    """Map either config dialect onto DSV4Config's fields."""
+    g = lambda k: d[k] if d.get(k) is not None else _HF_DEFAULTS.get(k)  # noqa: E731
+    kw: dict[str, Any] = {k: g(k) for k in _PLAIN_KEYS}
+    n = kw["num_hidden_layers"]
+    if not isinstance(n, int) or n <= 0:
+        raise ConfigError(f"num_hidden_layers must be a positive int; got {n!r}")
+
+    # --- compression rates and the attention schedule
+    rates = dict(DEFAULT_COMPRESS_RATES)
+    if isinstance(d.get("compress_rates"), dict):
+        rates.update({k: int(v) for k, v in d["compress_rates"].items()})
+    if d.get("compress_rate_csa") is not None:
+        rates[CSA] = int(d["compress_rate_csa"])
+    if d.get("compress_rate_hca") is not None:
+        rates[HCA] = int(d["compress_rate_hca"])
+    if d.get("layer_types") is not None:
+        layer_types = list(d["layer_types"])
+    elif d.get("compress_ratios") is not None:
+        ratios = [int(r) for r in d["compress_ratios"]]
+        if len(ratios) < n:
+            raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_hidden_layers={n}")
+        ratios = ratios[:n]  # the trailing entry belongs to the MTP block
+        layer_types = []
+        hca_rates = set()
+        for r in ratios:
+            if r < 0:
+                raise ConfigError(f"compress_ratios entries must be >= 0; got {r}")
+            if r == 0:
+                layer_types.append(SLIDING)
+            elif r == rates[CSA]:
+                layer_types.append(CSA)
+            else:
+                layer_types.append(HCA)
+                hca_rates.add(r)
+        if len(hca_rates) > 1:
+            raise ConfigError(f"compress_ratios has several non-CSA ratios {sorted(hca_rates)}; "
+                              f"only one HCA rate is supported (CSA rate is {rates[CSA]})")
+        if hca_rates:
+            rates[HCA] = hca_rates.pop()
+    else:  # transformers' default schedule (2x HCA then HCA/CSA alternating, PEERS.md 1.3)
+        layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    kw["layer_types"] = layer_types[:n]
+    kw["compress_rates"] = rates
+
+    # --- MoE schedule
+    if d.get("mlp_layer_types") is not None:
+        kw["mlp_layer_types"] = list(d["mlp_layer_types"])[:n]
+    else:
+        nh = d.get("num_hash_layers")
+        nh = 3 if nh is None else int(nh)
+        kw["mlp_layer_types"] = [HASH_MOE] * min(n, nh) + [MOE] * max(0, n - nh)
+
+    # --- rope
+    head_dim = kw["head_dim"]
+    rp = d.get("rope_parameters") or {}
+    nested = isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)
+    if d.get("qk_rope_head_dim") is not None:
+        rope_dim = int(d["qk_rope_head_dim"])
+    elif d.get("partial_rotary_factor") is not None:
+        rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
+    elif nested and rp["main"].get("partial_rotary_factor") is not None:
+        rope_dim = int(head_dim * float(rp["main"]["partial_rotary_factor"]))
+    else:
+        rope_dim = int(head_dim * 64 / 512)
+    kw["qk_rope_head_dim"] = rope_dim
+    if nested:
+        for kind in ("main", "compress"):
+            prf = rp[kind].get("partial_rotary_factor")
+            if prf is not None and int(head_dim * float(prf)) != rope_dim:
+                raise ConfigError(f"rope_parameters[{kind!r}].partial_rotary_factor={prf} gives a rope dim "
+                                  f"{int(head_dim * float(prf))} != {rope_dim}")
+        kw["rope_main"] = _rope_spec(rp["main"], "rope_parameters['main']", None, d)
+        kw["rope_compress"] = _rope_spec(rp["compress"], "rope_parameters['compress']", None, d)
+    else:
+        flat = dict(d.get("rope_scaling") or {k: v for k, v in rp.items() if k not in ("main", "compress")})
+        flat.pop("rope_theta", None)  # a flat dict's theta is the main one; compress uses compress_rope_theta
+        main_theta = float(g("rope_theta"))
+        kw["rope_main"] = RopeSpec(type="default", theta=main_theta)
+        kw["rope_compress"] = _rope_spec(flat, "rope_scaling", float(g("compress_rope_theta")), d)
+    return kw
+
+
+def _rope_spec(p: dict[str, Any], where: str, theta: float | None, d: dict[str, Any]) -> RopeSpec:
+    rtype = p.get("rope_type", p.get("type", "default")) or "default"
+    if rtype not in ("default", "yarn"):
+        raise ConfigError(f"{where}: rope type {rtype!r} is not supported (only 'default' and 'yarn')")
+    af = p.get("attention_factor")
+    if af is not None and float(af) != 1.0:
+        raise ConfigError(f"{where}: attention_factor={af}; DSV4 applies no rope magnitude factor (must be 1.0)")
+    # `mscale` / `mscale_all_dim` may appear in official files; DSV4 applies no magnitude factor.
+    th = p.get("rope_theta", theta)
+    if th is None:
+        raise ConfigError(f"{where}: missing rope_theta")
+    if rtype == "default":
+        return RopeSpec(type="default", theta=float(th))
+    omax = p.get("original_max_position_embeddings")
+    if omax is None:
+        raise ConfigError(f"{where}: yarn rope needs original_max_position_embeddings")
+    factor = p.get("factor")
+    if factor is None:  # transformers' fallback
+        factor = d.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]) / float(omax)
+    return RopeSpec(type="yarn", theta=float(th), factor=float(factor), original_max_position_embeddings=int(omax),
+                    beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1))
+
+
+def rope_inv_freq(spec: RopeSpec, rope_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 inverse frequencies [rope_dim/2] (SPEC.md rope section; same float32 arithmetic as
+    transformers' default / YaRN initialisers, so the values are bit-identical)."""
+    dim = rope_dim
+    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    base = 1.0 / pos_freqs
+    if spec.type == "default":
+        return base.to(device)
+    s = spec.factor
+    L0 = spec.original_max_position_embeddings
+
+    def corr(r: float) -> float:
+        return dim * math.log(L0 / (r * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    lo = max(math.floor(corr(spec.beta_fast)), 0)
+    hi = min(math.ceil(corr(spec.beta_slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    extrap = 1 - ramp
+    inv = (1.0 / (s * pos_freqs)) * (1 - extrap) + base * extrap
+    return inv.to(device)
