@@ -1,0 +1,205 @@
+"""HAL machinery: discovery of a real installed plugin distribution, broken plugins, selection,
+per-op overrides, fallback policies, registration checks, the bound hot path, input errors."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4core.hal import (Backend, BackendNotFoundError, FallbackError, HALError, OpInputError,
+                          RegistrationError, bind, call, catalogue, discover, reset)
+
+CATALOGUE = ["rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
+             "sparse_mqa_attention", "compress_pool", "indexer_scores", "indexer_topk", "linear", "wo_a",
+             "moe_route", "moe_experts", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    reset()
+    yield
+    reset()
+
+
+def test_catalogue_has_the_nineteen_initial_ops():
+    assert list(catalogue()) == CATALOGUE
+    for spec in catalogue().values():
+        assert spec.doc, f"{spec.name} has no docstring"
+        assert spec.tolerance.why, f"{spec.name} tolerance has no reason"
+        assert spec._check is not None, f"{spec.name} has no input check"
+        assert any(True for _ in spec.sample_cases("small", torch.float32)), f"{spec.name} has no cases"
+
+
+def test_installed_example_plugin_is_discovered_with_its_metadata():
+    st = discover()
+    assert st["reference"].available and len(st["reference"].backend.impls) == 19
+    ex = st["example"]
+    assert ex.available and ex.version == "0.3.0" and ex.priority == 10
+    assert "dsv4core-example-plugin" in ex.source
+    assert sorted(ex.backend.impls) == ["hc_post", "rms_norm"]
+
+
+def test_broken_plugins_are_reported_not_fatal():
+    st = discover()
+    assert not st["broken-import"].available
+    assert "import failed: ModuleNotFoundError" in st["broken-import"].reason
+    assert not st["old-api"].available and "major versions differ" in st["old-api"].reason
+    assert "0.7" in st["old-api"].reason and "1.0" in st["old-api"].reason
+    assert not st["unavailable"].available and "FooAccelerator" in st["unavailable"].reason
+
+
+def test_explicit_request_for_a_failed_backend_raises_with_cause():
+    with pytest.raises(BackendNotFoundError, match="broken-import.*not available.*ModuleNotFoundError") as ei:
+        bind("cpu", backend="broken-import")
+    assert isinstance(ei.value.__cause__, ModuleNotFoundError)
+    with pytest.raises(BackendNotFoundError, match="not installed"):
+        bind("cpu", backend="no-such-backend")
+    with pytest.raises(BackendNotFoundError, match="does not serve device type 'cuda'"):
+        bind("cuda", backend="example")
+
+
+def test_auto_selection_prefers_available_plugin_by_priority():
+    table = bind("cpu", policy="allow")
+    b = table.bindings
+    assert b["rms_norm"].backend == "example"
+    assert b["hc_pre"].backend == "reference" and b["hc_pre"].is_fallback
+    assert b["hc_pre"].declined == {"example": "does not implement this op"}
+    # the unavailable / old-api plugins have higher priority but are never candidates
+    assert "unavailable" not in b["rms_norm"].candidates and "old-api" not in b["rms_norm"].candidates
+
+
+def test_bound_call_is_the_implementation_itself():
+    ref = bind("cpu", backend="reference", policy="strict", check=False)
+    for name, spec in catalogue().items():
+        assert getattr(ref, name) is spec.reference  # hot path = a plain function, no wrapper
+    ex = bind("cpu", backend="example", policy="allow", check=False)
+    assert ex.rms_norm is discover()["example"].backend.impls["rms_norm"].fn
+
+
+def test_strict_policy_raises_on_bind_time_fallback():
+    with pytest.raises(FallbackError, match="hc_pre: 'example' declined \\(does not implement this op\\)"):
+        bind("cpu", backend="example", policy="strict")
+
+
+def test_env_backend_and_per_op_override(monkeypatch):
+    monkeypatch.setenv("DSV4CORE_BACKEND", "example")
+    monkeypatch.setenv("DSV4CORE_OPS", "rms_norm=reference")
+    table = bind("cpu", policy="allow")
+    assert table.bindings["rms_norm"].backend == "reference"
+    assert table.bindings["hc_post"].backend == "example"
+    # family names work as keys too
+    t2 = bind("cpu", backend="example", ops="mhc=reference", policy="allow")
+    assert t2.bindings["hc_post"].backend == "reference" and t2.bindings["rms_norm"].backend == "example"
+    with pytest.raises(HALError, match="unknown op or family 'attn'"):
+        bind("cpu", ops="attn=reference")
+    with pytest.raises(BackendNotFoundError, match="per-op override for rms_norm"):
+        bind("cpu", ops="rms_norm=unavailable")
+
+
+def _hc_post_args(dtype):
+    g = torch.Generator().manual_seed(0)
+    T, n, H = 3, 4, 32
+    return (torch.randn(T, H, generator=g).to(dtype), torch.randn(T, n, H, generator=g).to(dtype),
+            torch.rand(T, n, generator=g), torch.rand(T, n, n, generator=g))
+
+
+def test_runtime_fallback_by_supports_predicate(caplog):
+    table = bind("cpu", backend="example", policy="warn", ops="hc_pre=reference,hc_head=reference,rope=reference")
+    b = table.bindings["hc_post"]
+    ref = catalogue()["hc_post"].reference
+    with caplog.at_level(logging.WARNING, logger="dsv4core.hal"):
+        for _ in range(3):
+            out = table.hc_post(*_hc_post_args(torch.bfloat16))
+    assert torch.equal(out, ref(*_hc_post_args(torch.bfloat16)))
+    assert b.runtime_fallbacks == 3
+    warnings = [r for r in caplog.records if "hc_post" in r.getMessage()]
+    assert len(warnings) == 1 and "only float32 residuals, got torch.bfloat16" in warnings[0].getMessage()
+    # float32 stays on the plugin and agrees with the reference
+    out32 = table.hc_post(*_hc_post_args(torch.float32))
+    torch.testing.assert_close(out32, ref(*_hc_post_args(torch.float32)), rtol=1e-6, atol=1e-6)
+    assert b.runtime_fallbacks == 3
+
+
+def test_runtime_fallback_under_strict_raises():
+    reset()
+    strict = bind("cpu", backend="example", ops={op: "reference" for op in CATALOGUE if op not in ("rms_norm", "hc_post")},
+                  policy="strict")
+    with pytest.raises(FallbackError, match="hc_post: backend 'example' declined a call \\(only float32"):
+        strict.hc_post(*_hc_post_args(torch.bfloat16))
+
+
+def test_registration_rejects_signature_mismatch():
+    b = Backend(name="bad", device_types=("cpu",))
+    with pytest.raises(RegistrationError, match="op 'rms_norm': implementation .*missing parameter 'eps'"):
+        b.add("rms_norm", lambda x, weight: x)
+    with pytest.raises(RegistrationError, match="op 'rope': supports .*unexpected parameter 'foo'"):
+        b.add("rope", lambda x, positions, inv_freq, inverse=False: x,
+              supports=lambda x, positions, inv_freq, inverse, foo: True)
+    with pytest.raises(RegistrationError, match="unknown op 'attention'"):
+        b.add("attention", lambda q: q)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("rms_norm", torch.randn(3, 8, dtype=torch.float16), None, 1e-6), "rms_norm: argument 'x' expected dtype float32 or bfloat16"),
+    (("rms_norm", torch.randn(3, 8), torch.ones(9), 1e-6), "rms_norm: argument 'weight' expected rank 1 \\[8\\], got rank 1|rms_norm: argument 'weight' expected dim 0 = 8"),
+    (("hc_post", torch.randn(2, 16), torch.randn(2, 4, 16), torch.rand(2, 3), torch.rand(2, 4, 4)),
+     "hc_post: argument 'post' expected dim 1 \\(n\\) = 4 to match the other arguments, got shape \\(2, 3\\)"),
+    (("hc_pre", torch.randn(2, 4, 8), torch.randn(24, 31), torch.rand(3), torch.rand(24), 1e-6, 1e-6, 20),
+     "hc_pre: argument 'fn' expected dim 1 = 32"),
+    (("sparse_mqa_attention", torch.randn(2, 4, 16), torch.randn(5, 16), torch.tensor([[0, 5], [1, -1]], dtype=torch.int32),
+      torch.zeros(4), 0.25), "sparse_mqa_attention: argument 'indices' expected values in \\[-1, 4\\], got range \\[-1, 5\\]"),
+    (("sparse_mqa_attention", torch.randn(2, 4, 16), torch.randn(5, 16), torch.zeros(2, 3), torch.zeros(4), 0.25),
+     "sparse_mqa_attention: argument 'indices' expected dtype int32 or int64, got float32"),
+    (("linear", torch.randn(2, 256), torch.randn(128, 256).to(torch.float8_e4m3fn)),
+     "linear: argument 'weight_scale' expected a block scale tensor"),
+    (("moe_route", torch.randn(3, 8), 9, 1.0), "moe_route: argument 'topk' expected an int in \\[1, 8\\], got 9"),
+    (("indexer_topk", torch.randn(2, 4), torch.tensor([5, 1]), 2), "indexer_topk: argument 'k_lengths' expected values in \\[0, 4\\]"),
+    (("rope", torch.randn(3, 8), torch.arange(2), torch.ones(4)), "rope: argument 'positions' expected dim 0 \\(T\\) = 3"),
+])
+def test_bad_input_errors_name_op_argument_expected_and_actual(args, match):
+    with pytest.raises(OpInputError, match=match):
+        call(*args)
+    # the strict bound table validates too
+    with pytest.raises(OpInputError, match=match):
+        getattr(bind("cpu", backend="reference", policy="strict"), args[0])(*args[1:])
+
+
+def test_zero_token_inputs_give_empty_outputs_for_every_op():
+    ops = bind("cpu", backend="reference", policy="strict")
+    for name, spec in catalogue().items():
+        zero = [c for c in spec.sample_cases("small", torch.float32) if c.name.startswith(("T0", "hca-main-W0"))]
+        assert zero, f"{name}: no zero-token case"
+        for c in zero:
+            out = getattr(ops, name)(**c.kwargs)
+            for o in (out if isinstance(out, tuple) else (out,)):
+                assert o.shape[0] == 0, f"{name}/{c.name}: {tuple(o.shape)}"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dsv4core", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_backends_and_ops_json():
+    r = _cli("backends", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {b["name"]: b for b in json.loads(r.stdout)}
+    assert rows["reference"]["available"] and rows["example"]["available"]
+    assert rows["old-api"]["available"] is False and "major versions differ" in rows["old-api"]["reason"]
+    r = _cli("ops", "--backend", "reference", "--json")
+    assert r.returncode == 0, r.stderr
+    ops = json.loads(r.stdout)["ops"]
+    assert [o["op"] for o in ops] == CATALOGUE and {o["backend"] for o in ops} == {"reference"}
+    r = _cli("ops", "--backend", "nope")
+    assert r.returncode == 2 and "backend 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_help_and_version():
+    r = _cli("--help")
+    assert r.returncode == 0 and "backends" in r.stdout and "ops" in r.stdout
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip().startswith("dsv4core 0.")
+    r = _cli("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
