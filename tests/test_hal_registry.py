@@ -203,3 +203,12 @@ def test_cli_help_and_version():
     assert r.returncode == 0 and r.stdout.strip().startswith("dsv4core 0.")
     r = _cli("frobnicate")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_generated_op_reference_is_up_to_date():
+    from pathlib import Path
+
+    from dsv4core.hal.docs import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
+    assert page.read_text() == render(), "docs/ops.md is stale: run `python -m dsv4core.hal.docs > docs/ops.md`"

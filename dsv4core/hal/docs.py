@@ -1,0 +1,39 @@
+"""Generate the op reference (docs/ops.md) from the op specs: ``python -m dsv4core.hal.docs``.
+
+The specs are the single source of truth; tests check that the committed page is up to date.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .backend import HAL_API_VERSION
+from .spec import catalogue
+
+
+def render() -> str:
+    specs = catalogue()
+    lines = [
+        "# HAL op reference",
+        "",
+        f"Generated from the op specs in `dsv4core/hal/ops/` by `python -m dsv4core.hal.docs` "
+        f"(HAL API {HAL_API_VERSION[0]}.{HAL_API_VERSION[1]}). Do not edit by hand.",
+        "",
+        "Tolerance policy: a backend passes a conformance case when its error against an fp64 "
+        "evaluation of the reference is at most `k` times the reference backend's own error in the "
+        "same dtype on the same inputs, plus the absolute `floor`.",
+        "",
+        "| op | family | k | floor | metric |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| [`{s.name}`](#{s.name}) | {s.family} | {s.tolerance.k:g} | {s.tolerance.floor:g} | "
+              f"{s.tolerance.metric} |" for s in specs.values()]
+    for s in specs.values():
+        lines += ["", f"## {s.name}", "", "```python", f"{s.name}{s.signature}", "```", "", s.doc, "",
+                  f"*Tolerance* (k = {s.tolerance.k:g}, floor = {s.tolerance.floor:g}, {s.tolerance.metric}): "
+                  f"{s.tolerance.why}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
