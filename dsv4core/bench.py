@@ -1,0 +1,355 @@
+"""Per-op benchmark of a backend against the reference and ``torch.compile`` of the reference.
+
+    dsv4core bench --backend cuda --shapes flash --tokens 1,64,4096 --json out.json
+    python -m dsv4core.bench --backend cuda ...            (same thing, as a script)
+
+For each op and token count: median device time (CUDA events around each call, warm-up first, L2
+flushed before every timed call, i.e. cold-L2 numbers comparable with PERF-ANCHORS.md), the bytes
+the op must move and its FLOPs (each input read once, each output written once), achieved GB/s and
+TFLOP/s, % of the copy bandwidth and of the bf16 matmul rate **measured in the same run**, and the
+speedup over the reference backend and over ``torch.compile`` of the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
+               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "wo_a")
+
+
+# ---------------------------------------------------------------------------------------------- cases
+@dataclass
+class BenchCase:
+    op: str            # HAL op name
+    label: str         # row label (op, or op variant)
+    kwargs: dict
+    bytes: float
+    flops: float
+    note: str = ""
+
+
+def _dims(shapes):
+    from dsv4core.hal.ops._cases import dims
+
+    return dims(shapes)
+
+
+def _inv_freq(d_r=64, theta=10000.0, device="cpu"):
+    return (theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)).to(torch.float32).to(device)
+
+
+def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen=None) -> BenchCase:
+    D = _dims(shapes)
+    H, n, h, d, d_r = D["H"], D["n"], D["heads"], D["d"], D["d_r"]
+    es = torch.tensor([], dtype=dtype).element_size()
+
+    def rn(*shape, dt=dtype, s=1.0):
+        return (torch.randn(*shape, device=device, dtype=torch.float32) * s).to(dt)
+
+    pos = torch.randint(0, 60000, (T,), device=device)
+    if label == "rms_norm":
+        return BenchCase("rms_norm", label, dict(x=rn(T, H), weight=rn(H), eps=1e-6), 2 * T * H * es + H * es,
+                         4 * T * H, "x [T,H]")
+    if label in ("hc_pre", "hc_head"):
+        M = (2 + n) * n if label == "hc_pre" else n
+        x = rn(T, n, H)
+        fn = rn(M, n * H, dt=torch.float32, s=0.02)
+        if label == "hc_pre":
+            kw = dict(x=x, fn=fn, scale=torch.tensor([0.6, 0.8, 1.1], device=device), base=rn(M, dt=torch.float32),
+                      rms_eps=1e-6, hc_eps=1e-6, iters=20, post_mult=2.0)
+            out_b = T * H * es + T * (n + n * n) * 4
+        else:
+            kw = dict(x=x, fn=fn, scale=torch.tensor([0.7], device=device), base=rn(M, dt=torch.float32),
+                      rms_eps=1e-6, hc_eps=1e-6)
+            out_b = T * H * es
+        return BenchCase(label, label, kw, T * n * H * es + M * n * H * 4 + out_b,
+                         2 * T * M * n * H + 4 * T * n * H, "x [T,n,H], fn fp32 read once")
+    if label == "hc_post":
+        comb = torch.softmax(rn(T, n, n, dt=torch.float32), -1)
+        kw = dict(o=rn(T, H), residual=rn(T, n, H), post=rn(T, n, dt=torch.float32), comb=comb)
+        return BenchCase("hc_post", label, kw, (T * H + 2 * T * n * H) * es + T * (n + n * n) * 4,
+                         2 * T * n * H * (n + 1), "o [T,H] + residual [T,n,H] -> [T,n,H]")
+    if label == "rope":
+        kw = dict(x=rn(T, h, d), positions=pos, inv_freq=_inv_freq(d_r, device=device), inverse=True)
+        return BenchCase("rope", label, kw, 2 * T * h * d * es, 6 * T * h * d_r, "inverse, attention output [T,h,d]")
+    if label == "q_norm_rope":
+        kw = dict(q=rn(T, h, d), positions=pos, inv_freq=_inv_freq(d_r, device=device), eps=1e-6)
+        return BenchCase("q_norm_rope", label, kw, 2 * T * h * d * es, T * h * (4 * d + 6 * d_r), "q [T,h,d]")
+    if label == "kv_norm_rope":
+        kw = dict(kv=rn(T, d), weight=rn(d), positions=pos, inv_freq=_inv_freq(d_r, device=device), eps=1e-6)
+        return BenchCase("kv_norm_rope", label, kw, 2 * T * d * es + d * es, T * (4 * d + 6 * d_r), "kv [T,d]")
+    if label == "sparse_mqa_attention":
+        K = D["window"] + D["topk"]
+        Np = 1 << 17
+        kv = rn(Np, d)
+        base_off = torch.randint(0, Np, (T, 1), device=device)
+        idx = ((base_off + torch.arange(K, device=device)[None, :] * 7919) % Np).to(torch.int32)
+        kw = dict(q=rn(T, h, d), kv=kv, indices=idx, sink=rn(h, dt=torch.float32), scale=d ** -0.5)
+        return BenchCase("sparse_mqa_attention", label, kw, T * K * d * es + 2 * T * h * d * es + T * K * 4,
+                         T * K * 2 * h * 2 * d, f"{h} heads, K={K} rows/query (window {D['window']} + top-{D['topk']})")
+    if label in ("compress_pool", "compress_pool_hca"):
+        if label == "compress_pool":
+            m, cc = 4, 2
+        else:
+            m, cc = 128, 1
+        Wn = max(1, T // m)
+        kw = dict(kv=rn(Wn, m, cc * d), score=rn(Wn, m, cc * d), ape=rn(m, cc * d, dt=torch.float32),
+                  overlap=cc == 2)
+        if cc == 2:
+            kw.update(prev_kv=rn(m, d), prev_score=rn(m, d))
+        return BenchCase("compress_pool", label, kw, 2 * Wn * m * cc * d * es + Wn * d * es + m * cc * d * 4,
+                         Wn * m * cc * d * 5, f"{'CSA m=4 overlap' if cc == 2 else 'HCA m=128'}, Wn=T/m")
+    if label == "wo_a":
+        G, R = D["G"], D["R"]
+        Din = h * d // G
+        kw = dict(o=rn(T, G, Din), weight=rn(G, R, Din, s=0.02))
+        return BenchCase("wo_a", label, kw, G * R * Din * es + T * G * (Din + R) * es, 2 * T * G * R * Din,
+                         f"bf16 [T,{G},{Din}] x [{G},{R},{Din}]")
+    raise KeyError(f"no bench case for {label!r}")
+
+
+# --------------------------------------------------------------------------------------------- timing
+class Timer:
+    def __init__(self, device, flush_mb=256):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.flush = torch.empty(flush_mb << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def time(self, fn, warmup=3, reps=20, max_seconds=2.0):
+        """Median seconds per call of ``fn()`` (device time with a cold L2 on GPUs)."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        t_start = time.perf_counter()
+        for _ in range(reps):
+            if self.cuda:
+                self.flush.zero_()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            if time.perf_counter() - t_start > max_seconds and len(times) >= 3:
+                break
+        return statistics.median(times)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def measure_ceilings(device, timer: Timer) -> dict:
+    """Copy bandwidth (read + write counted) and the bf16 matmul rate on this device, now."""
+    dev = torch.device(device)
+    out = {}
+    n = (1 << 30) if dev.type == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    t = timer.time(lambda: b.copy_(a), warmup=3, reps=10)
+    out["copy_GBps"] = 2 * n / t / 1e9
+    del a, b
+    m = 8192 if dev.type == "cuda" else 1024
+    x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    t = timer.time(lambda: x @ y, warmup=3, reps=10)
+    out["bf16_mm_TFLOPs"] = 2 * m ** 3 / t / 1e12
+    return out
+
+
+# ------------------------------------------------------------------------------------------- backends
+def get_backend(name: str):
+    """The Backend object called ``name`` (discovered via entry points; the in-tree Triton backends are
+    also built directly when the package metadata does not list them, e.g. a bare checkout)."""
+    from dsv4core.hal import discover
+
+    st = discover().get(name)
+    if st is not None and st.backend is not None:
+        if not st.available:
+            raise RuntimeError(f"backend {name!r} is not available: {st.reason}")
+        return st.backend
+    got = []
+    if name == "cuda":
+        try:
+            import dsv4core_cuda as mod
+        except ImportError:
+            import importlib.util
+            import pathlib
+
+            p = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "cuda" / "dsv4core_cuda" / "__init__.py"
+            spec = importlib.util.spec_from_file_location("dsv4core_cuda", p)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        mod.dsv4core_register_backends(register=got.append)
+    elif name == "triton-interpret":
+        from dsv4core.kernels.triton import interpret_plugin as mod
+
+        mod.dsv4core_register_backends(register=got.append)
+    if not got:
+        raise RuntimeError(f"unknown backend {name!r}")
+    ok, why = got[0].available()
+    if not ok:
+        raise RuntimeError(f"backend {name!r} is not available: {why}")
+    return got[0]
+
+
+# ------------------------------------------------------------------------------------------------ run
+def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096), device=None,
+              compile_ref=True, reps=20, log=print) -> dict:
+    from dsv4core.hal import catalogue
+
+    b = get_backend(backend)
+    device = device or (b.device_types[0] if b.device_types[0] != "meta" else "cpu")
+    timer = Timer(device)
+    ceil = measure_ceilings(device, timer)
+    log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s")
+    specs = catalogue()
+    rows = []
+    compiled = {}
+    for label in ops:
+        for T in tokens:
+            try:
+                case = make_case(label, shapes, T, device)
+            except KeyError as e:
+                log(f"skip {label}: {e}")
+                break
+            impl = b.impls.get(case.op)
+            row = dict(op=label, T=T, shapes=shapes, note=case.note, bytes=case.bytes, flops=case.flops)
+            if impl is None:
+                row["status"] = "not implemented"
+                rows.append(row)
+                continue
+            if impl.supports is not None and not impl.supports(**case.kwargs):
+                row["status"] = "declined"
+                rows.append(row)
+                continue
+            kw = case.kwargs
+            try:
+                t = timer.time(lambda: impl.fn(**kw), reps=reps)
+            except Exception as e:  # noqa: BLE001
+                row.update(status="error", detail=f"{type(e).__name__}: {e}")
+                rows.append(row)
+                log(f"{label} T={T}: {row['detail']}")
+                continue
+            ref = specs[case.op].reference
+            t_ref = timer.time(lambda: ref(**kw), warmup=1, reps=max(3, reps // 4), max_seconds=1.0)
+            row.update(status="ok", us=t * 1e6, ref_us=t_ref * 1e6, speedup_ref=t_ref / t,
+                       GBps=case.bytes / t / 1e9, TFLOPs=case.flops / t / 1e12,
+                       pct_copy=100 * case.bytes / t / 1e9 / ceil["copy_GBps"],
+                       pct_mm=100 * case.flops / t / 1e12 / ceil["bf16_mm_TFLOPs"],
+                       roofline_us=1e6 * max(case.bytes / (ceil["copy_GBps"] * 1e9),
+                                             case.flops / (ceil["bf16_mm_TFLOPs"] * 1e12)))
+            # accuracy spot check against the reference (bf16 outputs: expect ~1e-2 or better)
+            got, want = impl.fn(**kw), ref(**kw)
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            errs = []
+            for g, w in zip(got, want):
+                if w.numel():
+                    errs.append(float((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)))
+            row["max_rel_err_vs_ref"] = max(errs) if errs else 0.0
+            if compile_ref:
+                try:
+                    if case.op not in compiled:
+                        compiled[case.op] = torch.compile(ref, dynamic=False)
+                    cf = compiled[case.op]
+                    t0 = time.perf_counter()
+                    cf(**kw)
+                    timer.sync()
+                    row["compile_s"] = time.perf_counter() - t0
+                    t_c = timer.time(lambda: cf(**kw), reps=reps)
+                    row.update(compiled_us=t_c * 1e6, speedup_compiled=t_c / t)
+                except Exception as e:  # noqa: BLE001
+                    row["compiled_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            log(_fmt_row(row))
+            del kw, case
+    return dict(backend=backend, device=device, shapes=shapes, tokens=list(tokens), ceilings=ceil,
+                torch=torch.__version__, device_name=(torch.cuda.get_device_name(device)
+                                                      if torch.device(device).type == "cuda" else "cpu"),
+                rows=rows)
+
+
+def _f(v, fmt):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def _fmt_row(r):
+    if r.get("status") != "ok":
+        return f"{r['op']:22s} T={r['T']:<5d} {r.get('status')} {r.get('detail', '')}"
+    return (f"{r['op']:22s} T={r['T']:<5d} {r['us']:9.1f} us  {r['GBps']:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  "
+            f"{r['TFLOPs']:7.2f} TF/s ({r['pct_mm']:5.1f}% mm)  ref {r['ref_us']:9.1f} us x{r['speedup_ref']:.1f}  "
+            f"compiled {_f(r.get('compiled_us'), '.1f')} us x{_f(r.get('speedup_compiled'), '.2f')}  "
+            f"err {r['max_rel_err_vs_ref']:.1e}")
+
+
+def markdown(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
+             f"`{result['shapes']}`, bf16 activations; cold L2, median of CUDA-event times. Ceilings measured "
+             f"in the same run: copy **{c['copy_GBps'] / 1e3:.2f} TB/s**, bf16 matmul **{c['bf16_mm_TFLOPs']:.0f} "
+             f"TFLOP/s**.", "",
+             "| op | T | µs | roofline µs | GB/s | % copy | TFLOP/s | % mm | reference µs | × ref | compiled ref µs | × compiled | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['op']} | {r['T']} | {r.get('status')} | | | | | | | | | | |")
+            continue
+        lines.append(f"| {r['op']} | {r['T']} | {r['us']:.1f} | {r['roofline_us']:.1f} | {r['GBps']:.0f} | "
+                     f"{r['pct_copy']:.0f} | {r['TFLOPs']:.1f} | {r['pct_mm']:.1f} | {r['ref_us']:.1f} | "
+                     f"{r['speedup_ref']:.1f} | {_f(r.get('compiled_us'), '.1f')} | "
+                     f"{_f(r.get('speedup_compiled'), '.2f')} | {r['max_rel_err_vs_ref']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", required=True, help="backend to time (e.g. cuda)")
+    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                   help="comma list of ops (compress_pool = CSA variant, compress_pool_hca = HCA variant)")
+    p.add_argument("--shapes", default="flash", choices=("flash", "pro", "small"))
+    p.add_argument("--tokens", default="1,64,4096", help="comma list of token counts")
+    p.add_argument("--json", default=None, help="write the full results as JSON here")
+    p.add_argument("--markdown", default=None, help="write a markdown table here")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--device", default=None, help="torch device (default: the backend's first device type)")
+
+
+def run_args(args) -> int:
+    ops = [o for o in args.ops.split(",") if o]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
+                    reps=args.reps)
+    md = markdown(res)
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    return 0 if all(r.get("status") in ("ok", "declined", "not implemented") for r in res["rows"]) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv4core.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
