@@ -1,0 +1,302 @@
+"""Error metrics, structural invariants and the discrete comparisons (index sets, routes).
+
+Every comparison is made against the fp64 evaluation of the op's reference math on the same
+inputs (float tensors upcast to float64; integer and fp8/e8m0 tensors unchanged). The backend's
+error and the reference backend's own error (the reference run in the case dtype) are measured the
+same way; the op's :class:`~dsv4core.hal.Tolerance` turns the reference error into a bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Float dtypes upcast to float64 for the fp64 evaluation. fp8 / e8m0 are stored values (exact in
+#: fp64 after dequantisation) and stay as they are, like integer tensors.
+UPCAST = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Names of the components of ops that return tuples (for readable failure messages).
+OUTPUT_NAMES = {"hc_pre": ("y", "post", "comb"), "moe_route": ("weights", "ids")}
+
+
+def upcast(value: Any) -> Any:
+    """fp64 view of one op argument: float tensors -> float64, float dtype arguments -> float64."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.dtype in UPCAST else value
+    if isinstance(value, torch.dtype) and value.is_floating_point and value in UPCAST:
+        return torch.float64
+    return value
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+@dataclass
+class Check:
+    """One comparison of one output component (or one invariant)."""
+
+    what: str                  # e.g. "y", "comb", "invariant: comb row/col sums"
+    metric: str
+    err: float                 # the backend's error
+    err_ref: float             # the reference backend's error (same inputs, same dtype)
+    bound: float
+    ok: bool
+    detail: str = ""
+
+    @property
+    def ratio(self) -> float:
+        if self.bound > 0:
+            return self.err / self.bound
+        return 0.0 if self.err == 0 else math.inf
+
+    def as_dict(self) -> dict:
+        return {"what": self.what, "metric": self.metric, "err": _num(self.err), "err_ref": _num(self.err_ref),
+                "bound": _num(self.bound), "ratio": _num(self.ratio), "ok": self.ok, "detail": self.detail}
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+class Mismatch(Exception):
+    """A structural failure (type, device, shape, dtype, non-finite values): no error number."""
+
+
+@dataclass
+class Outputs:
+    """An op result split into named tensor components."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...] = field(repr=False)
+
+
+def split_outputs(op: str, out: Any, like: Outputs | None = None) -> Outputs:
+    """Name the components of ``out``; with ``like`` (the reference's), require the same structure."""
+    if isinstance(out, (tuple, list)):
+        comps = tuple(out)
+        names = OUTPUT_NAMES.get(op, tuple(f"output[{i}]" for i in range(len(comps))))
+        if len(names) != len(comps):
+            names = tuple(f"output[{i}]" for i in range(len(comps)))
+    else:
+        comps, names = (out,), ("output",)
+    if like is not None:
+        if len(comps) != len(like.tensors) or (len(like.tensors) > 1) != isinstance(out, (tuple, list)):
+            raise Mismatch(f"returned {_describe(out)}; expected {_describe_like(like)}")
+    for name, t in zip(names, comps):
+        if not isinstance(t, torch.Tensor):
+            raise Mismatch(f"{name}: returned {type(t).__name__}, expected a torch.Tensor")
+    return Outputs(names, comps)
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}"
+    return type(out).__name__
+
+
+def _describe_like(like: Outputs) -> str:
+    return "a tensor" if len(like.tensors) == 1 else f"a tuple of {len(like.tensors)} tensors ({', '.join(like.names)})"
+
+
+def check_structure(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Device, shape and dtype of a backend output must equal the reference's."""
+    if got.device != want.device:
+        raise Mismatch(f"{name}: device expected {want.device}, got {got.device}")
+    if tuple(got.shape) != tuple(want.shape):
+        zero = " (zero-token case: the output must be empty with the right shape)" if want.numel() == 0 else ""
+        raise Mismatch(f"{name}: shape expected {tuple(want.shape)}, got {tuple(got.shape)}{zero}")
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{name}: dtype expected {dtype_name(want.dtype)}, got {dtype_name(got.dtype)}")
+
+
+def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
+    """'' if ``got`` is non-finite exactly where the fp64 evaluation is (same infs, NaN for NaN)."""
+    if not got.is_floating_point():
+        return ""
+    g, e = got.detach().to(torch.float64), exact.to(torch.float64)
+    bad = ~torch.isfinite(g) & torch.isfinite(e)
+    if bad.any():
+        n_nan = int((torch.isnan(g) & bad).sum())
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        return (f"{name}: {int(bad.sum())} non-finite values ({n_nan} NaN) where the fp64 evaluation is finite; "
+                f"first at index {first}")
+    e_inf = torch.isinf(e)
+    if e_inf.any() and not torch.equal(g[e_inf], e[e_inf]):
+        return f"{name}: {int((g[e_inf] != e[e_inf]).sum())} entries differ from the fp64 evaluation's +-inf"
+    e_nan = torch.isnan(e)
+    if e_nan.any() and not torch.isnan(g[e_nan]).all():
+        return f"{name}: the fp64 evaluation is NaN at {int(e_nan.sum())} entries and the output is not"
+    return ""
+
+
+def error(metric: str, got: torch.Tensor, exact: torch.Tensor) -> float:
+    """``max_abs`` = max |got - exact|; ``max_rel`` = max |got - exact| / max |exact| (finite
+    entries; max_abs when every exact entry is 0)."""
+    g, e = got.detach().to(torch.float64), exact.to(torch.float64)
+    fin = torch.isfinite(e)
+    if not fin.any():
+        return 0.0
+    diff = (g - e)[fin].abs().max().item()
+    if metric == "max_abs":
+        return diff
+    scale = e[fin].abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _sums_dev(comb: torch.Tensor) -> float:
+    if comb.numel() == 0:
+        return 0.0
+    c = comb.detach().to(torch.float64)
+    return max((c.sum(-1) - 1).abs().max().item(), (c.sum(-2) - 1).abs().max().item())
+
+
+def _pair_norm_dev(x: torch.Tensor, y: torch.Tensor, d_r: int) -> float:
+    if x.numel() == 0 or d_r == 0:
+        return 0.0
+    xp = x.detach().to(torch.float64)[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    yp = y.detach().to(torch.float64)[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    scale = xp.abs().max().item()
+    return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
+
+
+def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:
+    """Structural invariants: measured on the backend output, bounded by k x the reference's own
+    deviation (same dtype, same inputs) + floor."""
+    out: list[Check] = []
+    if op == "hc_pre":
+        e_b, e_r = _sums_dev(got.tensors[2]), _sums_dev(ref.tensors[2])
+        bound = k * e_r + floor
+        out.append(Check("invariant: comb rows and columns sum to 1", "max |sum - 1|", e_b, e_r, bound, e_b <= bound))
+    if op == "rope":
+        d_r = 2 * kwargs["inv_freq"].shape[0]
+        e_b = _pair_norm_dev(kwargs["x"], got.tensors[0], d_r)
+        e_r = _pair_norm_dev(kwargs["x"], ref.tensors[0], d_r)
+        bound = k * e_r + floor
+        out.append(Check("invariant: rotation preserves the norm of each interleaved pair (2i, 2i+1)",
+                         "max_rel", e_b, e_r, bound, e_b <= bound))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Discrete outputs
+# ---------------------------------------------------------------------------------------------
+
+def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol: float) -> list[Check]:
+    """indexer_topk: per query, the backend's indices must be ``min(topk, k_lengths[t])`` distinct
+    valid positions (-1 elsewhere) forming a correct top-k set: every pick scores at least the
+    k-th largest valid score (minus ``tie_tol``), and every valid entry scoring strictly above it
+    (plus ``tie_tol``) is picked. Ties may be broken either way; order is free."""
+    scores = kwargs["scores"].detach().to(torch.float64).cpu()
+    lengths = kwargs["k_lengths"].cpu().long()
+    topk = int(kwargs["topk"])
+    g = got.detach().cpu().long()
+    problems: list[str] = []
+    bad_rows = 0
+    for t in range(scores.shape[0]):
+        n = min(topk, int(lengths[t]))
+        row = g[t]
+        picks = row[row >= 0]
+        why = ""
+        if (row < -1).any():
+            why = f"values below -1: {row[row < -1][:4].tolist()}"
+        elif picks.numel() != n:
+            why = f"{picks.numel()} indices, expected {n} (k_lengths={int(lengths[t])}, topk={topk})"
+        elif (picks >= lengths[t]).any():
+            why = f"index {int(picks[picks >= lengths[t]][0])} outside the query's {int(lengths[t])} valid keys"
+        elif picks.unique().numel() != picks.numel():
+            why = "duplicate indices"
+        elif n:
+            valid = scores[t, :int(lengths[t])]
+            kth = valid.topk(n).values[-1].item()
+            chosen = valid[picks]
+            if (chosen < kth - tie_tol).any():
+                w = int(picks[chosen < kth - tie_tol][0])
+                why = f"picked key {w} (score {valid[w].item():.6g}) below the k-th largest score {kth:.6g}"
+            else:
+                must = (valid > kth + tie_tol).nonzero().flatten()
+                missing = must[~torch.isin(must, picks)]
+                if missing.numel():
+                    w = int(missing[0])
+                    why = f"missed key {w} (score {valid[w].item():.6g} > k-th largest {kth:.6g})"
+        if why:
+            bad_rows += 1
+            if len(problems) < 3:
+                problems.append(f"query {t}: {why}")
+    T = max(1, scores.shape[0])
+    frac = bad_rows / T
+    detail = "; ".join(problems) + (f" (+{bad_rows - len(problems)} more queries)" if bad_rows > len(problems) else "")
+    return [Check("index sets", "index_set: fraction of queries with a wrong top-k set", frac, 0.0, 0.0,
+                  bad_rows == 0, detail)]
+
+
+def _route_keys(kwargs: dict) -> torch.Tensor:
+    """fp64 selection keys sqrt(softplus(logits)) (+ bias): used only to judge ties."""
+    s = torch.sqrt(torch.nn.functional.softplus(kwargs["logits"].detach().to(torch.float64).cpu()))
+    return s
+
+
+def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:
+    """moe_route: ids compared per token as sets (a swap is allowed only between experts whose
+    fp64 selection keys are equal within fp32 rounding); weights compared elementwise after
+    aligning by expert id, against the fp64 weights of the SAME id set (so a legal tie swap is not
+    penalised); bound = k x the reference's error + floor."""
+    s = _route_keys(kwargs)
+    bias = kwargs.get("correction_bias")
+    key = s if bias is None else s + bias.detach().to(torch.float64).cpu()
+    scaling = float(kwargs["scaling"])
+    hash_ids = kwargs.get("hash_ids")
+    topk = int(kwargs["topk"])
+    tie_tol = 4 * 2.0 ** -23 * max(1.0, key.abs().max().item() if key.numel() else 1.0)
+
+    def judge(ids_t: torch.Tensor) -> tuple[str, int]:
+        ids = ids_t.detach().cpu().long()
+        bad, first = 0, ""
+        for t in range(ids.shape[0]):
+            row = ids[t]
+            why = ""
+            if (row < 0).any() or (row >= key.shape[1]).any():
+                why = f"expert id out of range: {row.tolist()}"
+            elif row.unique().numel() != row.numel():
+                why = f"duplicate expert ids {row.tolist()}"
+            elif hash_ids is not None:
+                want = hash_ids[t].detach().cpu().long()
+                if sorted(row.tolist()) != sorted(want.tolist()):
+                    why = f"ids {sorted(row.tolist())} != hash_ids {sorted(want.tolist())}"
+            else:
+                kth = key[t].topk(topk).values[-1].item()
+                chosen = key[t, row]
+                if (chosen < kth - tie_tol).any():
+                    e = int(row[chosen < kth - tie_tol][0])
+                    why = f"picked expert {e} (key {key[t, e].item():.8g}) below the k-th largest key {kth:.8g}"
+                else:
+                    must = (key[t] > kth + tie_tol).nonzero().flatten()
+                    missing = must[~torch.isin(must, row)]
+                    if missing.numel():
+                        e = int(missing[0])
+                        why = f"missed expert {e} (key {key[t, e].item():.8g} > k-th largest {kth:.8g})"
+            if why:
+                bad += 1
+                first = first or f"token {t}: {why}"
+        return first, bad
+
+    def weight_err(w: torch.Tensor, ids_t: torch.Tensor) -> float:
+        if w.numel() == 0:
+            return 0.0
+        ids = ids_t.detach().cpu().long()
+        sel = s.gather(-1, ids)
+        exact = sel / (sel.sum(-1, keepdim=True) + 1e-20) * scaling
+        return error("max_rel", w.detach().cpu(), exact)
+
+    first, bad = judge(got.tensors[1])
+    checks = [Check("ids", "route: fraction of tokens with a wrong expert set", bad / max(1, s.shape[0]), 0.0, 0.0,
+                    bad == 0, first + (f" (+{bad - 1} more tokens)" if bad > 1 else ""))]
+    if bad == 0:
+        e_b = weight_err(got.tensors[0], got.tensors[1])
+        e_r = weight_err(ref.tensors[0], ref.tensors[1])
+        bound = k * e_r + floor
+        checks.append(Check("weights (aligned by expert id)", "max_rel", e_b, e_r, bound, e_b <= bound))
+    return checks

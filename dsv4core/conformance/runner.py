@@ -1,0 +1,427 @@
+"""The conformance runner: every op x dtype x case of a backend against the fp64 evaluation.
+
+A case's outcome is one of
+
+* ``passed``   every output component is within ``k * err_reference + floor`` of the fp64
+               evaluation (metric per the op's Tolerance), every structural check holds;
+* ``failed``   an output is out of bound, has the wrong type/shape/dtype/device, is NaN/Inf where the
+               fp64 evaluation is finite, an input was modified in place, or the op raised;
+* ``declined`` the backend's ``supports`` predicate said no. The binding hands such calls to the next
+               backend (finally the reference), so a decline is safe but it is NOT a pass: it is
+               counted separately, shown in every report, and fails the run under ``require_all``;
+* ``not implemented`` (per op) the backend has no implementation of the op (strict mode: no
+               fallback to the reference is ever taken by the runner).
+
+Nothing here imports a backend's module other than through :func:`dsv4core.hal.discover`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from dsv4core.hal import Backend, catalogue, discover
+from dsv4core.hal.backend import Impl
+from dsv4core.hal.spec import Case, OpSpec
+
+from . import compare
+from .compare import Check, Mismatch, dtype_name
+
+SHAPE_SETS = ("small", "flash", "pro")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+PASSED, FAILED, DECLINED, NOT_IMPLEMENTED = "passed", "failed", "declined", "not implemented"
+
+
+class ConformanceError(Exception):
+    """Bad arguments or a backend that cannot be loaded (exit code 2)."""
+
+
+@dataclass
+class CaseResult:
+    op: str
+    dtype: str
+    shapes: str
+    case: str
+    status: str
+    tags: tuple[str, ...] = ()
+    checks: list[Check] = field(default_factory=list)
+    message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}[{self.shapes}-{self.dtype}-{self.case}]"
+
+    @property
+    def worst(self) -> Check | None:
+        return max(self.checks, key=lambda c: c.ratio, default=None)
+
+    def as_dict(self) -> dict:
+        w = self.worst
+        return {"id": self.id, "op": self.op, "dtype": self.dtype, "shapes": self.shapes, "case": self.case,
+                "tags": list(self.tags), "status": self.status, "message": self.message,
+                "seconds": round(self.seconds, 4), "worst_ratio": None if w is None else compare._num(w.ratio),
+                "checks": [c.as_dict() for c in self.checks]}
+
+
+@dataclass
+class OpResult:
+    op: str
+    implemented: bool
+    tolerance: Any
+    cases: list[CaseResult] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(1 for c in self.cases if c.status == status)
+
+    @property
+    def status(self) -> str:
+        if not self.implemented:
+            return NOT_IMPLEMENTED
+        if self.count(FAILED):
+            return FAILED
+        if self.cases and self.count(DECLINED) == len(self.cases):
+            return DECLINED
+        return PASSED
+
+    @property
+    def worst_ratio(self) -> float | None:
+        ratios = [c.worst.ratio for c in self.cases if c.worst is not None]
+        return max(ratios) if ratios else None
+
+    def as_dict(self) -> dict:
+        t = self.tolerance
+        wr = self.worst_ratio
+        return {"op": self.op, "status": self.status, "implemented": self.implemented,
+                "passed": self.count(PASSED), "failed": self.count(FAILED), "declined": self.count(DECLINED),
+                "worst_ratio": None if wr is None else compare._num(wr),
+                "tolerance": {"k": t.k, "floor": t.floor, "floors": dict(getattr(t, "floors", None) or {}),
+                              "metric": t.metric, "why": t.why},
+                "cases": [c.as_dict() for c in self.cases]}
+
+
+@dataclass
+class Report:
+    backend: str
+    backend_version: str
+    device: str
+    shapes: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    seed: int
+    ops: list[OpResult] = field(default_factory=list)
+    model: dict | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return any(o.status == FAILED for o in self.ops) or bool(self.model and self.model.get("status") == FAILED)
+
+    @property
+    def complete(self) -> bool:
+        """Every op implemented and no case declined (a "full" run; a partial run earns nothing)."""
+        return all(o.implemented and o.count(DECLINED) == 0 for o in self.ops)
+
+    def exit_code(self, require_all: bool = False) -> int:
+        if self.failed:
+            return 1
+        return 1 if require_all and not self.complete else 0
+
+    def failures(self) -> list[CaseResult]:
+        return [c for o in self.ops for c in o.cases if c.status == FAILED]
+
+    def as_dict(self) -> dict:
+        import dsv4core
+
+        return {"backend": self.backend, "backend_version": self.backend_version, "device": self.device,
+                "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
+                "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
+                "failed": self.failed, "complete": self.complete, "seconds": round(self.seconds, 2),
+                "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
+                                   "declined": o.count(DECLINED)} for o in self.ops},
+                "model": self.model, "ops": [o.as_dict() for o in self.ops]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument parsing helpers (shared by the CLI and the pytest plugin)
+# ---------------------------------------------------------------------------------------------
+
+def load_backend(name: str, device: str = "cpu") -> Backend:
+    """The discovered backend ``name``; ConformanceError if unknown, broken, unavailable or not
+    serving ``device``'s type."""
+    statuses = discover()
+    st = statuses.get(name)
+    if st is None:
+        raise ConformanceError(f"unknown backend {name!r}; installed: {', '.join(sorted(statuses))}")
+    if st.backend is None or not st.available:
+        cause = f" ({type(st.error).__name__}: {st.error})" if st.error is not None and str(st.error) not in st.reason else ""
+        raise ConformanceError(f"backend {name!r} cannot be loaded: {st.reason or 'unavailable'}{cause}")
+    dev_type = torch.device(device).type
+    if not st.backend.serves(dev_type):
+        raise ConformanceError(f"backend {name!r} does not serve device type {dev_type!r} "
+                               f"(it serves {', '.join(st.backend.device_types)})")
+    return st.backend
+
+
+def parse_ops(text: str | Sequence[str] | None) -> list[str]:
+    specs = catalogue()
+    if text is None:
+        return list(specs)
+    names = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    families = {}
+    for s in specs.values():
+        families.setdefault(s.family, []).append(s.name)
+    out: list[str] = []
+    for n in names:
+        if n in specs:
+            out.append(n)
+        elif n in families:
+            out.extend(families[n])
+        else:
+            raise ConformanceError(f"unknown op {n!r}; ops: {', '.join(specs)}; families: {', '.join(families)}")
+    if not out:
+        raise ConformanceError("--ops selected no op")
+    return list(dict.fromkeys(out))
+
+
+def parse_shapes(text: str | Sequence[str]) -> tuple[str, ...]:
+    items = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    out: list[str] = []
+    for s in items:
+        if s == "all":
+            out.extend(SHAPE_SETS)
+        elif s in SHAPE_SETS:
+            out.append(s)
+        else:
+            raise ConformanceError(f"unknown shape set {s!r}; expected small, flash, pro or all")
+    return tuple(dict.fromkeys(out))
+
+
+def parse_dtypes(text: str | Sequence[str]) -> tuple[torch.dtype, ...]:
+    items = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    out = []
+    for s in items:
+        key = s.replace("torch.", "")
+        key = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}.get(key, key)
+        if key not in DTYPES:
+            raise ConformanceError(f"unsupported dtype {s!r}; expected {' or '.join(DTYPES)}")
+        out.append(DTYPES[key])
+    if not out:
+        raise ConformanceError("no dtype given")
+    return tuple(dict.fromkeys(out))
+
+
+def case_seed(seed: int, op: str, shapes: str, dtype: torch.dtype) -> int:
+    """The generator seed of one (op, shape set, dtype) case list: reproducible from ``seed``."""
+    return (seed * 1_000_003 + zlib.crc32(f"{op}/{shapes}/{dtype_name(dtype)}".encode())) % (2 ** 63)
+
+
+def iter_cases(spec: OpSpec, shapes: str, dtype: torch.dtype, device: str, seed: int) -> Iterator[Case]:
+    """The op's cases for one shape set and dtype. Cases with no tensor of ``dtype`` (ops whose
+    inputs are float32 by contract, e.g. moe_route) are only run under float32."""
+    for case in spec.sample_cases(shapes, dtype, device, case_seed(seed, spec.name, shapes, dtype)):
+        if dtype != torch.float32:
+            has = any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in case.kwargs.values())
+            if not has:
+                continue
+        yield case
+
+
+# ---------------------------------------------------------------------------------------------
+# One case
+# ---------------------------------------------------------------------------------------------
+
+def _floor(tol, dtype: torch.dtype) -> float:
+    floors = getattr(tol, "floors", None) or {}
+    return float(floors.get(dtype_name(dtype), tol.floor))
+
+
+def _snapshot(kwargs: dict) -> dict:
+    return {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (bitwise comparison: NaN == NaN, works for fp8 / e8m0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _modified(kwargs: dict, snap: dict) -> list[str]:
+    bad = []
+    for k, before in snap.items():
+        now = kwargs[k]
+        if now.shape != before.shape or now.dtype != before.dtype or not torch.equal(_bits(now), _bits(before)):
+            bad.append(k)
+    return bad
+
+
+def _exc(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: str = "") -> CaseResult:
+    """Run one case of one op implementation and judge it."""
+    res = CaseResult(spec.name, dtype_name(dtype), shapes, case.name, PASSED, tuple(case.tags))
+    kw = case.kwargs
+    tol = spec.tolerance
+    floor = _floor(tol, dtype)
+    t0 = time.perf_counter()
+    try:
+        # 1. the case must be valid input (else the suite itself is wrong)
+        try:
+            spec.validate(**kw)
+        except Exception as e:  # pragma: no cover - a suite bug
+            res.status, res.message = FAILED, f"invalid conformance case (suite bug, please report): {_exc(e)}"
+            return res
+        # 2. supports predicate
+        if impl.supports is not None:
+            try:
+                ok = impl.supports(**kw)
+            except Exception as e:
+                res.status, res.message = FAILED, f"supports() raised {_exc(e)}"
+                return res
+            if not isinstance(ok, bool):
+                res.status, res.message = FAILED, f"supports() must return a plain bool, returned {type(ok).__name__}"
+                return res
+            if not ok:
+                reason = ""
+                if impl.why_not is not None:
+                    try:
+                        reason = str(impl.why_not(**kw))
+                    except Exception as e:
+                        reason = f"why_not() raised {_exc(e)}"
+                res.status, res.message = DECLINED, reason or "supports() returned False"
+                return res
+        # 3. fp64 evaluation and the reference in the case dtype
+        exact = compare.split_outputs(spec.name, spec.reference(**{k: compare.upcast(v) for k, v in kw.items()}))
+        ref = compare.split_outputs(spec.name, spec.reference(**kw))
+        # 4. the backend
+        snap = _snapshot(kw)
+        try:
+            raw = impl.fn(**kw)
+        except Exception as e:
+            res.status, res.message = FAILED, f"the op raised {_exc(e)}"
+            return res
+        if torch.device(_device_of(kw)).type == "cuda":
+            torch.cuda.synchronize()
+        changed = _modified(kw, snap)
+        if changed:
+            res.status, res.message = FAILED, f"modified its input(s) {', '.join(changed)} in place"
+            return res
+        got = compare.split_outputs(spec.name, raw, like=ref)
+        for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
+            compare.check_structure(name, g, r)
+            msg = compare.nonfinite_problem(name, g, e)
+            if msg:
+                raise Mismatch(msg)
+        # 5. numbers
+        if tol.metric == "index_set":
+            res.checks += compare.index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
+        elif tol.metric == "route":
+            res.checks += compare.route_check(kw, got, ref, tol.k, floor)
+        else:
+            for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
+                if not g.is_floating_point():
+                    ok = torch.equal(g, r)
+                    res.checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
+                                            "" if ok else "integer output differs from the reference"))
+                    continue
+                e_b, e_r = compare.error(tol.metric, g, e), compare.error(tol.metric, r, e)
+                bound = tol.k * e_r + floor
+                res.checks.append(Check(name, tol.metric, e_b, e_r, bound, e_b <= bound))
+        res.checks += compare.invariants(spec.name, kw, got, ref, max(tol.k, 2.0), floor)
+        bad = [c for c in res.checks if not c.ok]
+        if bad:
+            res.status = FAILED
+            res.message = "; ".join(_describe_check(c, tol.k, floor) for c in bad)
+    except Mismatch as e:
+        res.status, res.message = FAILED, str(e)
+    except Exception as e:  # a failure of the fp64/reference evaluation on a legal case: suite bug
+        res.status, res.message = FAILED, f"conformance harness error (please report): {_exc(e)}"
+    finally:
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _describe_check(c: Check, k: float, floor: float) -> str:
+    if c.metric.startswith(("index_set", "route", "exact")):
+        return f"{c.what}: {c.detail or c.metric}"
+    return (f"{c.what}: {c.metric} error {c.err:.3g} > bound {c.bound:.3g} "
+            f"(= k {k:g} x reference error {c.err_ref:.3g} + floor {floor:g}; {c.ratio:.3g}x the bound)"
+            + (f" [{c.detail}]" if c.detail else ""))
+
+
+def _device_of(kw: dict) -> str:
+    for v in kw.values():
+        if isinstance(v, torch.Tensor):
+            return str(v.device)
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs
+# ---------------------------------------------------------------------------------------------
+
+def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shapes: str | Sequence[str] = "small",
+        dtypes: str | Sequence[Any] = ("float32", "bfloat16"), device: str = "cpu", seed: int = 0,
+        progress: Callable[[str], None] | None = None) -> Report:
+    """Run the op conformance suite for ``backend`` (a discovered backend name or a
+    :class:`~dsv4core.hal.Backend` object, e.g. one built in a test) and return the Report.
+
+    Raises ConformanceError for an unknown/unloadable backend or bad arguments.
+    """
+    if isinstance(backend, Backend):
+        be = backend
+    else:
+        be = load_backend(backend, device)
+    op_names = parse_ops(ops)
+    shape_sets = parse_shapes(shapes)
+    dts = parse_dtypes([d if isinstance(d, str) else dtype_name(d) for d in dtypes] if not isinstance(dtypes, str)
+                       else dtypes)
+    try:
+        torch.device(device)
+    except Exception as e:
+        raise ConformanceError(f"bad --device {device!r}: {e}") from None
+    specs = catalogue()
+    report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed)
+    t_all = time.perf_counter()
+    for name in op_names:
+        spec = specs[name]
+        impl = be.impls.get(name)
+        opres = OpResult(name, impl is not None, spec.tolerance)
+        report.ops.append(opres)
+        t0 = time.perf_counter()
+        if impl is not None:
+            for sh in shape_sets:
+                for dt in dts:
+                    try:
+                        cases = iter_cases(spec, sh, dt, device, seed)
+                        for case in cases:
+                            opres.cases.append(run_case(spec, impl, case, dt, sh))
+                    except Exception as e:  # the case generator itself failed
+                        opres.cases.append(CaseResult(name, dtype_name(dt), sh, "<generate cases>", FAILED,
+                                                      message=f"conformance harness error: {_exc(e)}"))
+        if progress:
+            progress(_progress_line(opres, time.perf_counter() - t0))
+    report.seconds = time.perf_counter() - t_all
+    return report
+
+
+def _progress_line(o: OpResult, secs: float) -> str:
+    if not o.implemented:
+        return f"{o.op:<22} not implemented"
+    wr = o.worst_ratio
+    worst = "" if wr is None else f"  worst err/bound {wr:.3g}"
+    s = (f"{o.op:<22} {o.status.upper():<8} {o.count(PASSED)} passed, {o.count(FAILED)} failed, "
+         f"{o.count(DECLINED)} declined{worst}  ({secs:.1f}s)")
+    for c in o.cases:
+        if c.status == FAILED:
+            s += f"\n    FAIL {c.id}: {c.message}"
+    return s
