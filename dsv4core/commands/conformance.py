@@ -1,0 +1,102 @@
+"""``dsv4core conformance``: prove (or refute) a backend's numerical parity with the HAL spec.
+
+Exit codes: 0 every implemented op (and the model check) passes; 1 any case fails (or, with
+``--require-all``, an op is not implemented or a case was declined); 2 the backend cannot be
+loaded or the arguments are wrong. See docs/conformance.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "conformance", help="run the op conformance suite (and a model check) against a backend",
+        description="Run every HAL op's conformance cases on a backend (strict: no fallback to the reference) "
+                    "and compare against an fp64 evaluation of the spec; then compare the tiny model's logits "
+                    "and greedy tokens with the reference backend. Exit 0 all implemented ops pass, 1 a case "
+                    "fails, 2 the backend cannot be loaded or the arguments are wrong.")
+    p.add_argument("--backend", required=True, help="backend name (see `dsv4core backends`)")
+    p.add_argument("--ops", default=None, help="comma-separated op or family names (default: all ops)")
+    p.add_argument("--shapes", default="small",
+                   help="shape set(s): small (CPU-sized), flash, pro (DSV4-Flash / DSV4-Pro dims), all; comma-separated")
+    p.add_argument("--dtype", default="float32,bfloat16", help="activation dtypes, comma-separated "
+                                                              "(default: float32,bfloat16)")
+    p.add_argument("--device", default="cpu", help="torch device for the inputs (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="case seed; the same seed gives the same inputs (default 0)")
+    p.add_argument("--json", metavar="FILE", help="write the full JSON report")
+    p.add_argument("--junit", metavar="FILE", help="write JUnit XML (one testcase per op x case)")
+    p.add_argument("--markdown", metavar="FILE", help="write a Markdown summary")
+    p.add_argument("--model", default="tiny", metavar="PATH|tiny",
+                   help="model for the model-level check: 'tiny' (built in, default) or a checkpoint directory")
+    p.add_argument("--no-model", action="store_true", help="skip the model-level check")
+    p.add_argument("--require-all", action="store_true",
+                   help="also exit 1 when an op is not implemented or a case is declined (a full-conformance claim)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dsv4core.conformance import ConformanceError, load_backend, parse_dtypes, parse_ops, parse_shapes
+    from dsv4core.conformance import runner
+    from dsv4core.conformance.report import format_model, write_json, write_junit, write_markdown, write_table
+
+    def err(msg: str) -> int:
+        print(f"dsv4core conformance: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        parse_ops(args.ops)
+        parse_shapes(args.shapes)
+        dtypes = parse_dtypes(args.dtype)
+        import torch
+
+        try:
+            torch.empty(0, device=args.device)
+        except Exception as e:
+            return err(f"device {args.device!r} is not usable: {e}")
+        backend = load_backend(args.backend, args.device)
+    except ConformanceError as e:
+        return err(str(e))
+
+    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    if progress:
+        progress(f"dsv4core conformance: backend {backend.name!r} {backend.version}, device {args.device}, "
+                 f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
+    try:
+        report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
+                            seed=args.seed, progress=progress)
+    except ConformanceError as e:
+        return err(str(e))
+    if not args.no_model:
+        from dsv4core.conformance.model_check import check_model
+
+        if progress:
+            progress(f"model check ({args.model}) ...")
+        report.model = check_model(backend, args.model, tuple(str(d).replace("torch.", "") for d in dtypes),
+                                   args.device, args.seed)
+        if progress:
+            progress(f"model check: {format_model(report.model)}")
+    write_table(report, sys.stdout)
+    for path, writer in ((args.json, write_json), (args.junit, write_junit), (args.markdown, write_markdown)):
+        if path:
+            writer(report, path)
+    return report.exit_code(require_all=args.require_all)
+
+
+def main(argv=None) -> int:
+    """Standalone entry (``python -m dsv4core.commands.conformance --backend NAME``), same as
+    ``dsv4core conformance``."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(prog="dsv4core")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["conformance", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
