@@ -9,7 +9,6 @@ one chunk being converted.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -352,9 +351,8 @@ class Checkpoint:
                     _assign(slots, pc.target, partial.pop(pc.target))
                     if scale_name in partial_scale:
                         _assign(slots, scale_name, partial_scale.pop(scale_name))
-            handles.clear()
+            handles.clear()  # drops the shard's memory maps before the next shard
             del handle
-            gc.collect()
 
         for name, s in slots.items():
             if name in scale_targets and scale_targets[name] not in pieces:

@@ -48,14 +48,20 @@ def is_fp4_packed(dtype: torch.dtype) -> bool:
     return dtype in FP4_PACKED_DTYPES
 
 
+def _e8m0_bytes_to_float32(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 byte -> 2**(b-127) exactly, built from the float32 bit pattern (255 -> NaN)."""
+    i = b.to(torch.int32)
+    bits = torch.where(i == 0, torch.full_like(i, 1 << 22), i << 23)  # 2^-127 is a float32 subnormal
+    out = bits.view(torch.float32)
+    return torch.where(i == 255, torch.full_like(out, float("nan")), out)
+
+
 def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
     """Dequantisation multipliers as float32 (UE8M0 bytes -> 2**(b-127))."""
     if scale.dtype == torch.uint8:
-        return torch.ldexp(torch.ones((), dtype=torch.float32), scale.to(torch.int32) - 127)
+        return _e8m0_bytes_to_float32(scale)
     if E8M0 is not None and scale.dtype == E8M0:
-        b = scale.view(torch.uint8)
-        out = torch.ldexp(torch.ones((), dtype=torch.float32), b.to(torch.int32) - 127)
-        return torch.where(b == 255, torch.full_like(out, float("nan")), out)
+        return _e8m0_bytes_to_float32(scale.view(torch.uint8))
     return scale.to(torch.float32)
 
 
@@ -99,9 +105,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., K/2]`` packed e2m1 (low nibble first) -> float32 ``[..., K]`` code values."""
     u8 = packed.contiguous().view(torch.uint8)
     lut = torch.tensor(FP4_E2M1_TABLE, dtype=torch.float32, device=packed.device)
-    low = lut[(u8 & 0xF).long()]
-    high = lut[(u8 >> 4).long()]
-    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)  # [256, 2]: (low, high)
+    return pairs[u8.long()].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,

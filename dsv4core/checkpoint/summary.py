@@ -1,0 +1,102 @@
+"""A description of a checkpoint from its headers and config (what ``dsv4core inspect`` prints)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+
+from . import quant
+from .loader import Checkpoint
+from .names import HF_SCALE_SUFFIX, is_mtp
+
+_RATIO_NAME = {0: "SWA", 4: "CSA", 128: "HCA"}
+_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith(".scale") or name.endswith(HF_SCALE_SUFFIX)
+
+
+def _scale_of(name: str) -> str:
+    return name[: -len("scale")] + "weight" if name.endswith(".scale") else name[: -len(HF_SCALE_SUFFIX)]
+
+
+def layer_schedule(config: dict, n_layers: int | None = None) -> list[dict]:
+    """Per layer: attention kind (SWA / CSA m=4 / HCA m=128) and MoE routing (hash / topk)."""
+    n = config.get("num_hidden_layers", n_layers) or n_layers or 0
+    if "layer_types" in config and config["layer_types"]:
+        ratios = [_TYPE_RATIO.get(t, -1) for t in config["layer_types"]]
+    elif "compress_ratios" in config:
+        ratios = list(config["compress_ratios"])
+    else:
+        ratios = []
+    if "mlp_layer_types" in config and config["mlp_layer_types"]:
+        mlp = list(config["mlp_layer_types"])
+    else:
+        nh = config.get("num_hash_layers", 3 if config else 0)
+        mlp = ["hash_moe" if i < nh else "moe" for i in range(n)]
+    out = []
+    for i in range(n):
+        r = ratios[i] if i < len(ratios) else None
+        out.append({"layer": i, "compress_ratio": r, "attention": _RATIO_NAME.get(r, "?"),
+                    "moe": "hash" if i < len(mlp) and mlp[i] == "hash_moe" else "topk"})
+    return out
+
+
+def summarize(ckpt: Checkpoint) -> dict:
+    infos = ckpt.infos()
+    dtypes: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    scales = {_scale_of(n): i for n, i in infos.items() if _is_scale(n)}
+    fp8 = Counter()
+    fp4 = Counter()
+    params = 0
+    mtp_params = 0
+    layers = set()
+    for n, i in infos.items():
+        dtypes[i.dtype]["tensors"] += 1
+        dtypes[i.dtype]["bytes"] += i.nbytes
+        m = _LAYER.match(n)
+        if m:
+            layers.add(int(m.group(1)))
+        if _is_scale(n):
+            continue
+        numel = i.numel
+        td = i.torch_dtype
+        if n in scales and td is not None:
+            if quant.is_fp8(td):
+                fp8[scales[n].dtype] += 1
+            elif quant.is_fp4_packed(td):
+                fp4[scales[n].dtype] += 1
+                numel *= 2
+        if is_mtp(n):
+            mtp_params += numel
+        else:
+            params += numel
+    sizes = {f.name: f.stat().st_size for f in ckpt.files}
+    largest = max(sizes, key=sizes.get)
+    cfg = ckpt.config_dict
+    n_layers = (max(layers) + 1) if layers else None
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "files": len(ckpt.files),
+        "sharded": ckpt.index_file is not None,
+        "size_bytes": sum(sizes.values()),
+        "largest_shard": {"file": largest, "bytes": sizes[largest]},
+        "tensors": len(infos),
+        "parameters": params,
+        "mtp_parameters": mtp_params,
+        "dtypes": {k: dict(v) for k, v in sorted(dtypes.items())},
+        "quantization": {
+            "fp8_block_scaled_weights": dict(fp8),
+            "fp4_packed_weights": dict(fp4),
+            "quantization_config": cfg.get("quantization_config"),
+            "expert_dtype": cfg.get("expert_dtype") or (cfg.get("quantization_config") or {}).get("expert_dtype"),
+        },
+        "num_layers_in_tensors": n_layers,
+        "config": {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "n_routed_experts", "num_experts_per_tok", "vocab_size", "hc_mult")
+                   if k in cfg},
+        "layer_schedule": layer_schedule(cfg, n_layers),
+    }
