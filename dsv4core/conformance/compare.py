@@ -147,6 +147,20 @@ def error(metric: str, got: torch.Tensor, exact: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def output_rounding(metric: str, dtype: torch.dtype, exact: torch.Tensor) -> float:
+    """Half an ulp of the output dtype, in the metric's units: no output can be closer to the fp64
+    evaluation than one rounding to its own dtype, so this is always allowed on top of the bound
+    (2^-8 relative for bfloat16, 2^-24 for float32)."""
+    if not dtype.is_floating_point or dtype == torch.float64:
+        return 0.0
+    half_ulp = 0.5 * torch.finfo(dtype).eps
+    if metric == "max_rel":
+        return half_ulp
+    e = exact.to(torch.float64)
+    fin = e[torch.isfinite(e)]
+    return half_ulp * (fin.abs().max().item() if fin.numel() else 0.0)
+
+
 def _sums_dev(comb: torch.Tensor) -> float:
     if comb.numel() == 0:
         return 0.0
@@ -163,21 +177,32 @@ def _pair_norm_dev(x: torch.Tensor, y: torch.Tensor, d_r: int) -> float:
     return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
 
 
-def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:
-    """Structural invariants: measured on the backend output, bounded by k x the reference's own
-    deviation (same dtype, same inputs) + floor."""
+def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, exact: Outputs, k: float, floor: float
+               ) -> list[Check]:
+    """Structural invariants. Each is a deviation measured on the backend output, the reference
+    output (case dtype) and the fp64 evaluation; the backend's EXCESS deviation over the fp64
+    evaluation's must be <= k x the reference's + floor.
+
+    * hc_pre: comb rows and columns sum to 1. (After the spec's 20 Sinkhorn sweeps comb is not exactly
+      doubly stochastic: at sharp logits rows deviate by percents, so the deviation is judged against
+      the fp64 evaluation's, not against 0.)
+    * rope: the rotation preserves the norm of each interleaved pair (2i, 2i+1).
+    """
     out: list[Check] = []
-    if op == "hc_pre":
-        e_b, e_r = _sums_dev(got.tensors[2]), _sums_dev(ref.tensors[2])
+
+    def judge(what, f):
+        d_b, d_r, d_e = f(got), f(ref), f(exact)
+        e_b, e_r = max(0.0, d_b - d_e), abs(d_r - d_e)
         bound = k * e_r + floor
-        out.append(Check("invariant: comb rows and columns sum to 1", "max |sum - 1|", e_b, e_r, bound, e_b <= bound))
+        out.append(Check(what, "excess deviation", e_b, e_r, bound, e_b <= bound,
+                         f"deviation {d_b:.3g} vs fp64 evaluation {d_e:.3g}"))
+
+    if op == "hc_pre":
+        judge("invariant: comb rows and columns sum to 1", lambda o: _sums_dev(o.tensors[2]))
     if op == "rope":
         d_r = 2 * kwargs["inv_freq"].shape[0]
-        e_b = _pair_norm_dev(kwargs["x"], got.tensors[0], d_r)
-        e_r = _pair_norm_dev(kwargs["x"], ref.tensors[0], d_r)
-        bound = k * e_r + floor
-        out.append(Check("invariant: rotation preserves the norm of each interleaved pair (2i, 2i+1)",
-                         "max_rel", e_b, e_r, bound, e_b <= bound))
+        judge("invariant: rotation preserves the norm of each interleaved pair (2i, 2i+1)",
+              lambda o: _pair_norm_dev(kwargs["x"], o.tensors[0], d_r))
     return out
 
 
@@ -297,6 +322,6 @@ def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float
     if bad == 0:
         e_b = weight_err(got.tensors[0], got.tensors[1])
         e_r = weight_err(ref.tensors[0], ref.tensors[1])
-        bound = k * e_r + floor
+        bound = k * e_r + floor + output_rounding("max_rel", got.tensors[0].dtype, got.tensors[0])
         checks.append(Check("weights (aligned by expert id)", "max_rel", e_b, e_r, bound, e_b <= bound))
     return checks

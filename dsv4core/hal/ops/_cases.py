@@ -37,3 +37,32 @@ def inv_freq_main(d_r: int = 64, theta: float = 10000.0) -> torch.Tensor:
 
 def positions(T: int, gen: torch.Generator, device, max_pos: int = 70000) -> torch.Tensor:
     return torch.randint(0, max_pos, (T,), generator=gen).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances with a per-dtype floor, and shared case builders
+# ---------------------------------------------------------------------------------------------
+
+from dataclasses import dataclass, field  # noqa: E402
+
+from ..spec import Tolerance  # noqa: E402
+
+
+@dataclass(frozen=True)
+class DtypeTolerance(Tolerance):
+    """A Tolerance whose absolute floor depends on the case's activation dtype.
+
+    ``floors`` maps a dtype name (``"bfloat16"``) to the floor used for cases of that dtype;
+    other dtypes use ``floor``. The conformance runner reads ``floors`` when present.
+    """
+
+    floors: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def noncontig(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a non-contiguous, storage-offset view (every other column of a
+    wider buffer, starting at column 1)."""
+    buf = torch.zeros((*t.shape[:-1], 2 * t.shape[-1] + 1), dtype=t.dtype, device=t.device)
+    view = buf[..., 1::2]
+    view.copy_(t)
+    return view

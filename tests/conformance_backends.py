@@ -1,0 +1,354 @@
+"""Backends for the conformance suite's own tests.
+
+* :func:`make_alt_backend` — a LEGAL pure-torch CPU backend whose ops are computed differently from
+  the reference (chunked / split-K accumulation, online softmax, other formulations). It must pass.
+* :data:`BROKEN` — each entry replaces ONE op of the alt backend with a subtly wrong version; the
+  suite must fail exactly that op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4core.hal import Backend, catalogue
+from dsv4core.hal.ops.mhc import sinkhorn
+from dsv4core.hal.ops.projections import dequant_block_fp8
+
+CHUNK = 48  # deliberately not a power of two: other summation order than torch's kernels
+
+
+def _ct(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _chunked_sum(x: torch.Tensor, dim: int = -1, chunk: int = CHUNK) -> torch.Tensor:
+    """Sum along ``dim`` chunk by chunk, sequentially (a different order from torch.sum)."""
+    parts = torch.split(x, chunk, dim=dim)
+    acc = parts[0].sum(dim, keepdim=True)
+    for p in parts[1:]:
+        acc = acc + p.sum(dim, keepdim=True)
+    return acc.squeeze(dim)
+
+
+def _splitk_matmul(a: torch.Tensor, b_t: torch.Tensor, chunk: int = 3 * CHUNK) -> torch.Tensor:
+    """a [..., K] @ b_t[N, K]^T accumulated over K chunks (split-K)."""
+    K = a.shape[-1]
+    out = None
+    for s in range(0, max(K, 1), chunk):
+        part = a[..., s:s + chunk] @ b_t[:, s:s + chunk].T
+        out = part if out is None else out + part
+    return out
+
+
+def _rms(xf, weight, eps):
+    ms = _chunked_sum(xf * xf, -1) / xf.shape[-1]
+    y = xf / torch.sqrt(ms + eps)[..., None]
+    return y if weight is None else y * weight.to(xf.dtype)
+
+
+def rms_norm(x, weight, eps):
+    return _rms(x.to(_ct(x)), weight, eps).to(x.dtype)
+
+
+def _mix(x, fn, rms_eps, mm=None):
+    ct = _ct(x)
+    xf = x.flatten(1).to(ct)
+    rho = 1.0 / torch.sqrt(_chunked_sum(xf * xf, -1) / xf.shape[-1] + rms_eps)
+    z = (mm or _splitk_matmul)(xf, fn.to(ct))
+    return z * rho[:, None]
+
+
+def _collapse(x, pre):
+    acc = pre[:, 0, None] * x[:, 0].to(pre.dtype)
+    for j in range(1, x.shape[1]):
+        acc = acc + pre[:, j, None] * x[:, j].to(pre.dtype)
+    return acc.to(x.dtype)
+
+
+def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
+    T, n, _ = x.shape
+    z = _mix(x, fn, rms_eps)
+    s, b = scale.to(z.dtype), base.to(z.dtype)
+    pre = 1.0 / (1.0 + torch.exp(-(s[0] * z[:, :n] + b[:n]))) + hc_eps
+    post = post_mult / (1.0 + torch.exp(-(s[1] * z[:, n:2 * n] + b[n:2 * n])))
+    comb = sinkhorn((s[2] * z[:, 2 * n:] + b[2 * n:]).view(T, n, n), hc_eps, iters)
+    return _collapse(x, pre), post, comb
+
+
+def hc_post(o, residual, post, comb):
+    ct = torch.promote_types(post.dtype, _ct(residual))
+    r, c = residual.to(ct), comb.to(ct)
+    out = post.to(ct)[:, :, None] * o.to(ct)[:, None, :]
+    for j in range(residual.shape[1]):
+        out = out + c[:, j, :, None] * r[:, j, None, :]
+    return out.to(residual.dtype)
+
+
+def hc_head(x, fn, scale, base, rms_eps, hc_eps):
+    z = _mix(x, fn, rms_eps)
+    pre = torch.sigmoid(scale.to(z.dtype)[0] * z + base.to(z.dtype)) + hc_eps
+    return _collapse(x, pre)
+
+
+def _rotate_complex(xf, positions, inv_freq, inverse):
+    """Rotation as a complex multiplication (a different formulation from the reference's)."""
+    d_r = 2 * inv_freq.shape[0]
+    angle = (positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]).to(xf.dtype)
+    if inverse:
+        angle = -angle
+    angle = angle.view(angle.shape[0], *([1] * (xf.dim() - 2)), angle.shape[1])
+    tail = xf[..., xf.shape[-1] - d_r:].contiguous()
+    z = torch.view_as_complex(tail.unflatten(-1, (d_r // 2, 2)))
+    rot = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+    return torch.cat((xf[..., :xf.shape[-1] - d_r], rot), -1)
+
+
+def rope(x, positions, inv_freq, inverse=False):
+    return _rotate_complex(x.to(_ct(x)), positions, inv_freq, inverse).to(x.dtype)
+
+
+def q_norm_rope(q, positions, inv_freq, eps):
+    return _rotate_complex(_rms(q.to(_ct(q)), None, eps), positions, inv_freq, False).to(q.dtype)
+
+
+def kv_norm_rope(kv, weight, positions, inv_freq, eps):
+    return _rotate_complex(_rms(kv.to(_ct(kv)), weight, eps), positions, inv_freq, False).to(kv.dtype)
+
+
+def _attention(q, kv, indices, sink, scale, use_sink=True):
+    """Online softmax over chunks of the row list (flash-attention style)."""
+    T, h, d = q.shape
+    ct = _ct(q)
+    qf = q.to(ct)
+    m = sink.to(ct)[None, :].expand(T, h).clone() if use_sink else torch.full((T, h), float("-inf"), dtype=ct)
+    l = torch.ones((T, h), dtype=ct) if use_sink else torch.zeros((T, h), dtype=ct)
+    acc = torch.zeros((T, h, d), dtype=ct)
+    idx_all = indices.long()
+    for s in range(0, indices.shape[1], 5):
+        idx = idx_all[:, s:s + 5]
+        valid = idx >= 0
+        rows = kv[idx.clamp_min(0)].to(ct)
+        lg = torch.einsum("thd,tkd->thk", qf, rows) * scale
+        lg = lg.masked_fill(~valid[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, lg.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(lg - m_safe[..., None])
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("thk,tkd->thd", p, rows)
+        m = m_new
+    out = torch.where(l[..., None] > 0, acc / l.clamp_min(1e-38)[..., None], torch.zeros_like(acc))
+    return out.to(q.dtype)
+
+
+def sparse_mqa_attention(q, kv, indices, sink, scale):
+    return _attention(q, kv, indices, sink, scale)
+
+
+def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
+    ct = _ct(kv)
+    Wn, m, cd = kv.shape
+    if not overlap:
+        s = score.to(ct) + ape.to(ct)
+        mx = s.amax(1, keepdim=True)
+        e = torch.exp(s - mx)
+        return ((e * kv.to(ct)).sum(1) / e.sum(1)).to(kv.dtype)
+    dp = cd // 2
+    out = torch.empty((Wn, dp), dtype=ct)
+    for w in range(Wn):
+        if w == 0:
+            if prev_kv is None:
+                a_kv, a_s = None, None
+            else:
+                a_kv, a_s = prev_kv.to(ct), prev_score.to(ct) + ape.to(ct)[:, :dp]
+        else:
+            a_kv, a_s = kv[w - 1, :, :dp].to(ct), score[w - 1, :, :dp].to(ct) + ape.to(ct)[:, :dp]
+        b_kv, b_s = kv[w, :, dp:].to(ct), score[w, :, dp:].to(ct) + ape.to(ct)[:, dp:]
+        if a_kv is None:
+            vals, sc = b_kv, b_s
+        else:
+            vals, sc = torch.cat((a_kv, b_kv)), torch.cat((a_s, b_s))
+        wts = torch.softmax(sc, 0)
+        out[w] = (wts * vals).sum(0)
+    return out.to(kv.dtype)
+
+
+def indexer_scores(q, k, weights, k_offsets, k_lengths, scale):
+    T = q.shape[0]
+    L = int(k_lengths.max()) if T else 0
+    ct = _ct(q)
+    out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32))
+    for t in range(T):
+        n = int(k_lengths[t])
+        if n == 0:
+            continue
+        keys = k[int(k_offsets[t]):int(k_offsets[t]) + n].to(ct)
+        acc = torch.zeros(n, dtype=ct)
+        for hh in range(q.shape[1]):          # heads one at a time: another summation order
+            acc = acc + weights[t, hh].to(ct) * torch.relu(keys @ q[t, hh].to(ct))
+        out[t, :n] = acc * scale
+    return out
+
+
+def _topk(scores, k_lengths, topk, off_by_one=False):
+    """Sort-based top-k (stable descending sort) instead of torch.topk."""
+    T, L = scores.shape
+    out = torch.full((T, topk), -1, dtype=torch.int32)
+    for t in range(T):
+        n_valid = int(k_lengths[t]) + (1 if off_by_one else 0)
+        n_valid = min(n_valid, L)
+        order = torch.sort(scores[t, :n_valid], descending=True, stable=True).indices[:topk]
+        out[t, :order.numel()] = order.to(torch.int32)
+    return out
+
+
+def indexer_topk(scores, k_lengths, topk):
+    return _topk(scores, k_lengths, topk)
+
+
+def linear(x, weight, weight_scale=None, out_dtype=None):
+    ct = _ct(x)
+    w = weight.to(ct) if weight_scale is None else dequant_block_fp8(weight, weight_scale, ct)
+    return _splitk_matmul(x.to(ct), w).to(out_dtype or x.dtype)
+
+
+def wo_a(o, weight, weight_scale=None):
+    ct = _ct(o)
+    w = weight.to(ct) if weight_scale is None else dequant_block_fp8(weight, weight_scale, ct)
+    outs = [_splitk_matmul(o[:, g].to(ct), w[g]) for g in range(o.shape[1])]
+    return torch.stack(outs, 1).to(o.dtype) if outs else torch.empty((o.shape[0], 0, w.shape[1]), dtype=o.dtype)
+
+
+def moe_route(logits, topk, scaling, correction_bias=None, hash_ids=None):
+    s = torch.sqrt(torch.log1p(torch.exp(-logits.abs().to(_ct(logits)))) + logits.clamp_min(0).to(_ct(logits)))
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        key = s if correction_bias is None else s + correction_bias.to(s.dtype)
+        ids = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :topk]
+    w = s.gather(-1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * scaling, ids.to(torch.int32)
+
+
+def _swiglu(gu, limit, clamp=True):
+    g, u = gu.chunk(2, -1)
+    if clamp:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g * torch.sigmoid(g) * u
+
+
+def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
+    """Token-major loop (the reference is expert-major), split-K GEMMs."""
+    ct = _ct(x)
+    out = torch.zeros(x.shape, dtype=ct)
+    for t in range(x.shape[0]):
+        for i in range(ids.shape[1]):
+            e = int(ids[t, i])
+            if e < 0:
+                continue
+            h = _swiglu(_splitk_matmul(x[t:t + 1].to(ct), w13[e].to(ct)), swiglu_limit, clamp)
+            out[t] += weights[t, i].to(ct) * _splitk_matmul(h, w2[e].to(ct))[0]
+    return out.to(x.dtype)
+
+
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit)
+
+
+def all_reduce(x, group=None):
+    return x.clone()
+
+
+def all_gather(x, dim=0, group=None):
+    return torch.cat([x], dim=dim)
+
+
+def reduce_scatter(x, dim=0, group=None):
+    return x.clone()
+
+
+def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
+    return x.clone()
+
+
+ALT_IMPLS = {name: globals()[name] for name in catalogue()}
+
+
+def make_backend(name: str, impls: dict, supports: dict | None = None) -> Backend:
+    b = Backend(name=name, version="test", device_types=("cpu",), priority=10)
+    for op, fn in impls.items():
+        b.add(op, fn, supports=(supports or {}).get(op))
+    return b
+
+
+def make_alt_backend(name: str = "alt") -> Backend:
+    return make_backend(name, ALT_IMPLS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deliberately broken ops (each wrong in one subtle way)
+# ---------------------------------------------------------------------------------------------
+
+def hc_pre_sinkhorn_short(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
+    return hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters - 1, post_mult)
+
+
+def hc_pre_bf16_accum(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
+    """The mixes GEMM in bfloat16 (inputs rounded to bf16, bf16 result) instead of fp32."""
+    T, n, _ = x.shape
+    ct = _ct(x)
+    xf = x.flatten(1).to(ct)
+    rho = 1.0 / torch.sqrt((xf * xf).mean(-1) + rms_eps)
+    z = (xf.to(torch.bfloat16) @ fn.to(torch.bfloat16).T).to(ct) * rho[:, None]
+    s, b = scale.to(ct), base.to(ct)
+    pre = torch.sigmoid(s[0] * z[:, :n] + b[:n]) + hc_eps
+    post = post_mult * torch.sigmoid(s[1] * z[:, n:2 * n] + b[n:2 * n])
+    comb = sinkhorn((s[2] * z[:, 2 * n:] + b[2 * n:]).view(T, n, n), hc_eps, iters)
+    return _collapse(x, pre), post, comb
+
+
+def hc_post_comb_transposed(o, residual, post, comb):
+    return hc_post(o, residual, post, comb.transpose(1, 2))
+
+
+def rope_neox(x, positions, inv_freq, inverse=False):
+    """Rotates (i, i + d_r/2) pairs (NeoX / rotate-half) instead of interleaved (2i, 2i+1)."""
+    xf = x.to(_ct(x))
+    d_r = 2 * inv_freq.shape[0]
+    angle = (positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]).to(xf.dtype)
+    angle = angle.view(angle.shape[0], *([1] * (xf.dim() - 2)), angle.shape[1])
+    cos, sin = angle.cos(), angle.sin() * (-1 if inverse else 1)
+    tail = xf[..., xf.shape[-1] - d_r:]
+    a, b = tail[..., :d_r // 2], tail[..., d_r // 2:]
+    rot = torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
+    return torch.cat((xf[..., :xf.shape[-1] - d_r], rot), -1).to(x.dtype)
+
+
+def attention_no_sink(q, kv, indices, sink, scale):
+    return _attention(q, kv, indices, sink, scale, use_sink=False)
+
+
+def indexer_topk_off_by_one(scores, k_lengths, topk):
+    return _topk(scores, k_lengths, topk, off_by_one=True)
+
+
+def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False)
+
+
+#: name -> (broken op, implementation)
+BROKEN = {
+    "sinkhorn-one-short": ("hc_pre", hc_pre_sinkhorn_short),
+    "hc-pre-bf16-accumulation": ("hc_pre", hc_pre_bf16_accum),
+    "hc-post-comb-transposed": ("hc_post", hc_post_comb_transposed),
+    "rope-neox-pairs": ("rope", rope_neox),
+    "attention-sink-ignored": ("sparse_mqa_attention", attention_no_sink),
+    "indexer-topk-off-by-one": ("indexer_topk", indexer_topk_off_by_one),
+    "swiglu-clamp-missing": ("moe_experts", moe_experts_no_clamp),
+}
+
+
+def make_broken_backend(kind: str) -> Backend:
+    op, fn = BROKEN[kind]
+    return make_backend(f"broken-{kind}", dict(ALT_IMPLS, **{op: fn}))
