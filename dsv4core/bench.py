@@ -122,12 +122,33 @@ class Timer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.flush = torch.empty(flush_mb << 20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.last_graphed = False
+        self._keep = None
 
-    def time(self, fn, warmup=3, reps=20, max_seconds=2.0):
-        """Median seconds per call of ``fn()`` (device time with a cold L2 on GPUs)."""
+    def time(self, fn, warmup=3, reps=20, max_seconds=2.0, graph=True):
+        """Median seconds per call of ``fn()``. On GPUs: device time with a cold L2 (a 256 MiB buffer is
+        written before every timed call), the call replayed from a CUDA graph when it can be captured
+        (so host launch overhead is excluded, as in the peers' kineto numbers), else launched eagerly."""
         for _ in range(warmup):
             fn()
         self.sync()
+        call, self.last_graphed = fn, False
+        if self.cuda and graph:
+            try:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn()
+                g.replay()
+                self.sync()
+                call, self.last_graphed = g.replay, True
+                self._keep = g
+            except Exception:  # noqa: BLE001 - not capturable (host syncs...): time it eagerly
+                self.sync()
         times = []
         t_start = time.perf_counter()
         for _ in range(reps):
@@ -135,16 +156,17 @@ class Timer:
                 self.flush.zero_()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                fn()
+                call()
                 e.record()
                 e.synchronize()
                 times.append(s.elapsed_time(e) / 1e3)
             else:
                 t0 = time.perf_counter()
-                fn()
+                call()
                 times.append(time.perf_counter() - t0)
             if time.perf_counter() - t_start > max_seconds and len(times) >= 3:
                 break
+        self._keep = None
         return statistics.median(times)
 
     def sync(self):
@@ -160,13 +182,13 @@ def measure_ceilings(device, timer: Timer) -> dict:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     a.random_(0, 255)
-    t = timer.time(lambda: b.copy_(a), warmup=3, reps=10)
+    t = timer.time(lambda: b.copy_(a), warmup=3, reps=10, graph=False)
     out["copy_GBps"] = 2 * n / t / 1e9
     del a, b
     m = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    t = timer.time(lambda: x @ y, warmup=3, reps=10)
+    t = timer.time(lambda: x @ y, warmup=3, reps=10, graph=False)
     out["bf16_mm_TFLOPs"] = 2 * m ** 3 / t / 1e12
     return out
 
@@ -240,6 +262,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
             kw = case.kwargs
             try:
                 t = timer.time(lambda: impl.fn(**kw), reps=reps)
+                graphed = timer.last_graphed
+                t_eager = timer.time(lambda: impl.fn(**kw), warmup=1, reps=max(3, reps // 2), graph=False)
             except Exception as e:  # noqa: BLE001
                 row.update(status="error", detail=f"{type(e).__name__}: {e}")
                 rows.append(row)
@@ -247,7 +271,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                 continue
             ref = specs[case.op].reference
             t_ref = timer.time(lambda: ref(**kw), warmup=1, reps=max(3, reps // 4), max_seconds=1.0)
-            row.update(status="ok", us=t * 1e6, ref_us=t_ref * 1e6, speedup_ref=t_ref / t,
+            row.update(status="ok", us=t * 1e6, graphed=graphed, eager_us=t_eager * 1e6, ref_us=t_ref * 1e6,
+                       ref_graphed=timer.last_graphed, speedup_ref=t_ref / t,
                        GBps=case.bytes / t / 1e9, TFLOPs=case.flops / t / 1e12,
                        pct_copy=100 * case.bytes / t / 1e9 / ceil["copy_GBps"],
                        pct_mm=100 * case.flops / t / 1e12 / ceil["bf16_mm_TFLOPs"],
@@ -272,7 +297,7 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                     timer.sync()
                     row["compile_s"] = time.perf_counter() - t0
                     t_c = timer.time(lambda: cf(**kw), reps=reps)
-                    row.update(compiled_us=t_c * 1e6, speedup_compiled=t_c / t)
+                    row.update(compiled_us=t_c * 1e6, compiled_graphed=timer.last_graphed, speedup_compiled=t_c / t)
                 except Exception as e:  # noqa: BLE001
                     row["compiled_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
@@ -300,16 +325,18 @@ def _fmt_row(r):
 def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
-             f"`{result['shapes']}`, bf16 activations; cold L2, median of CUDA-event times. Ceilings measured "
+             f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB written before each call), median of "
+             f"CUDA-event times of CUDA-graph replays (`eager µs`: the same call launched from Python, host "
+             f"overhead included; reference / compiled columns are graph replays where capturable). Ceilings measured "
              f"in the same run: copy **{c['copy_GBps'] / 1e3:.2f} TB/s**, bf16 matmul **{c['bf16_mm_TFLOPs']:.0f} "
              f"TFLOP/s**.", "",
-             "| op | T | µs | roofline µs | GB/s | % copy | TFLOP/s | % mm | reference µs | × ref | compiled ref µs | × compiled | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | T | µs | eager µs | roofline µs | GB/s | % copy | TFLOP/s | % mm | reference µs | × ref | compiled ref µs | × compiled | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['op']} | {r['T']} | {r.get('status')} | | | | | | | | | | |")
+            lines.append(f"| {r['op']} | {r['T']} | {r.get('status')} | | | | | | | | | | | |")
             continue
-        lines.append(f"| {r['op']} | {r['T']} | {r['us']:.1f} | {r['roofline_us']:.1f} | {r['GBps']:.0f} | "
+        lines.append(f"| {r['op']} | {r['T']} | {r['us']:.1f} | {r['eager_us']:.1f} | {r['roofline_us']:.1f} | {r['GBps']:.0f} | "
                      f"{r['pct_copy']:.0f} | {r['TFLOPs']:.1f} | {r['pct_mm']:.1f} | {r['ref_us']:.1f} | "
                      f"{r['speedup_ref']:.1f} | {_f(r.get('compiled_us'), '.1f')} | "
                      f"{_f(r.get('speedup_compiled'), '.2f')} | {r['max_rel_err_vs_ref']:.1e} |")

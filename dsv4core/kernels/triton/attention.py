@@ -15,6 +15,8 @@ import triton.language as tl
 from ._util import c, cdiv, interp, rne, to_out
 
 _TARGET_PROGRAMS = 264
+#: launch-config overrides for tuning scripts (benchmarks/tune_triton.py); empty in normal use
+TUNE: dict = {}
 
 
 @triton.jit
@@ -116,24 +118,25 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     q, kv, indices, sink = c(q), c(kv), c(indices), c(sink)
     N = kv.shape[0]
     f32 = q.dtype == torch.float32
-    BH = 16
-    BK = 16 if f32 else 32
+    BH = TUNE.get("BH", 16)
+    BK = TUNE.get("BK", 16 if f32 else 32)
+    nw = TUNE.get("num_warps", 4)
+    ns = TUNE.get("num_stages", 2)
     nhb = cdiv(NH, BH)
     nkb = cdiv(K, BK)
-    S = max(1, min(nkb, _TARGET_PROGRAMS // (T * nhb)))
+    S = max(1, min(nkb, TUNE.get("target", _TARGET_PROGRAMS) // (T * nhb)))
     KPS = cdiv(nkb, S) * BK
     S = cdiv(K, KPS)
-    nw = 4
     if S == 1:
         _smqa_kernel[(T, nhb, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
                                   float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=True, INTERP=interp(q), RNE=rne(o),
-                                  num_warps=nw, num_stages=2)
+                                  num_warps=nw, num_stages=ns)
         return o
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(T, nhb, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
                               float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=False, INTERP=interp(q), RNE=rne(o),
-                              num_warps=nw, num_stages=2)
+                              num_warps=nw, num_stages=ns)
     _smqa_combine_kernel[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4)
     return o

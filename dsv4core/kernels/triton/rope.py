@@ -11,38 +11,35 @@ from ._util import accurate, c, np2, cdiv, rne, to_out
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, R, RPT, D, DR_START, eps,
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, INVERSE: tl.constexpr,
-                      ACCURATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                      RNE: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    base = rows64[:, None] * D
+                      ACCURATE: tl.constexpr, HB: tl.constexpr, BLOCK: tl.constexpr,
+                      HP: tl.constexpr, RNE: tl.constexpr):
+    # one program = one token x HB of its rows (heads): cos/sin computed once per token
+    t = tl.program_id(0).to(tl.int64)
+    hr = tl.program_id(1) * HB + tl.arange(0, HB)
+    hm = hr < RPT
+    base = (t * RPT + hr)[:, None] * D
     cols = tl.arange(0, BLOCK)
-    cm = cols < D
-    m = rmask[:, None] & cm[None, :]
-    is_rope = (cols >= DR_START) & cm
-    pcols = cols ^ 1
+    m = hm[:, None] & (cols < D)[None, :]
+    j = tl.arange(0, HP)
+    jm = j < HALF
+    ce = DS + 2 * j
+    mj = hm[:, None] & jm[None, :]
     x = tl.load(x_ptr + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + base + pcols[None, :], mask=rmask[:, None] & is_rope[None, :],
-                 other=0.0).to(tl.float32)
+    xe = tl.load(x_ptr + base + ce[None, :], mask=mj, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + base + ce[None, :] + 1, mask=mj, other=0.0).to(tl.float32)
     if NORM:
-        ss = tl.sum(x * x, axis=1)
-        r = tl.div_rn(1.0, tl.sqrt_rn(ss / D + eps))
+        r = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))
         x = x * r[:, None]
-        xp = xp * r[:, None]
+        xe = xe * r[:, None]
+        xo = xo * r[:, None]
         if HAS_W:
-            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + pcols, mask=is_rope, other=0.0).to(tl.float32)
-            x = x * w[None, :]
-            xp = xp * wp[None, :]
-    tok = rows64 // RPT
-    p = tl.load(pos_ptr + tok, mask=rmask, other=0).to(tl.float32)
-    fi = tl.where(is_rope, (cols - DR_START) // 2, 0)
-    f = tl.load(f_ptr + fi, mask=is_rope, other=0.0)
-    ang = p[:, None] * f[None, :]
+            x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+            xe = xe * tl.load(w_ptr + ce, mask=jm, other=0.0).to(tl.float32)[None, :]
+            xo = xo * tl.load(w_ptr + ce + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    ang = p * tl.load(f_ptr + j, mask=jm, other=0.0)
     if ACCURATE:
         cs = libdevice.cos(ang)
         sn = libdevice.sin(ang)
@@ -51,10 +48,11 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, R, RPT, D, DR_START, 
         sn = tl.sin(ang)
     if INVERSE:
         sn = -sn
-    sgn = tl.where((cols % 2) == 0, -1.0, 1.0)
-    rot = x * cs + (sgn[None, :] * xp) * sn
-    out = tl.where(is_rope[None, :], rot, x)
-    tl.store(y_ptr + base + cols[None, :], to_out(out, y_ptr, RNE), mask=m)
+    oe = xe * cs[None, :] - xo * sn[None, :]
+    oo = xe * sn[None, :] + xo * cs[None, :]
+    tl.store(y_ptr + base + cols[None, :], to_out(x, y_ptr, RNE), mask=m & (cols < DS)[None, :])
+    tl.store(y_ptr + base + ce[None, :], to_out(oe, y_ptr, RNE), mask=mj)
+    tl.store(y_ptr + base + ce[None, :] + 1, to_out(oo, y_ptr, RNE), mask=mj)
 
 
 def _launch(x, w, positions, inv_freq, eps, norm, inverse):
@@ -65,14 +63,15 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
     if R == 0 or T == 0:
         return y
     x = c(x)
-    dr = 2 * inv_freq.shape[0]
+    half = inv_freq.shape[0]
+    RPT = R // T
     BLOCK = np2(D)
-    ROWS = max(1, min(16, 2048 // BLOCK))
-    nw = 4 if ROWS * BLOCK <= 2048 else 8
-    _norm_rope_kernel[(cdiv(R, ROWS),)](
-        x, c(w) if w is not None else x, c(positions), c(inv_freq), y, R, R // T, D, D - dr,
+    HB = min(np2(RPT), max(1, 4096 // BLOCK))
+    nw = 4 if HB * BLOCK <= 2048 else 8
+    _norm_rope_kernel[(T, cdiv(RPT, HB))](
+        x, c(w) if w is not None else x, c(positions), c(inv_freq), y, RPT, D, D - 2 * half, half,
         float(eps), NORM=norm, HAS_W=w is not None, INVERSE=bool(inverse),
-        ACCURATE=accurate(x), ROWS=ROWS, BLOCK=BLOCK, RNE=rne(y), num_warps=nw)
+        ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), num_warps=nw)
     return y
 
 

@@ -31,11 +31,18 @@ def _to64(v):
     return v
 
 
+def _dequant64(w, s):
+    """fp8 weight [..., N, K] with block scales [..., ceil(N/128), ceil(K/128)] -> fp64 (exact)."""
+    s64 = s.to(torch.float32).to(torch.float64)
+    s64 = s64.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :w.shape[-2], :w.shape[-1]]
+    return w.to(torch.float32).to(torch.float64) * s64
+
+
 def _fp64_eval(spec, kw):
     kw64 = {k: _to64(v) for k, v in kw.items()}
-    if "weight_scale" in kw and kw["weight_scale"] is not None:
-        # fp8 weights: dequantise exactly in fp64 through the reference's own fp32 path
-        return spec.reference(**kw)
+    if kw.get("weight_scale") is not None:
+        kw64["weight"] = _dequant64(kw["weight"], kw["weight_scale"])
+        kw64["weight_scale"] = None
     return spec.reference(**kw64)
 
 

@@ -10,13 +10,15 @@ from ._util import c, cdiv, interp, rne, to_out
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
+#: launch-config overrides for tuning scripts; empty in normal use
+TUNE: dict = {}
 
 
 @triton.jit
 def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
                  E8M0: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
-                 RNE: tl.constexpr):
+                 RNE: tl.constexpr, KSUB: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -28,7 +30,10 @@ def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
     a_base = o_ptr + (rows.to(tl.int64)[:, None] * G + g) * D
     b_base = w_ptr + (g * R + cols.to(tl.int64)[:, None]) * D
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
+    for k1 in range(0, D, BK * KSUB):
+      part = tl.zeros([BM, BN], dtype=tl.float32)
+      for kin in tl.static_range(KSUB):
+        k0 = k1 + kin * BK
         ks = k0 + kk
         km = ks < D
         a = tl.load(a_base + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
@@ -41,21 +46,22 @@ def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
             else:
                 b = b.to(a.dtype)
             if F32 or INTERP:
-                part = tl.dot(a, tl.trans(b), input_precision="ieee")
+                part_k = tl.dot(a, tl.trans(b), input_precision="ieee")
             else:
-                part = tl.dot(a, tl.trans(b))
+                part_k = tl.dot(a, tl.trans(b))
             sidx = (g * RB + cols // 128) * DB + k0 // 128
             if E8M0:
                 sv = tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32)
                 sv = tl.exp2(sv - 127.0)
             else:
                 sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
-            acc += part * sv[None, :]
+            part += part_k * sv[None, :]
         else:
             if F32 or INTERP:
-                acc += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
+                part += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
             else:
-                acc = tl.dot(a, tl.trans(b), acc)
+                part = tl.dot(a, tl.trans(b), part)
+      acc += part
     out_off = (rows.to(tl.int64)[:, None] * G + g) * R + cols[None, :]
     tl.store(out_ptr + out_off, to_out(acc, out_ptr, RNE), mask=rm[:, None] & cm[None, :])
 
@@ -79,14 +85,20 @@ def wo_a(o, weight, weight_scale=None):
         BK = 64 if not f32 else 32
     if T <= 16:
         BM, BN, nw, ns = 16, 32, 4, 4
+        BK = 256 if not (f32 or scaled) else BK
     elif T <= 64:
-        BM, BN, nw, ns = 64, 64, 4, 4
+        BM, BN, nw, ns = 64, 32, 4, 4
+        BK = 128 if not f32 else BK
     else:
         BM, BN, nw, ns = 128, 128, 8, 3
     if f32:
         BM, BN, ns = min(BM, 64), min(BN, 64), 2
+    KSUB = 4 if f32 else 1
+    if TUNE and not f32:
+        BM, BN, BK, nw, ns = (TUNE.get(k, v) for k, v in (("BM", BM), ("BN", BN), ("BK", BK),
+                                                           ("num_warps", nw), ("num_stages", ns)))
     RB, DB = cdiv(R, 128), cdiv(D, 128)
     grid = (cdiv(T, BM), cdiv(R, BN), G)
     _wo_a_kernel[grid](o, weight, s, out, T, G, R, D, RB, DB, BM=BM, BN=BN, BK=BK, SCALE=scaled,
-                       E8M0=e8, F32=f32, INTERP=interp(o), RNE=rne(out), num_warps=nw, num_stages=ns)
+                       E8M0=e8, F32=f32, INTERP=interp(o), RNE=rne(out), KSUB=KSUB, num_warps=nw, num_stages=ns)
     return out
