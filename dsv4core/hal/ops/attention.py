@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, op
-from ._cases import TOKENS, dims, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 #: Rows gathered per chunk of queries (bounds the reference's memory: T * K * d floats at once).
 _GATHER_BUDGET = 1 << 24
@@ -72,11 +72,37 @@ def _(shapes, dtype, device, gen):
     h, d = D["heads"], D["d"]
     K = D["window"] + (D["topk"] if shapes != "small" else 8)
     N = 2 * K
+    scale = d ** -0.5
     for T in TOKENS[shapes]:
         yield Case(f"T{T}-K{K}", dict(q=randn((T, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
                                       indices=_window_indices(T, N, K, gen, device, empty_rows=min(T, 1)),
-                                      sink=randn((h,), gen, torch.float32, device), scale=d ** -0.5))
+                                      sink=randn((h,), gen, torch.float32, device), scale=scale))
     for label, sink_scale in (("sink-large", 30.0), ("sink-small", -30.0)):
         yield Case(label, dict(q=randn((3, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
                                indices=_window_indices(3, N, K, gen, device),
-                               sink=torch.full((h,), sink_scale, device=device), scale=d ** -0.5), ("extreme",))
+                               sink=torch.full((h,), sink_scale, device=device), scale=scale), ("extreme",))
+    # sinks comparable to the logits (the sink's share of the softmax is O(1) per head): ignoring or
+    # scaling the sink changes every output
+    yield Case("sink-mid", dict(q=randn((5, h, d), gen, dtype, device, 2.0), kv=randn((N, d), gen, dtype, device),
+                                indices=_window_indices(5, N, K, gen, device),
+                                sink=randn((h,), gen, torch.float32, device, 2.0) + 1.0, scale=scale))
+    # every row masked (-1 only): output 0 for all heads; rows with a single valid entry
+    yield Case("all-masked", dict(q=randn((4, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
+                                  indices=torch.full((4, K), -1, dtype=torch.int32, device=device),
+                                  sink=randn((h,), gen, torch.float32, device), scale=scale), ("masked",))
+    one = torch.full((5, K), -1, dtype=torch.int64)
+    one[:, K // 2] = torch.randint(0, N, (5,), generator=gen)
+    yield Case("single-row-int64", dict(q=randn((5, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
+                                        indices=one.to(device), sink=randn((h,), gen, torch.float32, device),
+                                        scale=scale), ("masked",))
+    # sentinels scattered (not only trailing), repeated rows, non-contiguous q and kv
+    idx = _window_indices(6, N, K, gen, device).long().cpu()
+    idx = idx[:, torch.randperm(K, generator=gen)]
+    idx[:, 0] = idx[:, 1].clamp_min(0)
+    yield Case("scattered-noncontig", dict(q=noncontig(randn((6, h, d), gen, dtype, device)),
+                                           kv=noncontig(randn((N, d), gen, dtype, device)),
+                                           indices=idx.to(device=device, dtype=torch.int32),
+                                           sink=randn((h,), gen, torch.float32, device), scale=scale), ("noncontig",))
+    yield Case("large-logits", dict(q=randn((3, h, d), gen, dtype, device, 8.0), kv=randn((N, d), gen, dtype, device, 8.0),
+                                    indices=_window_indices(3, N, K, gen, device),
+                                    sink=randn((h,), gen, torch.float32, device), scale=scale), ("extreme",))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec import Case, Dims, Tolerance, expect, op
-from ._cases import dims, randn
+from ._cases import dims, noncontig, randn
 
 _EXACT = Tolerance(k=1.0, floor=0.0, metric="max_abs",
                    why="data movement (and in-order sums in a single process): exact")
@@ -96,6 +96,7 @@ def _collective_cases(shapes, dtype, device, gen):
     D = dims(shapes)
     for T in (0, 1, 9):
         yield Case(f"T{T}", dict(x=randn((T, D["H"]), gen, dtype, device)))
+    yield Case("noncontig", dict(x=noncontig(randn((4, D["H"]), gen, dtype, device))), ("noncontig",))
 
 
 for _spec in (all_reduce, all_gather, reduce_scatter, all_to_all):

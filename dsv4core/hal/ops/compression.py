@@ -7,7 +7,7 @@ import torch
 
 from ..errors import OpInputError
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import dims, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 _GATHER_BUDGET = 1 << 24
 
@@ -66,15 +66,26 @@ def _(shapes, dtype, device, gen):
     D = dims(shapes)
     for dp, label in ((D["d"], "main"), (D["dI"], "indexer")):
         for Wn in (0, 1, 5):
-            yield Case(f"hca-{label}-W{Wn}", dict(kv=randn((Wn, 128, dp), gen, torch.float32, device),
-                                                  score=randn((Wn, 128, dp), gen, torch.float32, device, 2.0),
+            yield Case(f"hca-{label}-W{Wn}", dict(kv=randn((Wn, 128, dp), gen, dtype, device),
+                                                  score=randn((Wn, 128, dp), gen, dtype, device, 2.0),
                                                   ape=randn((128, dp), gen, torch.float32, device), overlap=False))
-            args = dict(kv=randn((Wn, 4, 2 * dp), gen, torch.float32, device),
-                        score=randn((Wn, 4, 2 * dp), gen, torch.float32, device, 2.0),
+            args = dict(kv=randn((Wn, 4, 2 * dp), gen, dtype, device),
+                        score=randn((Wn, 4, 2 * dp), gen, dtype, device, 2.0),
                         ape=randn((4, 2 * dp), gen, torch.float32, device), overlap=True)
             yield Case(f"csa-{label}-W{Wn}-first", dict(args))
-            yield Case(f"csa-{label}-W{Wn}-carry", dict(args, prev_kv=randn((4, dp), gen, torch.float32, device),
-                                                        prev_score=randn((4, dp), gen, torch.float32, device)))
+            yield Case(f"csa-{label}-W{Wn}-carry", dict(args, prev_kv=randn((4, dp), gen, dtype, device),
+                                                        prev_score=randn((4, dp), gen, dtype, device)))
+    dp = D["dI"]
+    # peaked gates (scores ~ +-40): the softmax max-subtraction matters; non-contiguous views
+    yield Case("csa-peaked-noncontig", dict(kv=noncontig(randn((3, 4, 2 * dp), gen, dtype, device, 100.0)),
+                                            score=noncontig(randn((3, 4, 2 * dp), gen, dtype, device, 40.0)),
+                                            ape=randn((4, 2 * dp), gen, torch.float32, device), overlap=True,
+                                            prev_kv=noncontig(randn((4, dp), gen, dtype, device)),
+                                            prev_score=randn((4, dp), gen, dtype, device, 40.0)),
+               ("extreme", "noncontig"))
+    yield Case("hca-peaked", dict(kv=randn((2, 128, dp), gen, dtype, device),
+                                  score=randn((2, 128, dp), gen, dtype, device, 40.0),
+                                  ape=randn((128, dp), gen, torch.float32, device), overlap=False), ("extreme",))
 
 
 @op(family="compression", tolerance=Tolerance(
@@ -122,13 +133,29 @@ def _(q, k, weights, k_offsets, k_lengths, scale):
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
     nI, dI = D["nI"], D["dI"]
-    for T in (0, 1, 7):
-        N = 40 if shapes == "small" else 2048
+    N = 40 if shapes == "small" else 2048
+    for T in TOKENS[shapes]:
         lengths = torch.randint(0, N // 2, (T,), generator=gen)
         offsets = torch.randint(0, N // 2, (T,), generator=gen)
+        if T > 1:
+            lengths[0] = 0                                   # a query with no keys at all
+            lengths[1], offsets[1] = N - offsets[1], offsets[1]  # one reaching the last key
         yield Case(f"T{T}-N{N}", dict(q=randn((T, nI, dI), gen, dtype, device), k=randn((N, dI), gen, dtype, device),
                                       weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
                                       k_offsets=offsets.to(device), k_lengths=lengths.to(device), scale=dI ** -0.5))
+    # causal prefill layout: query t sees keys [0, t/4] (int32 offsets/lengths), non-contiguous q
+    T = 9
+    lengths = (torch.arange(T) // 4 + 1).to(torch.int32)
+    yield Case("causal-int32-noncontig", dict(q=noncontig(randn((T, nI, dI), gen, dtype, device)),
+                                              k=randn((T // 4 + 1, dI), gen, dtype, device),
+                                              weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
+                                              k_offsets=torch.zeros(T, dtype=torch.int32, device=device),
+                                              k_lengths=lengths.to(device), scale=dI ** -0.5), ("noncontig",))
+    yield Case("all-empty", dict(q=randn((3, nI, dI), gen, dtype, device), k=randn((4, dI), gen, dtype, device),
+                                 weights=randn((3, nI), gen, torch.float32, device),
+                                 k_offsets=torch.zeros(3, dtype=torch.int64, device=device),
+                                 k_lengths=torch.zeros(3, dtype=torch.int64, device=device), scale=dI ** -0.5),
+               ("masked",))
 
 
 @op(family="compression", tolerance=Tolerance(
@@ -165,10 +192,23 @@ def _(scores, k_lengths, topk):
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
     topk = D["topk"]
-    for T, L in ((0, 0), (1, 3), (7, 4 * topk), (5, topk // 2)):
+    for T, L in ((0, 0), (1, 3), (7, 4 * topk), (5, topk // 2), (33, 2 * topk + 1)):
         lengths = torch.randint(0, L + 1, (T,), generator=gen)
         yield Case(f"T{T}-L{L}", dict(scores=randn((T, L), gen, torch.float32, device),
                                       k_lengths=lengths.to(device), topk=topk))
     ties = torch.randint(0, 3, (4, 3 * topk), generator=gen).float()   # many exact ties
     yield Case("ties", dict(scores=ties.to(device), k_lengths=torch.full((4,), 3 * topk, device=device), topk=topk),
                ("ties",))
+    # causal prefill: query t sees t+1 keys (fewer than topk early on: -1 padding); the best scores sit
+    # at the END of each query's valid range, so a causal threshold off by one picks a wrong key
+    T, L = 2 * topk, 2 * topk
+    sc = randn((T, L), gen, torch.float32, device).cpu()
+    lengths = torch.arange(1, T + 1)
+    pos = torch.arange(L)
+    sc = sc + 10.0 * (pos[None, :] >= lengths[:, None] - 1).float()    # the last valid and beyond: high
+    sc = sc + 20.0 * (pos[None, :] >= lengths[:, None]).float()        # beyond the valid range: highest
+    yield Case("causal-ramp", dict(scores=sc.to(device), k_lengths=lengths.to(device), topk=topk), ("causal",))
+    yield Case("int32-lengths-ties-inf", dict(scores=torch.where(ties[:, :topk + 2] > 1, float("-inf"),
+                                                                 ties[:, :topk + 2]).to(device),
+                                              k_lengths=torch.tensor([0, 1, topk, topk + 2], dtype=torch.int32,
+                                                                     device=device), topk=topk), ("ties",))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 RENORM_EPS = 1e-20
 
@@ -54,6 +54,17 @@ def _(shapes, dtype, device, gen):
         hid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
         yield Case(f"T{T}-hash", dict(logits=logits, topk=k, scaling=2.5, hash_ids=hid.long().to(device)))
     yield Case("no-bias", dict(logits=randn((5, E), gen, torch.float32, device), topk=k, scaling=1.0))
+    # exact ties in the selection key (duplicated expert columns): either tied expert is correct
+    lg = randn((6, E // 2), gen, torch.float32, device)
+    yield Case("ties", dict(logits=torch.cat((lg, lg), -1), topk=k, scaling=1.0), ("ties",))
+    # a large bias that reorders the selection but must not enter the weights; large logits
+    yield Case("bias-dominates", dict(logits=randn((7, E), gen, torch.float32, device, 30.0), topk=k, scaling=1.5,
+                                      correction_bias=randn((E,), gen, torch.float32, device, 50.0)), ("extreme",))
+    yield Case("hash-int32-noncontig", dict(logits=noncontig(randn((4, E), gen, torch.float32, device)), topk=k,
+                                            scaling=1.0,
+                                            hash_ids=torch.stack([torch.randperm(E, generator=gen)[:k]
+                                                                  for _ in range(4)]).to(device, torch.int32)),
+               ("noncontig",))
 
 
 def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -111,3 +122,11 @@ def _(shapes, dtype, device, gen):
     yield Case("skip-negative-ids", dict(x=randn((4, H), gen, dtype, device, 3.0), ids=ids.to(device),
                                          weights=torch.rand((4, k), generator=gen).to(device), w13=w13, w2=w2,
                                          swiglu_limit=10.0))
+    # gate/up pre-activations mostly beyond the limit (the clamp decides the result); int32 ids, one
+    # token with every slot skipped, all tokens routed to the same expert, non-contiguous x
+    ids = torch.randint(0, E, (5, k), generator=gen).to(torch.int32)
+    ids[:, 0] = 3
+    ids[2] = -1
+    yield Case("clamp-heavy", dict(x=noncontig(randn((5, H), gen, dtype, device, 6.0)), ids=ids.to(device),
+                                   weights=torch.rand((5, k), generator=gen).to(device), w13=w13, w2=w2,
+                                   swiglu_limit=2.0), ("extreme", "noncontig"))

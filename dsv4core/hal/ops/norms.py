@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, op
-from ._cases import TOKENS, dims, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 
 def rms(xf: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -42,3 +42,9 @@ def _(shapes, dtype, device, gen):
     x = randn((9, 2 * D["H"]), gen, dtype, device)[:, ::2]  # non-contiguous rows and columns
     yield Case("strided", dict(x=x, weight=randn((D["H"],), gen, torch.float32, device), eps=1e-6), ("noncontig",))
     yield Case("large-magnitude", dict(x=randn((4, D["H"]), gen, dtype, device, 1e4), weight=None, eps=1e-6), ("extreme",))
+    # mean(x^2) ~ eps: a backend that drops eps or adds it after the sqrt fails here
+    yield Case("eps-dominant", dict(x=randn((5, D["d"]), gen, dtype, device, 1e-3),
+                                    weight=randn((D["d"],), gen, torch.float32, device) + 1.0, eps=1e-6), ("extreme",))
+    yield Case("act-weight-offset", dict(x=noncontig(randn((3, 4, D["d"]), gen, dtype, device)),
+                                         weight=(randn((D["d"],), gen, torch.float32, device) + 1.0).to(dtype),
+                                         eps=1e-5), ("noncontig",))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import ACT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 FP8 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
@@ -86,6 +86,16 @@ def _(shapes, dtype, device, gen):
                                                                 weight_scale=s), ("fp8",))
     yield Case("out-fp32", dict(x=randn((3, H), gen, dtype, device), weight=randn((64, H), gen, dtype, device),
                                 out_dtype=torch.float32))
+    # ragged fp8 block grid (N, K not multiples of 128), 3-d non-contiguous x, large magnitudes
+    wr = randn((200, 300), gen, torch.float32, device, 300 ** -0.5 * 50)
+    q, s = quantize_block_fp8(wr, torch.float32)
+    yield Case("fp8-ragged-3d", dict(x=randn((2, 3, 300), gen, dtype, device, 100.0), weight=q, weight_scale=s,
+                                     out_dtype=torch.float32), ("fp8", "extreme"))
+    yield Case("noncontig-3d", dict(x=noncontig(randn((2, 5, H), gen, dtype, device)),
+                                    weight=randn((96, H), gen, dtype, device, H ** -0.5)), ("noncontig",))
+    yield Case("T1-lm_head-fp32out", dict(x=randn((1, H), gen, dtype, device),
+                                          weight=randn((1000, H), gen, dtype, device, H ** -0.5),
+                                          out_dtype=torch.float32))
 
 
 @op(family="projections", tolerance=Tolerance(
@@ -114,3 +124,9 @@ def _(shapes, dtype, device, gen):
         yield Case(f"T{T}", dict(o=randn((T, G, Din), gen, dtype, device), weight=w.to(dtype)))
     q, s = quantize_block_fp8(w, torch.float8_e8m0fnu)
     yield Case("fp8", dict(o=randn((3, G, Din), gen, dtype, device), weight=q, weight_scale=s), ("fp8",))
+    q, s = quantize_block_fp8(w, torch.float32)
+    yield Case("fp8-f32scale-noncontig", dict(o=noncontig(randn((5, G, Din), gen, dtype, device, 30.0)), weight=q,
+                                              weight_scale=s), ("fp8", "noncontig"))
+    # o as the attention output really arrives: [T, h, d] viewed as [T, G, h/G * d] after a transpose
+    o = randn((4, D["heads"], D["d"]), gen, dtype, device).view(4, G, Din)
+    yield Case("grouped-view", dict(o=o, weight=w.to(dtype)))

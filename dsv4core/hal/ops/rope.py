@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, inv_freq_main, positions, randn
+from ._cases import TOKENS, dims, inv_freq_main, noncontig, positions, randn
 from .norms import rms
 
 
@@ -89,12 +89,26 @@ def _rope_cases(shapes, dtype, device, gen, make_x, extra, arg="x"):
 @rope.cases
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
+    main = main_inv_freq(D["d_r"], 10000.0).to(device)
     yield from _rope_cases(shapes, dtype, device, gen, lambda T: randn((T, D["heads"], D["d"]), gen, dtype, device),
                            dict(inverse=False))
     yield Case("inverse", dict(x=randn((5, D["heads"], D["d"]), gen, dtype, device), positions=positions(5, gen, device),
-                               inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), inverse=True))
+                               inv_freq=main, inverse=True))
     yield Case("indexer-2d", dict(x=randn((6, D["dI"]), gen, dtype, device), positions=positions(6, gen, device),
-                                  inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), inverse=False))
+                                  inv_freq=main, inverse=False))
+    # the whole head rotated (d_r = d), small positions (0, 1, 2 ...: exact angles)
+    full = main_inv_freq(D["d"], 10000.0).to(device)
+    yield Case("full-width", dict(x=randn((4, 2, D["d"]), gen, dtype, device),
+                                  positions=torch.arange(4, device=device), inv_freq=full, inverse=False))
+    # 1M-token context positions: angle rounding (fl32(p) * inv_freq) matters here
+    yield Case("long-context", dict(x=randn((5, D["heads"], D["d"]), gen, dtype, device),
+                                    positions=positions(5, gen, device, max_pos=1 << 20), inv_freq=main,
+                                    inverse=False), ("extreme",))
+    yield Case("noncontig-int32", dict(x=noncontig(randn((7, D["heads"], D["d"]), gen, dtype, device)),
+                                       positions=positions(7, gen, device).to(torch.int32), inv_freq=main,
+                                       inverse=False), ("noncontig",))
+    yield Case("large-magnitude", dict(x=randn((3, 4, D["d"]), gen, dtype, device, 1e4),
+                                       positions=positions(3, gen, device), inv_freq=main, inverse=True), ("extreme",))
 
 
 @op(family="rope", tolerance=Tolerance(
@@ -115,6 +129,9 @@ def _(shapes, dtype, device, gen):
     D = dims(shapes)
     yield from _rope_cases(shapes, dtype, device, gen,
                            lambda T: randn((T, D["heads"], D["d"]), gen, dtype, device, 4.0), dict(eps=1e-6), "q")
+    yield Case("noncontig", dict(q=noncontig(randn((5, D["heads"], D["d"]), gen, dtype, device, 1e3)),
+                                 positions=positions(5, gen, device), inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device),
+                                 eps=1e-6), ("noncontig", "extreme"))
 
 
 @op(family="rope", tolerance=Tolerance(
@@ -138,3 +155,7 @@ def _(shapes, dtype, device, gen):
     w = randn((D["d"],), gen, torch.float32, device) + 1.0
     yield from _rope_cases(shapes, dtype, device, gen, lambda T: randn((T, D["d"]), gen, dtype, device, 2.0),
                            dict(weight=w, eps=1e-6), "kv")
+    yield Case("noncontig-actweight", dict(kv=noncontig(randn((6, D["d"]), gen, dtype, device, 1e-3)),
+                                           weight=w.to(dtype), positions=positions(6, gen, device),
+                                           inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-6),
+               ("noncontig", "extreme"))
