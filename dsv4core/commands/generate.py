@@ -1,0 +1,90 @@
+"""``dsv4core generate``: greedy generation from token ids with a DSV4 model (a checkpoint or ``tiny``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--input-ids expects comma-separated integers, got {text!r}") from None
+    return ids
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="greedy generation from token ids",
+                              description="Load a DSV4 model (checkpoint directory or the built-in 'tiny') and "
+                                          "greedily generate tokens for one or more prompts given as token ids, "
+                                          "batched: one prefill, then one decode step per new token.")
+    p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' for the built-in tiny DSV4")
+    p.add_argument("--input-ids", action="append", required=True, type=_ids, metavar="1,2,3",
+                   help="prompt token ids, comma-separated; repeat for a batch of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
+    p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.set_defaults(func=run)
+
+
+class _Progress:
+    """A one-line progress display on stderr, shown only once a run takes more than a second."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr is not None
+        self.t0 = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, step: int, total: int) -> None:
+        if not self.enabled:
+            return
+        dt = time.perf_counter() - self.t0
+        if dt < 1.0 and step < total:
+            return
+        if not self.shown and step >= total:
+            return
+        self.shown = True
+        rate = step / dt if dt > 0 else 0.0
+        sys.stderr.write(f"\rgenerate: {step}/{total} steps, {rate:.1f} steps/s")
+        if step >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def run(args) -> int:
+    import dsv4core
+    from dsv4core.commands._util import print_json
+
+    if args.max_new_tokens < 0:
+        raise ValueError("--max-new-tokens must be >= 0")
+    t0 = time.perf_counter()
+    model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+    t_load = time.perf_counter() - t0
+    progress = _Progress(not args.no_progress)
+    t1 = time.perf_counter()
+    out = model.generate(args.input_ids, args.max_new_tokens, progress=progress)
+    t_gen = time.perf_counter() - t1
+    if progress.shown:
+        progress.shown = False
+    if args.json:
+        print_json({"model": str(args.model), "backend": args.backend, "dtype": str(model.act_dtype).removeprefix("torch."),
+                    "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
+                    "generate_s": round(t_gen, 3)})
+    else:
+        for i, (p, o) in enumerate(zip(args.input_ids, out)):
+            print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
+            print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
+        n = sum(len(o) for o in out)
+        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s)", file=sys.stderr)
+    return 0

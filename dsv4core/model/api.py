@@ -1,0 +1,109 @@
+"""`load_model`: the public way to get a runnable DSV4 model (re-exported as `dsv4core.load_model`).
+
+    model = dsv4core.load_model("tiny")                       # built-in tiny DSV4, fixed-seed weights
+    model = dsv4core.load_model("/ckpt/dir", dtype="bfloat16", device="cpu", backend="reference")
+    model.logits([1, 2, 3])            # float32 [3, vocab], one full prefill
+    model.generate([[1, 2, 3], [4]], max_new_tokens=8)   # greedy, batched, new tokens only
+    model.hal_report()                 # which backend serves each op
+
+The checkpoint path may hold a transformers `save_pretrained` directory (safetensors, sharded or
+not) or an official DeepSeek checkpoint; `dsv4core.checkpoint` maps names and dequantises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, DSV4Config
+from .model import DSV4ForCausalLM, randomize_weights_
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+TINY_SEED = 20260401
+
+#: The built-in tiny DSV4 (transformers-style config dict): every layer type, hash and top-k MoE,
+#: hc_mult 4, windows and ratios small enough that a few dozen tokens cross several boundaries.
+TINY_CONFIG: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    routed_scaling_factor=1.5, swiglu_limit=10.0, max_position_embeddings=4096, sliding_window=16,
+    layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 16},
+    mlp_layer_types=[HASH_MOE, HASH_MOE, MOE, MOE], hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    index_n_heads=16, index_head_dim=32, index_topk=4, rms_norm_eps=1e-6, rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1},
+    bos_token_id=0, eos_token_id=1,
+)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        dt = dtype
+    else:
+        key = str(dtype).removeprefix("torch.")
+        if key not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}: use float32 or bfloat16")
+        dt = _DTYPES[key]
+    if dt not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unsupported activation dtype {dt}: use torch.float32 or torch.bfloat16")
+    return dt
+
+
+def _bind(device: torch.device, backend: str | None):
+    from dsv4core.hal import bind
+
+    return bind(device, backend=backend)
+
+
+def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
+                device: torch.device | str | None = None, backend: str | None = "auto",
+                seed: int | None = None, ops=None) -> DSV4ForCausalLM:
+    """A model for `config` with deterministic random weights (seed) or empty weights (seed=None)."""
+    cfg = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(config)
+    dt = resolve_dtype(dtype, torch.float32)
+    dev = torch.device(device if device is not None else "cpu")
+    ops = ops if ops is not None else _bind(dev, backend)
+    with torch.device(dev):
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt)
+    if seed is not None:
+        randomize_weights_(model, cfg, seed=seed)
+    model.backend = backend
+    return model.eval()
+
+
+def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
+               device: torch.device | str | None = None) -> DSV4ForCausalLM:
+    """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
+
+    backend: HAL backend name or "auto" (the available backend for the device with the highest
+    priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
+    name; default float32 for "tiny", the checkpoint's dtype otherwise). device: default "cpu".
+    Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
+    """
+    dev = torch.device(device if device is not None else "cpu")
+    if str(path_or_name) == "tiny":
+        return build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED)
+
+    from dsv4core.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path_or_name)
+    if not ckpt.config_dict:
+        raise ValueError(f"{path_or_name}: no config.json next to the weights")
+    cfg = DSV4Config.from_dict(ckpt.config_dict)
+    file_dtype = ckpt.config_dict.get("dtype") or ckpt.config_dict.get("torch_dtype")
+    default = torch.float32 if file_dtype in ("float32", "torch.float32") else torch.bfloat16
+    dt = resolve_dtype(dtype, default)
+    ops = _bind(dev, backend)
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt)
+    ckpt.load_into(model, device=dev, strict=True)
+    model.backend = backend
+    return model.eval()
