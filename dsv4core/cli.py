@@ -10,7 +10,7 @@ import sys
 import dsv4core
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ["backends", "ops"]
+COMMANDS = ["backends", "ops", "generate", "inspect", "conformance", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

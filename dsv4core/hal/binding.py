@@ -174,8 +174,11 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             msg = f"{op_name}: {order[0]!r} declined ({declined[order[0]]}); served by {serving!r}"
             if policy == "strict":
                 raise FallbackError(msg + " — strict policy forbids fallbacks")
-            if policy == "warn":
-                log.warning(msg)
+            # Under `auto`, a partial backend plus the reference for the rest is the normal case:
+            # recorded in the table (`dsv4core ops`), logged at info. A backend the user named
+            # explicitly (or per op) that cannot serve an op is worth a warning.
+            explicit = backend != "auto" or op_name in override_map
+            log.log(logging.WARNING if policy == "warn" and explicit else logging.INFO, msg)
         binding = OpBinding(op_name, serving, tuple(order), declined, call=None)
         binding.call = _make_call(spec, chain, policy, binding, check)
         bindings[op_name] = binding
