@@ -239,16 +239,18 @@ def _swiglu(gu, limit, clamp=True):
 
 
 def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
-    """Token-major loop (the reference is expert-major), split-K GEMMs."""
+    """Slot-major (the reference is expert-major with index_add), split-K GEMMs, per-slot partial
+    sums added in slot order."""
     ct = _ct(x)
     out = torch.zeros(x.shape, dtype=ct)
-    for t in range(x.shape[0]):
-        for i in range(ids.shape[1]):
-            e = int(ids[t, i])
-            if e < 0:
-                continue
-            h = _swiglu(_splitk_matmul(x[t:t + 1].to(ct), w13[e].to(ct)), swiglu_limit, clamp)
-            out[t] += weights[t, i].to(ct) * _splitk_matmul(h, w2[e].to(ct))[0]
+    xf = x.to(ct)
+    for i in range(ids.shape[1]):
+        part = torch.zeros(x.shape, dtype=ct)
+        for e in torch.unique(ids[:, i][ids[:, i] >= 0]).tolist():
+            tok = (ids[:, i] == e).nonzero().flatten()
+            h = _swiglu(_splitk_matmul(xf[tok], w13[e].to(ct)), swiglu_limit, clamp)
+            part[tok] = _splitk_matmul(h, w2[e].to(ct)) * weights[tok, i].to(ct)[:, None]
+        out = out + part
     return out.to(x.dtype)
 
 
