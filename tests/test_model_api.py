@@ -293,3 +293,10 @@ def test_cli_generate_text_and_bad_ids():
     assert rc == 0 and "new tokens (2)" in out
     with pytest.raises(SystemExit):
         _cli(["generate", "--model", "tiny", "--input-ids", "1,x"])
+
+
+def test_empty_forward_is_legal(tiny):
+    s = tiny.new_state()
+    e = torch.zeros(0, dtype=torch.long)
+    assert tiny.forward_batch(e, e, e, [s]).shape == (0, tiny.config.vocab_size)
+    assert s.length == 0 and tiny.generate([], 4) == []

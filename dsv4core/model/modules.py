@@ -329,8 +329,8 @@ class Attention(nn.Module):
             win = torch.cat([ls.window, kv[s0:s0 + n]])
             ls.window = win[max(0, win.shape[0] - keep):].clone() if keep > 0 else win[:0].clone()
 
-        g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, -1))
-        return self.o_b_proj(g.reshape(T, -1))
+        g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
+        return self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
 
 
 # --------------------------------------------------------------------------------------------
