@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
-               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "wo_a")
+               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "wo_a", "moe_experts")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -113,6 +113,17 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
         kw = dict(o=rn(T, G, Din), weight=rn(G, R, Din, s=0.02))
         return BenchCase("wo_a", label, kw, G * R * Din * es + T * G * (Din + R) * es, 2 * T * G * R * Din,
                          f"bf16 [T,{G},{Din}] x [{G},{R},{Din}]")
+    if label == "moe_experts":
+        E, k, I = D["E"], D["k"], D["I"]
+        Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them
+        w13 = rn(Eu, 2 * I, H, s=H ** -0.5)
+        w2 = rn(Eu, H, I, s=I ** -0.5)
+        ids = torch.stack([torch.randperm(Eu, device=device)[:k] for _ in range(T)]) if T <= 64 else \
+            torch.randint(0, Eu, (T, k), device=device)
+        kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0)
+        touched = min(Eu, T * k)
+        return BenchCase("moe_experts", label, kw, touched * 3 * I * H * es + 2 * T * H * es,
+                         T * k * 6 * H * I, f"{Eu} experts allocated, k={k}, I={I}; bytes = experts touched")
     raise KeyError(f"no bench case for {label!r}")
 
 

@@ -18,4 +18,5 @@ OPS = {
     "sparse_mqa_attention": "attention",
     "compress_pool": "compress",
     "wo_a": "wo_a",
+    "moe_experts": "moe",
 }

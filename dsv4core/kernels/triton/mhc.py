@@ -3,8 +3,8 @@
 hc_pre / hc_head run as two launches:
   1. ``_hc_mix_kernel``: partial ``fn @ xf`` and ``sum(xf^2)`` over a K-slice (split-K so that the
      1.5 MiB ``fn`` read is spread over all SMs at small T). fp32 activations use true fp32
-     products (``ieee``); bf16 activations keep x in bf16 and split fn into two bf16 halves (hi + lo,
-     ~2^-17 relative; the SPEC 2 hc_pre accuracy contract allows TF32).
+     products (``ieee``); bf16 activations keep x in bf16 and split fn into three bf16 parts (bf16x3,
+     fp32-accurate; the SPEC 2 hc_pre accuracy contract would allow TF32).
   2. an epilogue kernel per (token, H-block): reduce the partials, rms, sigmoid / Sinkhorn (n x n in
      registers, recomputed per H-block, it is tiny), collapse ``y = sum_j pre_j x_j``.
 """
@@ -63,7 +63,8 @@ def hc_post(o, residual, post, comb):
 def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
                    BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, IEEE: tl.constexpr):
     # IEEE (fp32 activations, or the interpreter): true fp32 products. Otherwise x stays bf16 (exact)
-    # and fn is split into two bf16 halves (hi + lo, ~16 mantissa bits): 2 bf16 MMAs, error ~2^-17.
+    # and fn is split into three bf16 parts (hi + mid + lo = 24 mantissa bits): 3 bf16 MMAs with
+    # exact products and fp32 accumulation, i.e. fp32-accurate (the op is memory-bound anyway).
     pt = tl.program_id(0)
     ps = tl.program_id(1)
     toks = pt * BT + tl.arange(0, BT)
@@ -86,8 +87,11 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
             acc += tl.dot(x, tl.trans(f), input_precision="ieee")
         else:
             f_hi = f.to(tl.bfloat16)
-            f_lo = (f - f_hi.to(tl.float32)).to(tl.bfloat16)
+            f_r = f - f_hi.to(tl.float32)
+            f_mid = f_r.to(tl.bfloat16)
+            f_lo = (f_r - f_mid.to(tl.float32)).to(tl.bfloat16)
             acc = tl.dot(xr, tl.trans(f_hi), acc)
+            acc = tl.dot(xr, tl.trans(f_mid), acc)
             acc = tl.dot(xr, tl.trans(f_lo), acc)
         ss += tl.sum(x * x, axis=1)
     row = ps * T + toks64

@@ -150,3 +150,17 @@ def wo_a_supports(o, weight, weight_scale=None) -> bool:
         return False
     return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
 
+
+# ---- moe.py
+def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit) -> bool:
+    if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        return False
+    T, H = x.shape
+    E, I2, H2 = w13.shape
+    if x.dtype not in ACT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return False
+    if H2 != H or I2 % 2 or w2.shape != (E, H, I2 // 2):
+        return False
+    if ids.shape[0] != T or weights.shape != ids.shape or weights.dtype != torch.float32:
+        return False
+    return ids.dtype in (torch.int32, torch.int64)
