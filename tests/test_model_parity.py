@@ -132,7 +132,11 @@ def test_bfloat16_report(pair, capsys):
     d_hf = (got16 - ref16).abs().max().item()
     d_32 = (got16 - f32).abs().max().item()
     d_hf32 = (ref16 - f32).abs().max().item()
+    med = lambda a, b: (a - b).abs().amax(-1).median().item()  # noqa: E731  (per-token max, median over tokens)
+    agree = lambda a: (a.argmax(-1) == f32.argmax(-1)).float().mean().item()  # noqa: E731
     with capsys.disabled():
-        print(f"\n[{name}] bf16 (200 tokens, max|logit| {scale:.2f}): ours-bf16 vs HF-bf16 {d_hf:.3e}; "
-              f"ours-bf16 vs ours-fp32 {d_32:.3e}; HF-bf16 vs ours-fp32 {d_hf32:.3e}")
+        print(f"\n[{name}] bf16 (200 tokens, max|logit| {scale:.2f}): max|diff| ours-bf16 vs HF-bf16 {d_hf:.3e}; "
+              f"ours-bf16 vs ours-fp32 {d_32:.3e}; HF-bf16 vs ours-fp32 {d_hf32:.3e}; median per-token max|diff| "
+              f"vs ours-fp32: ours-bf16 {med(got16, f32):.3e}, HF-bf16 {med(ref16, f32):.3e}; argmax agreement "
+              f"with fp32: ours-bf16 {agree(got16):.3f}, HF-bf16 {agree(ref16):.3f}")
     assert torch.isfinite(got16).all()
