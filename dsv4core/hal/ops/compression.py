@@ -160,8 +160,9 @@ def _(shapes, dtype, device, gen):
 
 @op(family="compression", tolerance=Tolerance(
     k=0.0, floor=0.0, metric="index_set",
-    why="integer output: compared as index sets, swaps allowed only among scores equal within the "
-        "indexer_scores tolerance; -1 padding must match exactly"))
+    why="integer output from given scores (no arithmetic): compared per query as an index set, order "
+        "free; a swap is allowed only between exactly equal scores (floor = the score tie tolerance, 0); "
+        "the number of valid indices (min(topk, k_lengths)) and the -1 padding must match exactly"))
 def indexer_topk(scores: torch.Tensor, k_lengths: torch.Tensor, topk: int) -> torch.Tensor:
     """Indices of the ``min(topk, k_lengths[t])`` largest scores among each query's valid entries
     ``w < k_lengths[t]``; remaining slots are -1. Returns [T, topk] int32 (order unspecified)."""
