@@ -208,7 +208,7 @@ def test_corrupt_scale_data(off):
         t[n + ".scale"] = s.view(torch.float8_e8m0fnu)
 
     f = edit(off, bad, n + ".scale")
-    expect(off, "not finite", n + ".weight", f)
+    expect(off, "non-finite", n + ".weight", f)
 
 
 def test_index_points_at_missing_file(off):
@@ -239,3 +239,15 @@ def test_nothing_left_on_meta_and_failed_load_leaves_no_zeros(off):
     with pytest.raises(CheckpointError, match="missing tensor"):
         open_checkpoint(off).load_into(m)
     assert all(p.is_meta for p in m.parameters())
+
+
+def test_fp8_nan_code_in_weight(off):
+    n = "layers.3.attn.wq_b"
+
+    def bad(t):
+        w = t[n + ".weight"].view(torch.uint8).clone()
+        w[5, 7] = 0x7F  # e4m3fn NaN
+        t[n + ".weight"] = w.view(torch.float8_e4m3fn)
+
+    f = edit(off, bad, n + ".weight")
+    expect(off, "non-finite", n + ".weight", f)

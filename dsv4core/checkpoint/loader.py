@@ -534,38 +534,47 @@ def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device
                                   tensor=label, file=info.file)
 
     out = dst if dst is not None else torch.empty(want, dtype=dt, device=dev)
+
+    def finite_check(w, sc):
+        # non-finite dequantised values can only come from a NaN / 0xFF scale or an FP8 NaN code
+        bad = not torch.isfinite(quant.scale_to_float32(sc)).all()
+        if not bad and src_dt == torch.float8_e4m3fn:
+            bad = bool(((w.view(torch.uint8) & 0x7F) == 0x7F).any())
+        if bad:
+            raise CheckpointError("quantised data holds NaN / non-finite codes (corrupt data or scale)",
+                                  tensor=label, file=info.file)
+
     try:
         wsl = handle(info.file).get_slice(info.name)
         ssl = handle(pc.scale.file).get_slice(pc.scale.name) if pc.scale is not None else None
         rows = want[0] if want else 0
         if len(want) >= 2 and rows > _CHUNK_ROWS:
-            step = _CHUNK_ROWS
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                w = wsl[r0:r1]
-                if ssl is None:
-                    out[r0:r1].copy_(w.to(dev))
-                elif quant.is_fp8(src_dt) and len(want) == 2:
-                    s = ssl[r0 // quant.FP8_BLOCK: math.ceil(r1 / quant.FP8_BLOCK)]
-                    out[r0:r1].copy_(quant.dequantize_fp8(w.to(dev), s.to(dev), dt))
-                elif quant.is_fp4_packed(src_dt):
-                    out[r0:r1].copy_(quant.dequantize_fp4(w.to(dev), ssl[r0:r1].to(dev), dt))
-                else:  # FP8 with leading batch dims: chunk on dim 0 (whole scale rows)
-                    out[r0:r1].copy_(quant.dequantize_fp8(w.to(dev), ssl[r0:r1].to(dev), dt))
+            chunks = [(r0, min(rows, r0 + _CHUNK_ROWS)) for r0 in range(0, rows, _CHUNK_ROWS)]
         else:
-            w = wsl[:] if want else handle(info.file).get_tensor(info.name)
-            if ssl is None:
-                out.copy_(w.to(dev))
+            chunks = [None]
+        for ch in chunks:
+            if ch is None:
+                w = wsl[:] if want else handle(info.file).get_tensor(info.name)
+                sc = ssl[:] if ssl is not None else None
+                dst_view = out
             else:
-                out.copy_(quant.dequantize(w.to(dev), ssl[:].to(dev), dt))
+                r0, r1 = ch
+                w = wsl[r0:r1]
+                if ssl is not None and quant.is_fp8(src_dt) and len(want) == 2:
+                    sc = ssl[r0 // quant.FP8_BLOCK: math.ceil(r1 / quant.FP8_BLOCK)]
+                else:  # FP4 rows, or FP8 with leading batch dims (whole scale rows per chunk)
+                    sc = ssl[r0:r1] if ssl is not None else None
+                dst_view = out[r0:r1]
+            if sc is None:
+                dst_view.copy_(w.to(dev))
+            else:
+                finite_check(w, sc)
+                dst_view.copy_(quant.dequantize(w.to(dev), sc.to(dev), dt))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"cannot read or convert tensor data ({type(e).__name__}: {e})", tensor=label,
                               file=info.file) from None
-    if out.is_floating_point() and pc.scale is not None and not torch.isfinite(out).all():
-        raise CheckpointError("dequantised values are not finite (corrupt data or scale)", tensor=label,
-                              file=info.file)
     return out
 
 

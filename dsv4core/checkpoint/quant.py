@@ -97,8 +97,14 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                          f"with {block}x{block} blocks (expected {expect})")
     rows, cols = weight.shape[-2:]
-    s = _expand(scale_to_float32(scale), rows, cols, block, block)
-    return (weight.to(torch.float32) * s).to(dtype)
+    s32 = scale_to_float32(scale)
+    w32 = weight.to(torch.float32)
+    if rows % block == 0 and cols % block == 0:  # broadcast per block (no expanded copy of the scales)
+        lead = weight.shape[:-2]
+        out = w32.view(*lead, rows // block, block, cols // block, block) * s32.view(
+            *lead, rows // block, 1, cols // block, 1)
+        return out.view(weight.shape).to(dtype)
+    return (w32 * _expand(s32, rows, cols, block, block)).to(dtype)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -119,7 +125,11 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not match packed weight "
                          f"{tuple(packed.shape)} (unpacked {full}, one scale per {group}: expected {expect})")
     vals = unpack_fp4(packed)
-    s = scale_to_float32(scale).repeat_interleave(group, dim=-1)[..., : full[-1]]
+    s = scale_to_float32(scale)
+    if full[-1] % group == 0:  # broadcast per group (no expanded copy of the scales)
+        out = vals.view(*full[:-1], full[-1] // group, group) * s.unsqueeze(-1)
+        return out.view(full).to(dtype)
+    s = s.repeat_interleave(group, dim=-1)[..., : full[-1]]
     return (vals * s).to(dtype)
 
 
@@ -184,21 +194,18 @@ def quantize_fp8_block(w: torch.Tensor, scale_dtype: torch.dtype | None = None, 
     return q, s_enc
 
 
-_FP4_POS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_FP4_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round float32 values (already within [-6, 6]) to the nearest e2m1 code (ties to even code)."""
+    """Round float32 values (already within [-6, 6]) to the nearest e2m1 code (ties to the even
+    magnitude index, i.e. round-half-to-even on the 1-bit mantissa)."""
     a = x.abs()
-    grid = _FP4_POS.to(x.device)
-    d = (a.unsqueeze(-1) - grid).abs()
-    # nearest; on a tie prefer the even magnitude index (round-half-to-even mantissa)
-    idx = d.argmin(dim=-1)
-    dmin = d.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-    nxt = (idx + 1).clamp(max=7)
-    tie = (d.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) == dmin) & (nxt != idx)
-    idx = torch.where(tie & (idx % 2 == 1), nxt, idx)
-    sign = (x < 0) | ((x == 0) & torch.signbit(x))
+    mids = _FP4_MIDS.to(x.device)
+    idx = torch.bucketize(a, mids)  # a == mids[i] lands on index i (the lower neighbour)
+    tie = (idx < 7) & (a == mids[idx.clamp(max=6)])
+    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
+    sign = torch.signbit(x)
     return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
 
 

@@ -66,7 +66,8 @@ def _official_items(sd: Mapping[str, torch.Tensor], scale_dtype: torch.dtype, fp
         m = _EXPERTS_RE.match(name)
         if m:
             layer, kind = m.group(1), m.group(2)
-            out_ref = torch.empty(t.shape, dtype=torch.float32)
+            keep = not isinstance(ref, _Discard)
+            out_ref = torch.empty(t.shape, dtype=torch.float32) if keep else None
             for e in range(t.shape[0]):
                 if kind == "gate_up_proj":
                     i = t.shape[1] // 2
@@ -77,20 +78,24 @@ def _official_items(sd: Mapping[str, torch.Tensor], scale_dtype: torch.dtype, fp
                     base = f"layers.{layer}.ffn.experts.{e}.{wn}"
                     if fp4_experts:
                         q, s = quant.quantize_fp4(w)
-                        out_ref[idx] = quant.dequantize_fp4(q, s)
+                        if keep:
+                            out_ref[idx] = quant.dequantize_fp4(q, s)
                     else:
                         q, s = quant.quantize_fp8_block(w, scale_dtype)
-                        out_ref[idx] = quant.dequantize_fp8(q, s)
+                        if keep:
+                            out_ref[idx] = quant.dequantize_fp8(q, s)
                     yield base + ".weight", q.contiguous()
                     yield base + ".scale", s.contiguous()
-            ref[name] = out_ref
+            if keep:
+                ref[name] = out_ref
             continue
         off = hf_to_official(name)
         if off is None:
             raise KeyError(f"no official name for {name}")
         if _FP8_RE.search(name):
             q, s = quant.quantize_fp8_block(t, scale_dtype)
-            ref[name] = quant.dequantize_fp8(q, s)
+            if not isinstance(ref, _Discard):
+                ref[name] = quant.dequantize_fp8(q, s)
             yield off, q.contiguous()
             yield off[: -len(".weight")] + ".scale", s.contiguous()
         elif not t.is_floating_point():
@@ -108,29 +113,43 @@ def _official_items(sd: Mapping[str, torch.Tensor], scale_dtype: torch.dtype, fp
 
 def _write_sharded(items: Iterator[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int,
                    metadata: dict | None = None) -> list[Path]:
+    """Write shards as they fill (only one shard is held in memory), then name them
+    ``model-0000i-of-0000n.safetensors`` and write the index."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    tmp_names: list[Path] = []
+    keys: list[list[str]] = []
+    total = 0
+    shard: dict[str, torch.Tensor] = {}
     size = 0
+
+    def flush():
+        nonlocal shard, size
+        if not shard:
+            return
+        p = out / f".shard-{len(tmp_names):05d}.tmp"
+        save_file(shard, str(p), metadata=metadata or {"format": "pt"})
+        tmp_names.append(p)
+        keys.append(list(shard))
+        shard, size = {}, 0
+
     for name, t in items:
         nb = t.numel() * t.element_size()
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if shard and size + nb > max_shard_bytes:
+            flush()
+        shard[name] = t
         size += nb
-    n = len(shards)
+        total += nb
+    flush()
+    n = len(tmp_names)
     weight_map: dict[str, str] = {}
     paths = []
-    total = 0
-    for i, shard in enumerate(shards):
+    for i, (tmp, ks) in enumerate(zip(tmp_names, keys)):
         fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(out / fname), metadata=metadata or {"format": "pt"})
+        tmp.rename(out / fname)
         paths.append(out / fname)
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
+        weight_map.update({k: fname for k in ks})
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                              indent=1))
     return paths
@@ -139,17 +158,18 @@ def _write_sharded(items: Iterator[tuple[str, torch.Tensor]], out: Path, max_sha
 def write_official(state_dict: Mapping[str, torch.Tensor], config: Mapping, out_dir: str | Path, *,
                    scale_dtype: torch.dtype | None = None, fp4_experts: bool = True, bf16: bool = True,
                    max_shard_bytes: int = 2 ** 30, mtp: Mapping[str, torch.Tensor] | None = None,
-                   ) -> dict[str, torch.Tensor]:
+                   reference: bool = True) -> dict[str, torch.Tensor]:
     """Write ``state_dict`` (transformers names) as an official-format checkpoint in ``out_dir``.
 
     ``config``: a transformers config dict (converted with :func:`official_config`) or an
     official one (has ``compress_ratios``; written as is). ``scale_dtype``: ``torch.float8_e8m0fnu``
     (default) or ``torch.float32`` for the FP8 block scales. ``mtp``: extra ``mtp.*`` tensors.
-    Returns the reference state dict (float32 values the loader must reproduce; ints as given).
+    Returns the reference state dict (float32 values the loader must reproduce; ints as given);
+    with ``reference=False`` nothing is kept (streams: one tensor and one shard in memory).
     """
     scale_dtype = quant.E8M0 if scale_dtype is None else scale_dtype
     out = Path(out_dir)
-    ref: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {} if reference else _Discard()
 
     def items():
         yield from _official_items(state_dict, scale_dtype, fp4_experts, bf16, ref)
@@ -164,6 +184,11 @@ def write_official(state_dict: Mapping[str, torch.Tensor], config: Mapping, out_
         cfg["quantization_config"] = {**cfg["quantization_config"], "scale_fmt": None}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return ref
+
+
+class _Discard(dict):
+    def __setitem__(self, key, value):
+        pass
 
 
 def write_transformers(state_dict: Mapping[str, torch.Tensor], config: Mapping, out_dir: str | Path, *,
