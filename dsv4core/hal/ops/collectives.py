@@ -44,8 +44,8 @@ def all_gather(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks, then keep this rank's equal chunk along ``dim``.
 
-    Implemented as all_reduce + chunk so it works on every process-group backend (gloo has no
-    native reduce_scatter); plugins may do better.
+    Implemented as all_reduce + chunk: the plainest correct form on every process-group backend
+    (it moves world-size times more data than a native reduce-scatter; plugins may do better).
     """
     ws = world_size(group)
     if ws == 1:
