@@ -13,30 +13,37 @@ import json
 import torch
 
 from dsv4core.bench import Timer, get_backend, make_case
-from dsv4core.kernels.triton import attention, mhc, wo_a
+from dsv4core.kernels.triton import attention, compress, mhc, moe, norm, rope, wo_a
 
-SWEEPS = {
-    ("sparse_mqa_attention", attention): {
-        (1, 8, 64): [{}, {"BK": 64}, {"BK": 16}, {"target": 528}, {"target": 132}, {"num_stages": 3},
-                     {"BH": 32, "num_warps": 8}],
-        (256, 4096): [{}, {"BH": 32, "num_warps": 8}, {"BH": 32, "num_warps": 4}, {"BK": 64},
-                      {"num_stages": 3}, {"BH": 64, "num_warps": 8, "BK": 16}],
-    },
-    ("wo_a", wo_a): {
-        (1,): [{}, {"BN": 64, "BK": 128}, {"BN": 16, "BK": 256}, {"BK": 512, "num_stages": 3},
-               {"BN": 32, "BK": 128, "num_stages": 6}],
-        (64,): [{}, {"BM": 64, "BN": 64, "BK": 64}, {"BM": 32, "BN": 32, "BK": 128},
-                {"BM": 64, "BN": 32, "BK": 256, "num_stages": 3}, {"BM": 64, "BN": 16, "BK": 128}],
-        (4096,): [{}, {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
-                  {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
-                  {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}],
-    },
-    ("hc_pre", mhc): {
-        (1, 64): [{}, {"target": 132}, {"target": 528}, {"BK": 64}, {"BK": 256}],
-        (4096,): [{}, {"BT": 128, "num_warps": 8}, {"BK": 256}, {"num_stages": 4}, {"target": 528},
-                  {"BT": 32}],
-    },
-}
+SWEEPS = [
+    ("sparse_mqa_attention", attention, (1, 8, 64, 256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
+    ("wo_a", wo_a, (1, 4), [{}, {"gemv": True}, {"gemv": True, "gBN": 16, "gBK": 512},
+                            {"gemv": True, "gBN": 64, "gBK": 128, "num_warps": 8}, {"gemv": True, "num_warps": 8}]),
+    ("hc_pre", mhc, (1, 64, 4096), [{}, {"target": 64}, {"target": 132}]),
+    ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
+                               {"post_BLOCK": 128, "post_num_warps": 4}]),
+    ("hc_post", mhc, (4096,), [{}, {"post_BLOCK": 2048, "post_num_warps": 8}, {"post_BLOCK": 512, "post_num_warps": 4}]),
+    ("rms_norm", norm, (4096,), [{}, {"ROWS": 2, "num_warps": 8}, {"num_warps": 16}, {"ROWS": 4, "num_warps": 8},
+                                 {"num_warps": 4}]),
+    ("kv_norm_rope", rope, (4096,), [{}, {"HB": 16}, {"HB": 4}, {"rowpos_below": 0}]),
+    ("q_norm_rope", rope, (64, 4096), [{}, {"HB": 4}, {"HB": 16, "num_warps": 8}, {"HB": 8, "num_warps": 8}]),
+    ("rope", rope, (4096,), [{}, {"HB": 4}, {"HB": 16, "num_warps": 8}]),
+    ("compress_pool", compress, (4096,), [{}, {"BD": 128}, {"BD": 64}, {"BD": 256, "num_warps": 8}]),
+    ("compress_pool_hca", compress, (4096,), [{}, {"BD": 32}, {"BD": 8}, {"BD": 64, "num_warps": 8}]),
+    ("moe_experts", moe, (1, 64, 4096), [{}, {"BN": 128}, {"num_stages": 4}]),
+]
+
+
+def _parts(timer, shapes, rows):
+    """hc_pre / hc_head: the split-K mixes kernel alone vs the whole op."""
+    for T in (1, 64, 4096):
+        case = make_case("hc_pre", shapes, T, "cuda")
+        x, fn = case.kwargs["x"], case.kwargs["fn"]
+        n, H = x.shape[1], x.shape[2]
+        t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
+        r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=case.bytes / t / 1e9)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
 
 
 def main(argv=None):
@@ -47,11 +54,13 @@ def main(argv=None):
     b = get_backend("cuda")
     timer = Timer("cuda")
     rows = []
-    for (op, mod), groups in SWEEPS.items():
-        impl = b.impls[op]
-        for toks, variants in groups.items():
+    _parts(timer, a.shapes, rows)
+    for label, mod, toks, variants in SWEEPS:
+        if True:
             for T in toks:
-                case = make_case(op, a.shapes, T, "cuda")
+                case = make_case(label, a.shapes, T, "cuda")
+                op = label
+                impl = b.impls[case.op]
                 mod.TUNE.clear()
                 base = impl.fn(**case.kwargs)
                 base = base[0] if isinstance(base, tuple) else base
@@ -59,7 +68,7 @@ def main(argv=None):
                     mod.TUNE.clear()
                     mod.TUNE.update(v)
                     try:
-                        t = timer.time(lambda: impl.fn(**case.kwargs), reps=15)
+                        t = timer.time(lambda: impl.fn(**case.kwargs), reps=15, graph=case.graphable)
                         out = impl.fn(**case.kwargs)
                         out = out[0] if isinstance(out, tuple) else out
                         diff = float((out.float() - base.float()).abs().max() / base.float().abs().max())

@@ -11,6 +11,9 @@ import triton.language as tl
 
 from ._util import c, np2, cdiv, rne, to_out
 
+#: launch-config overrides for tuning scripts; empty in normal use
+TUNE: dict = {}
+
 
 @triton.jit
 def _compress_pool_kernel(kv_ptr, sc_ptr, ape_ptr, pkv_ptr, psc_ptr, out_ptr, DP,
@@ -77,8 +80,8 @@ def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     has_prev = bool(overlap) and prev_kv is not None and prev_score is not None
     MP = np2(m)
     BD = max(16, min(np2(DP), 4096 // (2 * MP) if overlap else 4096 // MP))
-    BD = min(BD, np2(DP))
+    BD = min(TUNE.get("BD", BD), np2(DP))
     _compress_pool_kernel[(Wn, cdiv(DP, BD))](
         kv, score, ape, c(prev_kv) if has_prev else kv, c(prev_score) if has_prev else kv, out, DP,
-        M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=4)
+        M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=TUNE.get("num_warps", 4))
     return out

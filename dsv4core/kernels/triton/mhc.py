@@ -52,7 +52,8 @@ def hc_post(o, residual, post, comb):
     BLOCK = min(1024, np2(H))
     while BLOCK > 128 and T * cdiv(H, BLOCK) < _TARGET_PROGRAMS:
         BLOCK //= 2
-    nw = 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1)
+    BLOCK = TUNE.get("post_BLOCK", BLOCK)
+    nw = TUNE.get("post_num_warps", 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1))
     _hc_post_kernel[(T, cdiv(H, BLOCK))](o, residual, post, comb, out, H, N=n, NP=np2(n),
                                          BLOCK=BLOCK, RNE=rne(out), num_warps=nw)
     return out

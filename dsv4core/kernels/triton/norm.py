@@ -8,6 +8,8 @@ import triton.language as tl
 from ._util import c, np2, cdiv, rne, to_out
 
 _SINGLE_MAX = 8192  # rows up to this width stay in registers (one HBM read)
+#: launch-config overrides for tuning scripts; empty in normal use
+TUNE: dict = {}
 
 
 @triton.jit
@@ -64,8 +66,8 @@ def rms_norm(x, weight, eps):
     else:
         BLOCK = 4096
         single = False
-    ROWS = max(1, min(16, 2048 // BLOCK)) if single else 1
-    nw = 4 if ROWS * BLOCK <= 2048 else 8
+    ROWS = TUNE.get("ROWS", max(1, min(16, 2048 // BLOCK))) if single else 1
+    nw = TUNE.get("num_warps", 4 if ROWS * BLOCK <= 2048 else 8)
     _rms_norm_kernel[(cdiv(R, ROWS),)](x2, w, y, R, D, float(eps), HAS_W=weight is not None,
                                        ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw)
     return y

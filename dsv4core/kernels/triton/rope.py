@@ -9,17 +9,26 @@ from triton.language.extra import libdevice
 
 from ._util import accurate, c, np2, cdiv, rne, to_out
 
+#: launch-config overrides for tuning scripts; empty in normal use
+TUNE: dict = {}
+
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, INVERSE: tl.constexpr,
                       ACCURATE: tl.constexpr, HB: tl.constexpr, BLOCK: tl.constexpr,
-                      HP: tl.constexpr, RNE: tl.constexpr):
-    # one program = one token x HB of its rows (heads): cos/sin computed once per token
-    t = tl.program_id(0).to(tl.int64)
-    hr = tl.program_id(1) * HB + tl.arange(0, HB)
-    hm = hr < RPT
-    base = (t * RPT + hr)[:, None] * D
+                      HP: tl.constexpr, RNE: tl.constexpr, ROWPOS: tl.constexpr, R):
+    # default: one program = one token x HB of its rows (heads), cos/sin computed once per token.
+    # ROWPOS (few rows per token, e.g. kv [T, d]): HB consecutive rows of any tokens, per-row angles.
+    if ROWPOS:
+        rows = tl.program_id(0).to(tl.int64) * HB + tl.arange(0, HB)
+        hm = rows < R
+        base = rows[:, None] * D
+    else:
+        t = tl.program_id(0).to(tl.int64)
+        hr = tl.program_id(1) * HB + tl.arange(0, HB)
+        hm = hr < RPT
+        base = (t * RPT + hr)[:, None] * D
     cols = tl.arange(0, BLOCK)
     m = hm[:, None] & (cols < D)[None, :]
     j = tl.arange(0, HP)
@@ -38,8 +47,13 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
             xe = xe * tl.load(w_ptr + ce, mask=jm, other=0.0).to(tl.float32)[None, :]
             xo = xo * tl.load(w_ptr + ce + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
-    p = tl.load(pos_ptr + t).to(tl.float32)
-    ang = p * tl.load(f_ptr + j, mask=jm, other=0.0)
+    f = tl.load(f_ptr + j, mask=jm, other=0.0)
+    if ROWPOS:
+        p = tl.load(pos_ptr + rows // RPT, mask=hm, other=0).to(tl.float32)
+        ang = p[:, None] * f[None, :]
+    else:
+        p = tl.load(pos_ptr + t).to(tl.float32)
+        ang = (p * f)[None, :]
     if ACCURATE:
         cs = libdevice.cos(ang)
         sn = libdevice.sin(ang)
@@ -48,8 +62,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps
         sn = tl.sin(ang)
     if INVERSE:
         sn = -sn
-    oe = xe * cs[None, :] - xo * sn[None, :]
-    oo = xe * sn[None, :] + xo * cs[None, :]
+    oe = xe * cs - xo * sn
+    oo = xe * sn + xo * cs
     tl.store(y_ptr + base + cols[None, :], to_out(x, y_ptr, RNE), mask=m & (cols < DS)[None, :])
     tl.store(y_ptr + base + ce[None, :], to_out(oe, y_ptr, RNE), mask=mj)
     tl.store(y_ptr + base + ce[None, :] + 1, to_out(oo, y_ptr, RNE), mask=mj)
@@ -66,12 +80,19 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
     half = inv_freq.shape[0]
     RPT = R // T
     BLOCK = np2(D)
-    HB = min(np2(RPT), max(1, 4096 // BLOCK))
-    nw = 4 if HB * BLOCK <= 2048 else 8
-    _norm_rope_kernel[(T, cdiv(RPT, HB))](
+    rowpos = RPT < TUNE.get("rowpos_below", 8)
+    if rowpos:
+        HB = TUNE.get("HB", max(1, 4096 // BLOCK))
+        grid = (cdiv(R, HB),)
+    else:
+        HB = TUNE.get("HB", min(np2(RPT), max(1, 4096 // BLOCK)))
+        grid = (T, cdiv(RPT, HB))
+    nw = TUNE.get("num_warps", 4 if HB * BLOCK <= 2048 else 8)
+    _norm_rope_kernel[grid](
         x, c(w) if w is not None else x, c(positions), c(inv_freq), y, RPT, D, D - 2 * half, half,
         float(eps), NORM=norm, HAS_W=w is not None, INVERSE=bool(inverse),
-        ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), num_warps=nw)
+        ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), ROWPOS=rowpos, R=R,
+        num_warps=nw)
     return y
 
 

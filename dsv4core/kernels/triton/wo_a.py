@@ -66,6 +66,30 @@ def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
     tl.store(out_ptr + out_off, to_out(acc, out_ptr, RNE), mask=rm[:, None] & cm[None, :])
 
 
+@triton.jit
+def _wo_a_gemv_kernel(o_ptr, w_ptr, out_ptr, T, G, R, D,
+                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RNE: tl.constexpr):
+    # decode shapes (a few tokens): plain FMA dot products, the weight streamed once
+    pn = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    cols = pn * BN + tl.arange(0, BN)
+    cm = cols < R
+    toks = tl.arange(0, TP)
+    kk = tl.arange(0, BK)
+    w_base = w_ptr + (g * R + cols.to(tl.int64)[:, None]) * D
+    acc = tl.zeros([TP, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        ks = k0 + kk
+        km = ks < D
+        w = tl.load(w_base + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        for t in tl.static_range(TP):
+            a = tl.load(o_ptr + (t * G + g) * D + ks, mask=km & ((kk * 0 + t) < T), other=0.0).to(tl.float32)
+            part = tl.sum(w * a[None, :], axis=1)
+            acc += tl.where(toks[:, None] == t, part[None, :], 0.0)
+    out_off = (toks.to(tl.int64)[:, None] * G + g) * R + cols[None, :]
+    tl.store(out_ptr + out_off, to_out(acc, out_ptr, RNE), mask=(toks < T)[:, None] & cm[None, :])
+
+
 def wo_a(o, weight, weight_scale=None):
     T, G, D = o.shape
     R = weight.shape[1]
@@ -75,6 +99,11 @@ def wo_a(o, weight, weight_scale=None):
     o, weight = c(o), c(weight)
     f32 = o.dtype == torch.float32
     scaled = weight_scale is not None
+    if TUNE.get("gemv", False) and not scaled and T <= 4:
+        BN, BK = TUNE.get("gBN", 32), TUNE.get("gBK", 256)
+        _wo_a_gemv_kernel[(cdiv(R, BN), G)](o, weight, out, T, G, R, D, TP=triton.next_power_of_2(T), BN=BN,
+                                            BK=BK, RNE=rne(out), num_warps=TUNE.get("num_warps", 4))
+        return out
     e8 = scaled and _E8M0 is not None and weight_scale.dtype == _E8M0
     s = c(weight_scale) if scaled else o
     if e8:
