@@ -300,3 +300,27 @@ def test_empty_forward_is_legal(tiny):
     e = torch.zeros(0, dtype=torch.long)
     assert tiny.forward_batch(e, e, e, [s]).shape == (0, tiny.config.vocab_size)
     assert s.length == 0 and tiny.generate([], 4) == []
+
+
+def test_official_format_checkpoint_loads(tiny, tmp_path):
+    """The tiny model written in the official DeepSeek layout (FP8 dense + FP4 experts, sharded,
+    legacy config keys, an mtp.* tensor) loads through load_model and equals a model holding the
+    writer's dequantised reference weights."""
+    from dsv4core.checkpoint.writer import official_config, write_official
+    from dsv4core.model.api import build_model
+
+    hf_cfg = {**tiny.config.to_hf_dict(), "num_nextn_predict_layers": 1}
+    off = official_config(hf_cfg)
+    off["rope_scaling"] = dict(TINY_CONFIG["rope_parameters"], type="yarn")
+    assert DSV4Config.from_dict(off) == tiny.config
+    sd = {k: v.detach().clone() for k, v in tiny.state_dict().items()}
+    ref = write_official(sd, off, tmp_path, max_shard_bytes=200_000,
+                         mtp={"mtp.0.norm.weight": torch.ones(tiny.config.hidden_size)})
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    loaded = load_model(str(tmp_path), backend="reference", dtype="float32")
+    want = build_model(tiny.config, backend="reference")
+    want.load_state_dict({k: ref[k].to(v.dtype) for k, v in want.state_dict().items()}, strict=True)
+    ids = list(range(3, 120))
+    a, b = loaded.logits(ids), want.logits(ids)
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert load_model(str(tmp_path), backend="reference").act_dtype == torch.bfloat16  # no dtype in config
