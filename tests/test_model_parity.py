@@ -140,3 +140,30 @@ def test_bfloat16_report(pair, capsys):
               f"vs ours-fp32: ours-bf16 {med(got16, f32):.3e}, HF-bf16 {med(ref16, f32):.3e}; argmax agreement "
               f"with fp32: ours-bf16 {agree(got16):.3f}, HF-bf16 {agree(ref16):.3f}")
     assert torch.isfinite(got16).all()
+
+
+@pytest.mark.parametrize("change", [
+    {"sliding_window": 1, "compress_rates": {"compressed_sparse_attention": 1, "heavily_compressed_attention": 1}},
+    {"sliding_window": 2, "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
+     "index_topk": 1},
+    {"hc_mult": 1, "o_groups": 1, "num_experts_per_tok": 1},
+], ids=["window1_ratio1", "window2_topk1", "hc1_groups1_k1"])
+def test_edge_configs(change, tmp_path):
+    """Extreme windows / ratios / widths: prefill parity with transformers, and decode-with-state
+    == recompute (transformers' own cache cannot decode with sliding_window=1, so no generate)."""
+    kw = {**CONFIG_A, **change}
+    hf = hf_model(kw, 5)
+    hf.save_pretrained(tmp_path)
+    m = dsv4core.load_model(str(tmp_path), backend="reference")
+    ids = rand_ids(60, kw["vocab_size"], 1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    full = m.logits(ids)
+    assert (full - ref).abs().max() <= 1e-4 * ref.abs().max()
+    st = m.new_state()
+    out = [m.forward_batch(torch.tensor(ids[:7]), torch.arange(7), torch.zeros(7, dtype=torch.long), [st])]
+    for i in range(7, len(ids)):
+        out.append(m.forward_batch(torch.tensor([ids[i]]), torch.tensor([i]), torch.tensor([0]), [st]))
+    assert (torch.cat(out) - full).abs().max() <= 1e-4 * full.abs().max()
+    if kw["sliding_window"] > 1:
+        assert hf_generate(hf, ids[:30], 20) == m.generate([ids[:30]], 20)[0]
