@@ -324,3 +324,12 @@ def test_official_format_checkpoint_loads(tiny, tmp_path):
     a, b = loaded.logits(ids), want.logits(ids)
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert load_model(str(tmp_path), backend="reference").act_dtype == torch.bfloat16  # no dtype in config
+
+
+def test_chunked_prefill_generate_equals_one_shot(tiny):
+    prompts = [list(range(5, 80)), [3, 4], list(range(100, 141))]
+    want = tiny.generate(prompts, 8)
+    assert tiny.generate(prompts, 8, prefill_chunk=7) == want
+    assert tiny.generate(prompts, 8, prefill_chunk=1) == want
+    with pytest.raises(InputError, match="prefill_chunk"):
+        tiny.generate(prompts, 2, prefill_chunk=0)

@@ -27,6 +27,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -55,12 +58,6 @@ class _Progress:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
-    def done(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self.shown = False
-
 
 def run(args) -> int:
     import dsv4core
@@ -68,15 +65,17 @@ def run(args) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
     t_load = time.perf_counter() - t0
     progress = _Progress(not args.no_progress)
     t1 = time.perf_counter()
-    out = model.generate(args.input_ids, args.max_new_tokens, progress=progress)
+    out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk, progress=progress)
     t_gen = time.perf_counter() - t1
-    if progress.shown:
-        progress.shown = False
     if args.json:
         print_json({"model": str(args.model), "backend": args.backend, "dtype": str(model.act_dtype).removeprefix("torch."),
                     "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),

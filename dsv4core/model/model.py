@@ -163,10 +163,11 @@ class DSV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 eos_token_id: int | None = None,
+                 eos_token_id: int | None = None, prefill_chunk: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
-        """Greedy, batched: one prefill forward of all prompts, then one decode forward per step
-        for all unfinished requests. Returns only the new tokens of each prompt. With
+        """Greedy, batched: one prefill forward of all prompts (or, with `prefill_chunk`, one
+        forward per chunk of at most that many tokens of each prompt), then one decode forward per
+        step for all unfinished requests. Returns only the new tokens of each prompt. With
         `eos_token_id`, a request stops after emitting it."""
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
@@ -186,12 +187,10 @@ class DSV4ForCausalLM(nn.Module):
         out: list[list[int]] = [[] for _ in prompts]
         if not prompts or max_new_tokens == 0:
             return out
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
         states = [self.new_state() for _ in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-        pos = torch.cat([torch.arange(len(p)) for p in prompts])
-        rid = torch.cat([torch.full((len(p),), i, dtype=torch.int64) for i, p in enumerate(prompts)])
-        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-        logits = self.forward_batch(ids, pos, rid, states, logits_rows=last)
+        logits = self._prefill(prompts, states, prefill_chunk)
         active = list(range(len(prompts)))
         step = 0
         while True:
@@ -211,6 +210,33 @@ class DSV4ForCausalLM(nn.Module):
             pos = torch.tensor([states[i].length for i in active], dtype=torch.int64)
             logits = self.forward_batch(ids, pos, torch.arange(len(active)), [states[i] for i in active])
         return out
+
+
+    def _prefill(self, prompts: list[list[int]], states: list[RequestState], chunk: int | None) -> torch.Tensor:
+        """Prefill all prompts (chunked over positions if `chunk`); logits of each last token."""
+        chunk = chunk or max(len(p) for p in prompts)
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        for off in range(0, max(len(p) for p in prompts), chunk):
+            ids: list[int] = []
+            pos: list[int] = []
+            rid: list[int] = []
+            rows: list[int] = []
+            owners: list[int] = []
+            for i, p in enumerate(prompts):
+                seg = p[off:off + chunk]
+                if not seg:
+                    continue
+                ids += seg
+                pos += range(off, off + len(seg))
+                rid += [i] * len(seg)
+                if off + len(seg) == len(p):
+                    rows.append(len(ids) - 1)
+                    owners.append(i)
+            lg = self.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
+                                    logits_rows=torch.tensor(rows, dtype=torch.int64))
+            for i, row in zip(owners, lg):
+                last[i] = row
+        return torch.stack(last)
 
 
 # ---------------------------------------------------------------------------------------------
