@@ -214,7 +214,8 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
     """indexer_topk: per query, the backend's indices must be ``min(topk, k_lengths[t])`` distinct
     valid positions (-1 elsewhere) forming a correct top-k set: every pick scores at least the
     k-th largest valid score (minus ``tie_tol``), and every valid entry scoring strictly above it
-    (plus ``tie_tol``) is picked. Ties may be broken either way; order is free."""
+    (plus ``tie_tol``) is picked. Ties may be broken either way; order is free. Valid entries
+    scored -inf may be picked or left as -1."""
     scores = kwargs["scores"].detach().to(torch.float64).cpu()
     lengths = kwargs["k_lengths"].cpu().long()
     topk = int(kwargs["topk"])
@@ -222,14 +223,20 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
     problems: list[str] = []
     bad_rows = 0
     for t in range(scores.shape[0]):
-        n = min(topk, int(lengths[t]))
+        n_valid = int(lengths[t])
+        n_max = min(topk, n_valid)
+        # a valid key scored -inf may be picked or left out (-1): ambiguous in the spec, never
+        # produced by indexer_scores within k_lengths
+        n_min = min(topk, int(torch.isfinite(scores[t, :n_valid]).sum()) if n_valid else 0)
         row = g[t]
         picks = row[row >= 0]
+        n = picks.numel()
         why = ""
         if (row < -1).any():
             why = f"values below -1: {row[row < -1][:4].tolist()}"
-        elif picks.numel() != n:
-            why = f"{picks.numel()} indices, expected {n} (k_lengths={int(lengths[t])}, topk={topk})"
+        elif not n_min <= n <= n_max:
+            want = f"{n_max}" if n_min == n_max else f"{n_min}..{n_max}"
+            why = f"{n} indices, expected {want} (k_lengths={n_valid}, topk={topk})"
         elif (picks >= lengths[t]).any():
             why = f"index {int(picks[picks >= lengths[t]][0])} outside the query's {int(lengths[t])} valid keys"
         elif picks.unique().numel() != picks.numel():

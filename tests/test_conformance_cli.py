@@ -1,0 +1,108 @@
+"""The conformance CLI, its reports, the pytest entry and the model-level check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from dsv4core.commands.conformance import main
+from dsv4core.conformance import FAILED, PASSED
+from dsv4core.conformance.model_check import check_model
+
+from conformance_backends import make_alt_backend, make_broken_backend
+
+
+def test_cli_reference_subset_writes_all_reports(tmp_path, capsys):
+    j, x, m = tmp_path / "r.json", tmp_path / "r.xml", tmp_path / "r.md"
+    rc = main(["--backend", "reference", "--ops", "rms_norm,indexer_topk,moe_route", "--no-model",
+               "--json", str(j), "--junit", str(x), "--markdown", str(m), "--seed", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "rms_norm" in err and "PASSED" in err                       # progress line per op on stderr
+    assert "worst err/bound" in out and "result: PASSED" in out        # final table on stdout
+    data = json.loads(j.read_text())
+    assert data["backend"] == "reference" and data["seed"] == 3 and not data["failed"] and data["complete"]
+    assert [o["op"] for o in data["ops"]] == ["rms_norm", "indexer_topk", "moe_route"]
+    assert data["ops"][0]["tolerance"]["why"]
+    case = data["ops"][0]["cases"][0]
+    assert {"id", "status", "checks"} <= set(case) and {"err", "err_ref", "bound"} <= set(case["checks"][0])
+    root = ET.parse(x).getroot()
+    assert int(root.get("tests")) == sum(len(o["cases"]) for o in data["ops"]) and root.get("failures") == "0"
+    assert "| rms_norm | passed |" in m.read_text()
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--backend", "no-such-backend"], "unknown backend"),
+    (["--backend", "reference", "--ops", "rms_norm,bogus"], "unknown op 'bogus'"),
+    (["--backend", "reference", "--shapes", "giant"], "unknown shape set"),
+    (["--backend", "reference", "--dtype", "int8"], "unsupported dtype"),
+    (["--backend", "reference", "--device", "nodevice"], "device"),
+])
+def test_cli_bad_arguments_exit_2(argv, what, capsys):
+    assert main(argv + ["--no-model"]) == 2
+    assert what in capsys.readouterr().err
+
+
+def test_cli_unloadable_backend_exit_2(capsys):
+    from dsv4core.hal import discover
+
+    broken = [n for n, st in discover().items() if not st.available]
+    if not broken:
+        pytest.skip("no unavailable backend installed")
+    assert main(["--backend", broken[0], "--no-model"]) == 2
+    assert "cannot be loaded" in capsys.readouterr().err
+
+
+def test_cli_failing_backend_exit_1_and_junit_failures(tmp_path, monkeypatch, capsys):
+    from dsv4core.conformance import runner
+
+    broken = make_broken_backend("hc-post-comb-transposed")
+    monkeypatch.setattr(runner, "load_backend", lambda name, device="cpu": broken)
+    import dsv4core.conformance as pkg
+    monkeypatch.setattr(pkg, "load_backend", lambda name, device="cpu": broken)
+    x = tmp_path / "r.xml"
+    rc = main(["--backend", "whatever", "--ops", "mhc", "--dtype", "float32", "--no-model", "--junit", str(x)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "hc_post" in out and "failed" in out and "bound" in out
+    root = ET.parse(x).getroot()
+    assert int(root.get("failures")) > 0
+    fails = [tc.get("name") for tc in root.iter("testcase") if tc.find("failure") is not None]
+    assert fails and all(n.startswith("hc_post[") for n in fails)
+
+
+def test_model_check_alt_passes_and_broken_fails():
+    good = check_model(make_alt_backend(), "tiny", ("float32",), steps=8)
+    if good["status"] == "unavailable":
+        pytest.skip(good["reason"])
+    assert good["status"] == PASSED, good
+    run = good["runs"][0]
+    assert run["logits_max_rel"] <= run["logits_bound"] and run["greedy_agreement"] == 1.0
+    bad = check_model(make_broken_backend("rope-neox-pairs"), "tiny", ("float32",), steps=8)
+    assert bad["status"] == FAILED and bad["runs"][0]["logits_max_rel"] > bad["runs"][0]["logits_bound"]
+
+
+def test_pytest_entry_one_item_per_case(tmp_path):
+    x = tmp_path / "j.xml"
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "pytest", "-p", "dsv4core.conformance.pytest_plugin", "--pyargs",
+           "dsv4core.conformance", "--dsv4core-backend", "reference", "--dsv4core-ops", "rms_norm,hc_post",
+           "--dsv4core-dtype", "float32", "--dsv4core-no-model", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={x}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    names = [tc.get("name") for tc in ET.parse(x).getroot().iter("testcase")]
+    assert any(n.startswith("test_op[rms_norm-small-float32-T0") for n in names)
+    assert sum(n.startswith("test_op[") for n in names) > 10
+
+
+def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
+    cmd = [sys.executable, "-m", "pytest", "-p", "dsv4core.conformance.pytest_plugin", "--pyargs",
+           "dsv4core.conformance", "--dsv4core-backend", "no-such-backend", "-q", "-p", "no:cacheprovider"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode != 0 and "unknown backend" in p.stdout + p.stderr
