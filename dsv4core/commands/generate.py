@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; small models are often fastest "
+                        "with 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -77,7 +78,8 @@ def run(args) -> int:
     out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk, progress=progress)
     t_gen = time.perf_counter() - t1
     if args.json:
-        print_json({"model": str(args.model), "backend": args.backend, "dtype": str(model.act_dtype).removeprefix("torch."),
+        dtype = str(model.act_dtype).removeprefix("torch.")
+        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype,
                     "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3)})
     else:

@@ -134,7 +134,8 @@ class DSV4Config(BaseModel):
         if self.num_experts_per_tok > self.n_routed_experts:
             errs.append(f"num_experts_per_tok={self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}")
         if self.n_shared_experts != 1:
-            errs.append(f"n_shared_experts must be 1 (one shared expert of width moe_intermediate_size); got {self.n_shared_experts}")
+            errs.append(f"n_shared_experts must be 1 (one shared expert of width moe_intermediate_size); "
+                        f"got {self.n_shared_experts}")
         if self.scoring_func != "sqrtsoftplus":
             errs.append(f"scoring_func must be 'sqrtsoftplus'; got {self.scoring_func!r}")
         if self.tie_word_embeddings:
