@@ -29,8 +29,8 @@ def add_parser(subparsers) -> None:
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; small models are often fastest "
-                        "with 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
