@@ -124,7 +124,7 @@ def _mix(x2, fn, M):
 def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                        T, H, S, rms_eps, hc_eps, iters, post_mult,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, SP: tl.constexpr):
+                       RNE: tl.constexpr, SP: tl.constexpr, HCH):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     K = N * H
@@ -164,19 +164,26 @@ def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
     if hb == 0:
         tl.store(post_ptr + t * N + i, post, mask=im)
         tl.store(comb_ptr + t * N * N + zi2, C, mask=m2)
-    cols = hb * BH + tl.arange(0, BH)
-    cm = cols < H
-    xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
-                 other=0.0).to(tl.float32)
-    y = tl.sum(pre[:, None] * xs, axis=0)
-    tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+    h_lo = hb * HCH
+    h_hi = tl.minimum(h_lo + HCH, H)
+    for h0 in range(h_lo, h_hi, BH):
+        cols = h0 + tl.arange(0, BH)
+        cm = cols < h_hi
+        xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
 
 
 def _epi_block(T, H):
-    BH = min(1024, np2(H))
-    while BH > 128 and T * cdiv(H, BH) < _TARGET_PROGRAMS:
-        BH //= 2
-    return BH
+    """(BH, HCH, programs along H): one warp per program (the n x n Sinkhorn reductions stay inside
+    a warp: no shared-memory barriers), computed once per (token, H-chunk of HCH columns); enough
+    H-chunks that small T still spreads over the SMs; the chunk is collapsed BH columns at a time."""
+    BH = min(256, np2(H))
+    nch = max(1, min(cdiv(H, BH), cdiv(_TARGET_PROGRAMS, T)))
+    nch = TUNE.get("epi_chunks", nch)
+    HCH = cdiv(cdiv(H, nch), BH) * BH
+    return BH, HCH, cdiv(H, HCH)
 
 
 def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
@@ -189,11 +196,11 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
         return y, post, comb
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
-    BH = _epi_block(T, H)
-    _hc_pre_epi_kernel[(T, cdiv(H, BH))](x, zp, ssp, c(scale), c(base), y, post, comb,
+    BH, HCH, nhb = _epi_block(T, H)
+    _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
                                          T, H, S, float(rms_eps), float(hc_eps), int(iters),
                                          float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
-                                         num_warps=4)
+                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1))
     return y, post, comb
 
 
@@ -202,7 +209,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
 def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
                         T, H, S, rms_eps, hc_eps,
                         N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, SP: tl.constexpr):
+                       RNE: tl.constexpr, SP: tl.constexpr, HCH):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     K = N * H
@@ -217,12 +224,15 @@ def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
     s0 = tl.load(scale_ptr)
     b = tl.load(base_ptr + i, mask=im, other=0.0)
     pre = tl.sigmoid(s0 * (rho * z) + b) + hc_eps
-    cols = hb * BH + tl.arange(0, BH)
-    cm = cols < H
-    xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
-                 other=0.0).to(tl.float32)
-    y = tl.sum(pre[:, None] * xs, axis=0)
-    tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+    h_lo = hb * HCH
+    h_hi = tl.minimum(h_lo + HCH, H)
+    for h0 in range(h_lo, h_hi, BH):
+        cols = h0 + tl.arange(0, BH)
+        cm = cols < h_hi
+        xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
 
 
 def hc_head(x, fn, scale, base, rms_eps, hc_eps):
@@ -232,8 +242,9 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
         return y
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
-    BH = _epi_block(T, H)
-    _hc_head_epi_kernel[(T, cdiv(H, BH))](x, zp, ssp, c(scale), c(base), y, T, H, S,
+    BH, HCH, nhb = _epi_block(T, H)
+    _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
                                           float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
-                                          BH=BH, RNE=rne(y), SP=np2(S), num_warps=4)
+                                          BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,
+                                          num_warps=TUNE.get("epi_num_warps", 1))
     return y

@@ -22,7 +22,8 @@ TUNE: dict = {}
 
 @triton.jit
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, a_ptr, te_ptr, tr_ptr, tend_ptr, H, I, limit,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                   KSUB: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(te_ptr + tile).to(tl.int64)
@@ -37,20 +38,26 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, a_ptr, te_ptr, tr_ptr, tend_ptr, H, 
     g_rows = (e * 2 * I + n).to(tl.int64)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        ks = k0 + kk
-        km = ks < H
-        xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        wg = tl.load(w13_ptr + g_rows[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        wu = tl.load(w13_ptr + (g_rows + I)[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :],
-                     other=0.0)
-        if IEEE:
-            xa = xa.to(tl.float32)
-            acc_g += tl.dot(xa, tl.trans(wg.to(tl.float32)), input_precision="ieee")
-            acc_u += tl.dot(xa, tl.trans(wu.to(tl.float32)), input_precision="ieee")
-        else:
-            acc_g = tl.dot(xa, tl.trans(wg), acc_g)
-            acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+    for k1 in range(0, H, BK * KSUB):
+        pg = tl.zeros([BM, BN], dtype=tl.float32)
+        pu = tl.zeros([BM, BN], dtype=tl.float32)
+        for kin in tl.static_range(KSUB):
+            ks = k1 + kin * BK + kk
+            km = ks < H
+            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            wg = tl.load(w13_ptr + g_rows[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :],
+                         other=0.0)
+            wu = tl.load(w13_ptr + (g_rows + I)[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :],
+                         other=0.0)
+            if IEEE:
+                xa = xa.to(tl.float32)
+                pg += tl.dot(xa, tl.trans(wg.to(tl.float32)), input_precision="ieee")
+                pu += tl.dot(xa, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+            else:
+                pg = tl.dot(xa, tl.trans(wg), pg)
+                pu = tl.dot(xa, tl.trans(wu), pu)
+        acc_g += pg  # two-level fp32 accumulation (KSUB blocks, then the running sum)
+        acc_u += pu
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     a = g * tl.sigmoid(g) * u
@@ -59,7 +66,8 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, a_ptr, te_ptr, tr_ptr, tend_ptr, H, 
 
 @triton.jit
 def _moe_down_kernel(a_ptr, tok_ptr, wt_ptr, w2_ptr, out_ptr, te_ptr, tr_ptr, tend_ptr, H, I,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     KSUB: tl.constexpr):
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(te_ptr + tile).to(tl.int64)
@@ -75,18 +83,21 @@ def _moe_down_kernel(a_ptr, tok_ptr, wt_ptr, w2_ptr, out_ptr, te_ptr, tr_ptr, te
     w_rows = (e * H + hc).to(tl.int64)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        ks = k0 + kk
-        km = ks < I
-        a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        w = tl.load(w2_ptr + w_rows[:, None] * I + ks[None, :], mask=hm[:, None] & km[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            a_hi = a.to(w.dtype)
-            a_lo = (a - a_hi.to(tl.float32)).to(w.dtype)
-            acc = tl.dot(a_hi, tl.trans(w), acc)
-            acc = tl.dot(a_lo, tl.trans(w), acc)
+    for k1 in range(0, I, BK * KSUB):
+        part = tl.zeros([BM, BN], dtype=tl.float32)
+        for kin in tl.static_range(KSUB):
+            ks = k1 + kin * BK + kk
+            km = ks < I
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w2_ptr + w_rows[:, None] * I + ks[None, :], mask=hm[:, None] & km[None, :], other=0.0)
+            if IEEE:
+                part += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                a_hi = a.to(w.dtype)
+                a_lo = (a - a_hi.to(tl.float32)).to(w.dtype)
+                part = tl.dot(a_hi, tl.trans(w), part)
+                part = tl.dot(a_lo, tl.trans(w), part)
+        acc += part
     acc = acc * wts[:, None]
     tl.atomic_add(out_ptr + tok[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
@@ -129,7 +140,9 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
     nw = TUNE.get("num_warps", 4)
     ns = TUNE.get("num_stages", 3)
     _moe_up_kernel[(ntiles, cdiv(I, BN))](x, tok, w13, a, te, tr, tend, H, I, float(swiglu_limit),
-                                          BM=BM, BN=BN, BK=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
+                                          BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
+                                          num_warps=nw, num_stages=ns)
     _moe_down_kernel[(ntiles, cdiv(H, BN))](a, tok, wts, w2, out, te, tr, tend, H, I,
-                                            BM=BM, BN=BN, BK=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
+                                            BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
+                                          num_warps=nw, num_stages=ns)
     return out.to(x.dtype)

@@ -66,7 +66,8 @@ def rms_norm(x, weight, eps):
     else:
         BLOCK = 4096
         single = False
-    ROWS = TUNE.get("ROWS", max(1, min(16, 2048 // BLOCK))) if single else 1
+    # H200 sweep (D=4096, T=4096): 2 rows x 8 warps per program beat 1 x 8 by ~8%
+    ROWS = TUNE.get("ROWS", max(1, min(16, 8192 // BLOCK))) if single else 1
     nw = TUNE.get("num_warps", 4 if ROWS * BLOCK <= 2048 else 8)
     _rms_norm_kernel[(cdiv(R, ROWS),)](x2, w, y, R, D, float(eps), HAS_W=weight is not None,
                                        ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw)

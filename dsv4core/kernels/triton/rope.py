@@ -81,11 +81,12 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
     RPT = R // T
     BLOCK = np2(D)
     rowpos = RPT < TUNE.get("rowpos_below", 8)
+    # H200 sweep: 4 rows of 512 per program (2048 elements, 4 warps) is best for q, rope and kv
     if rowpos:
-        HB = TUNE.get("HB", max(1, 4096 // BLOCK))
+        HB = TUNE.get("HB", max(1, 2048 // BLOCK))
         grid = (cdiv(R, HB),)
     else:
-        HB = TUNE.get("HB", min(np2(RPT), max(1, 4096 // BLOCK)))
+        HB = TUNE.get("HB", min(np2(RPT), max(1, 2048 // BLOCK)))
         grid = (T, cdiv(RPT, HB))
     nw = TUNE.get("num_warps", 4 if HB * BLOCK <= 2048 else 8)
     _norm_rope_kernel[grid](
