@@ -22,6 +22,12 @@ class InputError(ValueError):
     """Bad request input (out-of-vocabulary id, empty prompt, too long, malformed batch)."""
 
 
+def _host_long(a) -> torch.Tensor:
+    """A 1-D int64 CPU tensor from a list / tensor (one copy if the tensor lives on a device)."""
+    t = torch.as_tensor(a, dtype=torch.int64) if not isinstance(a, torch.Tensor) else a
+    return t.detach().to("cpu", torch.int64).reshape(-1)
+
+
 class DSV4Model(nn.Module):
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
@@ -98,24 +104,22 @@ class DSV4ForCausalLM(nn.Module):
         logits [len(logits_rows), vocab]. Everything is validated before any state changes.
         """
         dev = self.device
-        input_ids = torch.as_tensor(input_ids, dtype=torch.int64).to(dev).reshape(-1)
-        positions = torch.as_tensor(positions, dtype=torch.int64).to(dev).reshape(-1)
-        request_ids = torch.as_tensor(request_ids, dtype=torch.int64).to(dev).reshape(-1)
-        T = input_ids.shape[0]
-        if positions.shape[0] != T or request_ids.shape[0] != T:
-            raise InputError(f"input_ids ({T}), positions ({positions.shape[0]}) and request_ids "
-                             f"({request_ids.shape[0]}) must have the same length")
-        self._check_ids(input_ids, "input_ids")
+        # validation and bookkeeping on host copies (no device syncs on the hot path)
+        ids_h, pos_h, rid_h = (_host_long(a) for a in (input_ids, positions, request_ids))
+        T = ids_h.shape[0]
+        if pos_h.shape[0] != T or rid_h.shape[0] != T:
+            raise InputError(f"input_ids ({T}), positions ({pos_h.shape[0]}) and request_ids "
+                             f"({rid_h.shape[0]}) must have the same length")
+        self._check_ids(ids_h, "input_ids")
         # segments (contiguous runs of one request)
         starts, counts, rids = [], [], []
-        if T:
-            rl = request_ids.tolist()
-            for t, r in enumerate(rl):
-                if t == 0 or r != rl[t - 1]:
-                    starts.append(t)
-                    counts.append(0)
-                    rids.append(r)
-                counts[-1] += 1
+        rl = rid_h.tolist()
+        for t, r in enumerate(rl):
+            if t == 0 or r != rl[t - 1]:
+                starts.append(t)
+                counts.append(0)
+                rids.append(r)
+            counts[-1] += 1
         if len(set(rids)) != len(rids):
             raise InputError("each request's tokens must be contiguous in the flattened batch")
         if any(r < 0 or r >= len(states) for r in rids):
@@ -123,31 +127,32 @@ class DSV4ForCausalLM(nn.Module):
         seg_states = [states[r] for r in rids]
         start_len = [s.length for s in seg_states]
         maxpos = self.config.max_position_embeddings
-        pl = positions.tolist()
+        pl = pos_h.tolist()
         for s0, n, L, r in zip(starts, counts, start_len, rids):
             if pl[s0:s0 + n] != list(range(L, L + n)):
                 raise InputError(f"request {r}: positions must continue its state ({L}..{L + n - 1}); "
                                  f"got {pl[s0]}..{pl[s0 + n - 1]}")
             if L + n > maxpos:
                 raise InputError(f"request {r}: length {L + n} exceeds max_position_embeddings={maxpos}")
-        seg_of_token = torch.repeat_interleave(torch.arange(len(starts), device=dev),
-                                               torch.tensor(counts, dtype=torch.int64, device=dev)) if T else \
-            torch.zeros(0, dtype=torch.int64, device=dev)
-        batch = Batch(input_ids=input_ids, positions=positions, seg_of_token=seg_of_token, states=seg_states,
-                      starts=starts, counts=counts, start_len=start_len, inv_freq=self._freqs(dev))
+        seg_h = torch.repeat_interleave(torch.arange(len(starts), dtype=torch.int64),
+                                        torch.tensor(counts, dtype=torch.int64))
+        batch = Batch(input_ids=ids_h.to(dev), positions=pos_h.to(dev), seg_of_token=seg_h.to(dev),
+                      states=seg_states, starts=starts, counts=counts, start_len=start_len,
+                      inv_freq=self._freqs(dev), max_position=max(pl) if pl else -1)
 
         n = self.config.hc_mult
-        h = self.model.embed_tokens.weight[input_ids]  # embedding lookup (glue)
+        h = self.model.embed_tokens.weight[batch.input_ids]  # embedding lookup (glue)
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
         for layer in self.model.layers:
             X = layer(X, batch)
         if logits_rows is not None:
-            X = X[torch.as_tensor(logits_rows, dtype=torch.int64, device=dev)]
+            X = X[_host_long(logits_rows).to(dev)]
         y = self.model.norm(self.model.hc_head(X))
         logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
+        il = ids_h.tolist()
         for st, s0, n_ in zip(seg_states, starts, counts):
             st.length += n_
-            st.tokens.extend(input_ids[s0:s0 + n_].tolist())
+            st.tokens.extend(il[s0:s0 + n_])
         return logits
 
     # ------------------------------------------------------------------ public API

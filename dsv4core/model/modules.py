@@ -114,6 +114,7 @@ class Batch:
     counts: list[int]  # tokens of each segment
     start_len: list[int]  # state.length before this forward
     inv_freq: dict[str, torch.Tensor] = field(default_factory=dict)
+    max_position: int = -1  # largest position in the batch (host value: no device sync)
 
     @property
     def num_tokens(self) -> int:
@@ -315,7 +316,7 @@ class Attention(nn.Module):
                 cidx = torch.where(tl >= 0, cbase + tl, -1)
             else:  # HCA: every complete window w < floor((p+1)/m)
                 visible = (pos + 1) // self.ratio
-                width = int(visible.max())
+                width = (batch.max_position + 1) // self.ratio
                 w = torch.arange(width, device=dev)[None]
                 cidx = torch.where(w < visible[:, None], cbase + w, -1)
             idx = torch.cat([idx, cidx], dim=1)
