@@ -244,7 +244,7 @@ def get_backend(name: str):
 
 # ------------------------------------------------------------------------------------------------ run
 def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096), device=None,
-              compile_ref=True, reps=20, log=print) -> dict:
+              compile_ref=True, reps=20, log=print, partial_json=None) -> dict:
     from dsv4core.hal import catalogue
 
     b = get_backend(backend)
@@ -303,7 +303,7 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
             if compile_ref:
                 try:
                     if case.op not in compiled:
-                        compiled[case.op] = torch.compile(ref, dynamic=False)
+                        compiled[case.op] = torch.compile(ref, dynamic=True)
                     cf = compiled[case.op]
                     t0 = time.perf_counter()
                     cf(**kw)
@@ -315,6 +315,9 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                     row["compiled_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             log(_fmt_row(row))
+            if partial_json:  # keep what was measured if the run is cut short
+                with open(partial_json, "w") as f:
+                    json.dump(dict(backend=backend, shapes=shapes, ceilings=ceil, rows=rows), f, indent=1)
             del kw, case
     return dict(backend=backend, device=device, shapes=shapes, tokens=list(tokens), ceilings=ceil,
                 torch=torch.__version__, device_name=(torch.cuda.get_device_name(device)
@@ -375,7 +378,7 @@ def run_args(args) -> int:
     ops = [o for o in args.ops.split(",") if o]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
-                    reps=args.reps)
+                    reps=args.reps, partial_json=(args.json + ".partial") if args.json else None)
     md = markdown(res)
     print(md)
     if args.json:
