@@ -117,7 +117,7 @@ def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
     """'' if ``got`` is non-finite exactly where the fp64 evaluation is (same infs, NaN for NaN)."""
     if not got.is_floating_point():
         return ""
-    g, e = got.detach().to(torch.float64), exact.to(torch.float64)
+    g, e = got.detach().cpu().to(torch.float64), exact.detach().cpu().to(torch.float64)
     bad = ~torch.isfinite(g) & torch.isfinite(e)
     if bad.any():
         n_nan = int((torch.isnan(g) & bad).sum())
@@ -136,7 +136,7 @@ def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
 def error(metric: str, got: torch.Tensor, exact: torch.Tensor) -> float:
     """``max_abs`` = max |got - exact|; ``max_rel`` = max |got - exact| / max |exact| (finite
     entries; max_abs when every exact entry is 0)."""
-    g, e = got.detach().to(torch.float64), exact.to(torch.float64)
+    g, e = got.detach().cpu().to(torch.float64), exact.detach().cpu().to(torch.float64)
     fin = torch.isfinite(e)
     if not fin.any():
         return 0.0
@@ -156,7 +156,7 @@ def output_rounding(metric: str, dtype: torch.dtype, exact: torch.Tensor) -> flo
     half_ulp = 0.5 * torch.finfo(dtype).eps
     if metric == "max_rel":
         return half_ulp
-    e = exact.to(torch.float64)
+    e = exact.detach().cpu().to(torch.float64)
     fin = e[torch.isfinite(e)]
     return half_ulp * (fin.abs().max().item() if fin.numel() else 0.0)
 
@@ -164,15 +164,15 @@ def output_rounding(metric: str, dtype: torch.dtype, exact: torch.Tensor) -> flo
 def _sums_dev(comb: torch.Tensor) -> float:
     if comb.numel() == 0:
         return 0.0
-    c = comb.detach().to(torch.float64)
+    c = comb.detach().cpu().to(torch.float64)
     return max((c.sum(-1) - 1).abs().max().item(), (c.sum(-2) - 1).abs().max().item())
 
 
 def _pair_norm_dev(x: torch.Tensor, y: torch.Tensor, d_r: int) -> float:
     if x.numel() == 0 or d_r == 0:
         return 0.0
-    xp = x.detach().to(torch.float64)[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
-    yp = y.detach().to(torch.float64)[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    xp = x.detach().cpu().to(torch.float64)[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    yp = y.detach().cpu().to(torch.float64)[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
     scale = xp.abs().max().item()
     return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
 
