@@ -333,3 +333,15 @@ def test_chunked_prefill_generate_equals_one_shot(tiny):
     assert tiny.generate(prompts, 8, prefill_chunk=1) == want
     with pytest.raises(InputError, match="prefill_chunk"):
         tiny.generate(prompts, 2, prefill_chunk=0)
+
+
+def test_load_model_errors(tmp_path):
+    from dsv4core.checkpoint import CheckpointError
+    from dsv4core.hal import HALError
+
+    with pytest.raises(HALError, match="no-such-backend"):
+        load_model("tiny", backend="no-such-backend")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("tiny", dtype="float16")
