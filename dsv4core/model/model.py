@@ -149,10 +149,8 @@ class DSV4ForCausalLM(nn.Module):
             X = X[_host_long(logits_rows).to(dev)]
         y = self.model.norm(self.model.hc_head(X))
         logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
-        il = ids_h.tolist()
-        for st, s0, n_ in zip(seg_states, starts, counts):
+        for st, n_ in zip(seg_states, counts):
             st.length += n_
-            st.tokens.extend(il[s0:s0 + n_])
         return logits
 
     # ------------------------------------------------------------------ public API

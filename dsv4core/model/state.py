@@ -21,7 +21,7 @@ compressor + one entry per m tokens: see `state_bytes()` for the computed figure
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -67,7 +67,6 @@ class RequestState:
 
     layers: list[LayerState]
     length: int = 0
-    tokens: list[int] = field(default_factory=list)  # ids consumed so far (bookkeeping only)
 
     @classmethod
     def new(cls, config: DSV4Config, dtype: torch.dtype, device: torch.device | str) -> "RequestState":
