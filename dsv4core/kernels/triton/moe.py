@@ -122,6 +122,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
     tok = (pair // k).to(torch.int32)
     wts = weights.reshape(-1)[pair].to(torch.float32).contiguous()
     P = pair.numel()
+    ieee = x.dtype == torch.float32 or interp(x)
     BM = TUNE.get("BM", 16 if P <= 4 * E else 64)
     counts = torch.bincount(eid, minlength=E)
     starts = torch.cumsum(counts, 0) - counts
@@ -134,11 +135,12 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
     tend = (starts[te] + counts[te]).to(torch.int32)
     te = te.to(torch.int32)
     a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    ieee = x.dtype == torch.float32 or interp(x)
-    BN = TUNE.get("BN", 64)
-    BK = TUNE.get("BK", 64)
+    # fp32 (ieee) tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
+    # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
+    BN = TUNE.get("BN", 32 if ieee else 64)
+    BK = TUNE.get("BK", 32 if ieee else 64)
     nw = TUNE.get("num_warps", 4)
-    ns = TUNE.get("num_stages", 3)
+    ns = TUNE.get("num_stages", 2 if ieee else 3)
     _moe_up_kernel[(ntiles, cdiv(I, BN))](x, tok, w13, a, te, tr, tend, H, I, float(swiglu_limit),
                                           BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
                                           num_warps=nw, num_stages=ns)
