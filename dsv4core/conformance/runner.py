@@ -307,11 +307,11 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
         snap = _snapshot(kw)
         try:
             raw = impl.fn(**kw)
+            if torch.device(_device_of(kw)).type == "cuda":
+                torch.cuda.synchronize()          # asynchronous kernel errors belong to this case
         except Exception as e:
             res.status, res.message = FAILED, f"the op raised {_exc(e)}"
             return res
-        if torch.device(_device_of(kw)).type == "cuda":
-            torch.cuda.synchronize()
         changed = _modified(kw, snap)
         if changed:
             res.status, res.message = FAILED, f"modified its input(s) {', '.join(changed)} in place"
