@@ -535,14 +535,16 @@ def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device
 
     out = dst if dst is not None else torch.empty(want, dtype=dt, device=dev)
 
-    def finite_check(w, sc):
+    def decode_scale(w, sc):
         # non-finite dequantised values can only come from a NaN / 0xFF scale or an FP8 NaN code
-        bad = not torch.isfinite(quant.scale_to_float32(sc)).all()
+        s32 = quant.scale_to_float32(sc)
+        bad = not torch.isfinite(s32).all()
         if not bad and src_dt == torch.float8_e4m3fn:
             bad = bool(((w.view(torch.uint8) & 0x7F) == 0x7F).any())
         if bad:
             raise CheckpointError("quantised data holds NaN / non-finite codes (corrupt data or scale)",
                                   tensor=label, file=info.file)
+        return s32
 
     try:
         wsl = handle(info.file).get_slice(info.name)
@@ -568,8 +570,8 @@ def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device
             if sc is None:
                 dst_view.copy_(w.to(dev))
             else:
-                finite_check(w, sc)
-                dst_view.copy_(quant.dequantize(w.to(dev), sc.to(dev), dt))
+                s32 = decode_scale(w, sc)
+                dst_view.copy_(quant.dequantize(w.to(dev), s32.to(dev), dt))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -48,12 +48,30 @@ def is_fp4_packed(dtype: torch.dtype) -> bool:
     return dtype in FP4_PACKED_DTYPES
 
 
+_LUT_CACHE: dict = {}
+
+
+def _lut(kind: str, device: torch.device) -> torch.Tensor:
+    """Cached 256-entry tables: "e8m0" byte -> 2**(b-127) (255 -> NaN); "fp4" byte -> (low, high)."""
+    key = (kind, device)
+    t = _LUT_CACHE.get(key)
+    if t is None:
+        byte = torch.arange(256, dtype=torch.int32)
+        if kind == "e8m0":
+            # built from the float32 bit pattern: exact; 2^-127 is a float32 subnormal
+            bits = torch.where(byte == 0, torch.full_like(byte, 1 << 22), byte << 23)
+            t = torch.where(byte == 255, torch.tensor(float("nan")), bits.view(torch.float32))
+        else:
+            table = torch.tensor(FP4_E2M1_TABLE, dtype=torch.float32)
+            t = torch.stack([table[byte & 0xF], table[byte >> 4]], dim=-1)
+        t = t.to(device)
+        _LUT_CACHE[key] = t
+    return t
+
+
 def _e8m0_bytes_to_float32(b: torch.Tensor) -> torch.Tensor:
-    """UE8M0 byte -> 2**(b-127) exactly, built from the float32 bit pattern (255 -> NaN)."""
-    i = b.to(torch.int32)
-    bits = torch.where(i == 0, torch.full_like(i, 1 << 22), i << 23)  # 2^-127 is a float32 subnormal
-    out = bits.view(torch.float32)
-    return torch.where(i == 255, torch.full_like(out, float("nan")), out)
+    """UE8M0 byte -> 2**(b-127) exactly (255 -> NaN)."""
+    return _lut("e8m0", b.device)[b.long()]
 
 
 def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
@@ -110,9 +128,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., K/2]`` packed e2m1 (low nibble first) -> float32 ``[..., K]`` code values."""
     u8 = packed.contiguous().view(torch.uint8)
-    lut = torch.tensor(FP4_E2M1_TABLE, dtype=torch.float32, device=packed.device)
-    byte = torch.arange(256, device=packed.device)
-    pairs = torch.stack([lut[byte & 0xF], lut[byte >> 4]], dim=-1)  # [256, 2]: (low, high)
+    pairs = _lut("fp4", packed.device)  # [256, 2]: (low nibble value, high nibble value)
     return pairs[u8.long()].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
