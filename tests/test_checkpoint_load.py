@@ -242,3 +242,63 @@ def test_row_chunked_conversion_is_identical(pair, monkeypatch):
     m = _load(off)
     for k, v in m.state_dict().items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_official_config_reads_back(pair):
+    from transformers import DeepseekV4Config
+
+    model, off, _, _ = pair
+    c = DeepseekV4Config(**open_checkpoint(off).config_dict)
+    for k in ("layer_types", "mlp_layer_types", "qk_rope_head_dim", "hidden_size", "n_routed_experts"):
+        assert getattr(c, k) == getattr(model.config, k), k
+
+
+def test_transformers_layout_with_fp8_and_fp4_companions(pair, tmp_path):
+    """Transformers-named checkpoints may carry FP8 ``weight_scale_inv`` and packed-FP4 experts
+    with ``gate_up_proj_scale_inv`` (transformers' FineGrainedFP8 layout): dequantised on load."""
+    from dsv4core.checkpoint import quantize_fp4, quantize_fp8_block
+    from dsv4core.checkpoint.writer import write_transformers
+
+    _, _, _, ref = pair
+    sd = dict(ref)
+    n = "model.layers.1.self_attn.o_b_proj.weight"
+    q, s = quantize_fp8_block(sd[n], torch.float32)
+    sd[n], sd[n + "_scale_inv"] = q, s
+    e = "model.layers.2.mlp.experts.gate_up_proj"
+    q4, s4 = quantize_fp4(sd[e])
+    sd[e], sd[e + "_scale_inv"] = q4, s4
+    write_transformers(sd, tiny_config().to_dict(), tmp_path / "fp8hf", max_shard_bytes=200_000)
+    m = _load(tmp_path / "fp8hf")
+    from dsv4core.checkpoint import dequantize_fp4, dequantize_fp8
+
+    assert torch.equal(m.state_dict()[n], dequantize_fp8(q, s))
+    assert torch.equal(m.state_dict()[e], dequantize_fp4(q4, s4))
+    assert torch.equal(m.state_dict()[e], ref[e])  # FP4 of FP4-representable values is lossless
+
+
+def test_keep_fp4_experts_packed_when_module_asks_for_it(pair):
+    """A module holding packed int8 experts + ``gate_up_proj_scale_inv`` gets the raw FP4 data,
+    assembled from the per-expert official tensors (w1 rows first, then w3)."""
+    from dsv4core.checkpoint import dequantize_fp4
+
+    _, off, _, ref = pair
+    m = tiny_model(meta=True)
+    ex = m.model.layers[1].mlp.experts
+    E, I2, H = ex.gate_up_proj.shape
+    ex.gate_up_proj = torch.nn.Parameter(torch.empty(E, I2, H // 2, dtype=torch.int8, device="meta"),
+                                         requires_grad=False)
+    ex.gate_up_proj_scale_inv = torch.nn.Parameter(
+        torch.empty(E, I2, H // 32, dtype=torch.float8_e8m0fnu, device="meta"), requires_grad=False)
+    open_checkpoint(off).load_into(m)
+    assert ex.gate_up_proj.dtype == torch.int8
+    assert torch.equal(dequantize_fp4(ex.gate_up_proj, ex.gate_up_proj_scale_inv),
+                       ref["model.layers.1.mlp.experts.gate_up_proj"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_onto_cuda_matches_cpu(pair):
+    _, off, _, ref = pair
+    m = _load(off, device="cuda")
+    for k, v in m.state_dict().items():
+        assert v.device.type == "cuda"
+        assert torch.equal(v.cpu(), ref[k]), k

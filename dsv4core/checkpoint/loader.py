@@ -92,6 +92,8 @@ class Checkpoint:
         p = Path(path)
         if not p.exists():
             raise CheckpointError("path does not exist", file=p)
+        if p.is_file() and p.name == INDEX_NAME:
+            p = p.parent
         self.path = p
         root = p if p.is_dir() else p.parent
         self.root = root
@@ -121,8 +123,6 @@ class Checkpoint:
             else:
                 files = sorted(p.glob("*.safetensors"))
         else:
-            if p.suffix == ".json" and p.name == INDEX_NAME:
-                return self.__init__(p.parent)
             files = [p]
         if not files:
             raise CheckpointError("no .safetensors files found", file=p)
