@@ -302,3 +302,33 @@ def test_load_onto_cuda_matches_cpu(pair):
     for k, v in m.state_dict().items():
         assert v.device.type == "cuda"
         assert torch.equal(v.cpu(), ref[k]), k
+
+
+def test_keep_fp8_from_transformers_layout_and_unscaled_source_is_an_error(pair, tmp_path):
+    from dsv4core.checkpoint import CheckpointError, quantize_fp8_block
+    from dsv4core.checkpoint.writer import write_transformers
+
+    _, _, hf, ref = pair
+    n = "model.layers.1.self_attn.o_b_proj.weight"
+
+    def fp8_module():
+        m = tiny_model(meta=True)
+        lin = m.model.layers[1].self_attn.o_b_proj
+        lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, dtype=torch.float8_e4m3fn, device="meta"),
+                                        requires_grad=False)
+        lin.weight_scale_inv = torch.nn.Parameter(torch.empty(2, 2, dtype=torch.float32, device="meta"),
+                                                  requires_grad=False)
+        return m
+
+    sd = dict(ref)
+    q, s = quantize_fp8_block(sd[n], torch.float32)
+    sd[n], sd[n + "_scale_inv"] = q, s
+    write_transformers(sd, tiny_config().to_dict(), tmp_path / "q")
+    m = fp8_module()
+    open_checkpoint(tmp_path / "q").load_into(m)
+    lin = m.model.layers[1].self_attn.o_b_proj
+    assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(lin.weight_scale_inv, s)
+    # an unquantised checkpoint cannot fill an FP8-kept parameter: an error, not a silent cast
+    with pytest.raises(CheckpointError, match="dtype mismatch") as ei:
+        open_checkpoint(hf).load_into(fp8_module())
+    assert ei.value.tensor == n

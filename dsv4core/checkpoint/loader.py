@@ -175,11 +175,12 @@ class Checkpoint:
             if is_mtp(name):
                 mtp.append(name)
                 continue
+            if name.endswith(HF_SCALE_SUFFIX) and (name not in slots or name[: -len(HF_SCALE_SUFFIX)] in slots):
+                # HF block-scale companion: X.weight_scale_inv / experts.gate_up_proj_scale_inv
+                scales[name[: -len(HF_SCALE_SUFFIX)]] = info
+                continue
             if name in slots:  # transformers name
                 weights[name] = (info, name, (), name)
-                continue
-            if name.endswith(HF_SCALE_SUFFIX):  # HF FP8 companion: X.weight_scale_inv / gate_up_proj_scale_inv
-                scales[name[: -len(HF_SCALE_SUFFIX)]] = info
                 continue
             if name.endswith("activation_scale"):
                 log.warning("ignoring %s (%s)", name, info.file)
@@ -285,6 +286,12 @@ class Checkpoint:
                                   tensor=name, file=self.index_file or self.files[0])
         for target, ps in pieces.items():
             _check_coverage(target, ps, slots[target], self.format)
+        for sname, base in scale_targets.items():  # the module keeps these quantised: every piece needs its scale
+            for pc in pieces[base]:
+                if pc.scale is None:
+                    raise CheckpointError(f"dtype mismatch: the model keeps {base} quantised ({tdtype[base]}, with "
+                                          f"{sname}) but the checkpoint holds {pc.weight.dtype} without a block scale",
+                                          tensor=pc.label, file=pc.weight.file)
 
         # group by the shard holding the weight; process shards one by one
         by_file: dict[Path, list[_Piece]] = defaultdict(list)
@@ -354,9 +361,6 @@ class Checkpoint:
             handles.clear()  # drops the shard's memory maps before the next shard
             del handle
 
-        for name, s in slots.items():
-            if name in scale_targets and scale_targets[name] not in pieces:
-                raise CheckpointError("missing scale", tensor=name, file=self.files[0])
         _verify_not_meta(module)
         return module
 
