@@ -90,7 +90,7 @@ def test_model_check_alt_passes_and_broken_fails():
 def test_pytest_entry_one_item_per_case(tmp_path):
     x = tmp_path / "j.xml"
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "pytest", "-p", "dsv4core.conformance.pytest_plugin", "--pyargs",
+    cmd = [sys.executable, "-m", "pytest", "--pyargs",
            "dsv4core.conformance", "--dsv4core-backend", "reference", "--dsv4core-ops", "rms_norm,hc_post",
            "--dsv4core-dtype", "float32", "--dsv4core-no-model", "-q", "-p", "no:cacheprovider",
            f"--junitxml={x}"]
@@ -102,7 +102,7 @@ def test_pytest_entry_one_item_per_case(tmp_path):
 
 
 def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
-    cmd = [sys.executable, "-m", "pytest", "-p", "dsv4core.conformance.pytest_plugin", "--pyargs",
+    cmd = [sys.executable, "-m", "pytest", "--pyargs",
            "dsv4core.conformance", "--dsv4core-backend", "no-such-backend", "-q", "-p", "no:cacheprovider"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "unknown backend" in p.stdout + p.stderr

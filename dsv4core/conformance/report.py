@@ -142,7 +142,7 @@ def write_markdown(report: Report, path: str) -> None:
              "|---|---|---|---|---|---|---|"]
     for o, row in zip(report.ops, table_rows(report)):
         t = o.tolerance
-        floors = getattr(t, "floors", None)
+        floors = t.floors
         fl = f"{t.floor:g}" + (" / " + ", ".join(f"{k} {v:g}" for k, v in floors.items()) if floors else "")
         lines.append("| " + " | ".join(str(c) for c in row) + f" | {t.k:g}, {fl}, {t.metric} |")
     fails = report.failures()

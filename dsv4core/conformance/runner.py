@@ -102,7 +102,7 @@ class OpResult:
         return {"op": self.op, "status": self.status, "implemented": self.implemented,
                 "passed": self.count(PASSED), "failed": self.count(FAILED), "declined": self.count(DECLINED),
                 "worst_ratio": None if wr is None else compare._num(wr),
-                "tolerance": {"k": t.k, "floor": t.floor, "floors": dict(getattr(t, "floors", None) or {}),
+                "tolerance": {"k": t.k, "floor": t.floor, "floors": dict(t.floors),
                               "metric": t.metric, "why": t.why},
                 "cases": [c.as_dict() for c in self.cases]}
 
@@ -238,8 +238,7 @@ def iter_cases(spec: OpSpec, shapes: str, dtype: torch.dtype, device: str, seed:
 # ---------------------------------------------------------------------------------------------
 
 def _floor(tol, dtype: torch.dtype) -> float:
-    floors = getattr(tol, "floors", None) or {}
-    return float(floors.get(dtype_name(dtype), tol.floor))
+    return tol.floor_for(dtype)
 
 
 def _snapshot(kwargs: dict) -> dict:

@@ -36,13 +36,18 @@ class Tolerance:
     A backend passes a case when ``err_backend <= k * err_reference + floor`` where both errors are
     measured against the fp64 evaluation on the same inputs in the same dtype (``metric`` says how:
     ``"max_rel"`` = max |diff| / max |fp64|, ``"max_abs"`` = max |diff|).  ``why`` is the reason for
-    the numbers and is printed in conformance reports.
+    the numbers and is printed in conformance reports; ``floors`` may set the floor per dtype.
     """
 
     k: float
     floor: float
     why: str
     metric: str = "max_rel"
+    #: Per-dtype floors (``{"bfloat16": 2**-10}``) overriding ``floor`` for cases of that dtype.
+    floors: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def floor_for(self, dtype: torch.dtype) -> float:
+        return float(self.floors.get(str(dtype).replace("torch.", ""), self.floor))
 
 
 @dataclass

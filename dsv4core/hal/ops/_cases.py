@@ -40,23 +40,8 @@ def positions(T: int, gen: torch.Generator, device, max_pos: int = 70000) -> tor
 
 
 # ---------------------------------------------------------------------------------------------
-# Tolerances with a per-dtype floor, and shared case builders
+# Shared case builders
 # ---------------------------------------------------------------------------------------------
-
-from dataclasses import dataclass, field  # noqa: E402
-
-from ..spec import Tolerance  # noqa: E402
-
-
-@dataclass(frozen=True)
-class DtypeTolerance(Tolerance):
-    """A Tolerance whose absolute floor depends on the case's activation dtype.
-
-    ``floors`` maps a dtype name (``"bfloat16"``) to the floor used for cases of that dtype;
-    other dtypes use ``floor``. The conformance runner reads ``floors`` when present.
-    """
-
-    floors: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 def noncontig(t: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,9 @@ def indexer_topk(scores: torch.Tensor, k_lengths: torch.Tensor, topk: int) -> to
         return out
     pos = torch.arange(L, device=scores.device)
     valid = pos[None, :] < k_lengths[:, None]
-    picked = scores.masked_fill(~valid, float("-inf")).topk(kk, dim=-1).indices
+    # a valid entry scored -inf must still beat every masked one: lift it to the lowest finite value
+    lifted = torch.where(valid & (scores == float("-inf")), torch.finfo(scores.dtype).min, scores)
+    picked = lifted.masked_fill(~valid, float("-inf")).topk(kk, dim=-1).indices
     keep = picked < k_lengths[:, None]        # too-early picks (fewer valid entries than kk) -> -1
     out[:, :kk] = torch.where(keep, picked, -1).to(torch.int32)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, DtypeTolerance, dims, noncontig, randn
+from ._cases import TOKENS, dims, noncontig, randn
 
 
 def _mix_logits(x: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
@@ -42,7 +42,7 @@ def _collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * x.to(pre.dtype)).sum(1).to(x.dtype)
 
 
-@op(family="mhc", tolerance=DtypeTolerance(
+@op(family="mhc", tolerance=Tolerance(
     k=4.0, floor=1e-6, floors={"bfloat16": 2.0 ** -10},
     why="a length-nH dot product per mix logit, then 20 Sinkhorn sweeps that are contractive: a few "
         "fp32 roundings (k 4, floor 1e-6 = ~8 fp32 ulps, small enough that one Sinkhorn sweep too few "
