@@ -332,3 +332,22 @@ def test_keep_fp8_from_transformers_layout_and_unscaled_source_is_an_error(pair,
     with pytest.raises(CheckpointError, match="dtype mismatch") as ei:
         open_checkpoint(hf).load_into(fp8_module())
     assert ei.value.tensor == n
+
+
+def test_official_config_keeps_the_compress_yarn_rope():
+    """The writer's official config.json must carry rope_scaling / compress_rope_theta so the
+    compressed layers' YaRN inv_freq survives the round trip (it used to be dropped)."""
+    from transformers import DeepseekV4Config
+
+    from dsv4core.checkpoint.writer import official_config
+    from dsv4core.model.config import DSV4Config
+
+    yarn = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+    hf = DeepseekV4Config(num_hidden_layers=4, hidden_size=64, vocab_size=100, compress_rope_theta=40000.0,
+                          rope_scaling=dict(yarn)).to_dict()
+    off = official_config(hf)
+    assert off["rope_scaling"] == yarn and off["compress_rope_theta"] == 40000.0
+    a, b = DSV4Config.from_dict(hf), DSV4Config.from_dict(off)
+    for kind in ("main", "compress"):
+        assert torch.equal(a.inv_freq(kind), b.inv_freq(kind)), kind
+    assert not torch.equal(a.inv_freq("compress"), DSV4Config.from_dict({**off, "rope_scaling": None}).inv_freq("compress"))

@@ -48,7 +48,15 @@ def official_config(hf_config: Mapping) -> dict:
     prf = c.pop("partial_rotary_factor", None)
     if prf is not None:
         c["qk_rope_head_dim"] = int(round(c["head_dim"] * prf))
-    c.pop("rope_parameters", None)
+    rope = c.pop("rope_parameters", None) or {}
+    main, comp = rope.get("main", {}), rope.get("compress", {})
+    if "rope_theta" in main:
+        c["rope_theta"] = main["rope_theta"]
+    if "rope_theta" in comp:
+        c["compress_rope_theta"] = comp["rope_theta"]
+    if comp.get("rope_type") == "yarn":  # the official spelling of the compress rope's YaRN
+        c["rope_scaling"] = {"type": "yarn", **{k: comp[k] for k in (
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow") if k in comp}}
     for k in ("id2label", "label2id", "transformers_version", "_name_or_path", "dtype"):
         c.pop(k, None)
     c["expert_dtype"] = "fp4"

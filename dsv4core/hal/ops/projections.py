@@ -60,16 +60,11 @@ def _(x, weight, weight_scale=None, out_dtype=None):
            out_dtype)
 
 
-def quantize_block_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32, block: int = BLOCK):
-    """Test/case helper: quantise [.., N, K] to float8_e4m3fn with power-of-two 128x128 block scales."""
-    rows, cols = w.shape[-2], w.shape[-1]
-    pr, pc = -(-rows // block) * block, -(-cols // block) * block
-    padded = torch.nn.functional.pad(w.float(), (0, pc - cols, 0, pr - rows))
-    blocks = padded.unflatten(-1, (pc // block, block)).unflatten(-3, (pr // block, block))
-    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    q = (w.float() / scale.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols])
-    return q.to(FP8), scale.to(scale_dtype)
+def quantize_block_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
+    """Case helper: [.., N, K] -> float8_e4m3fn + 128x128 block scales (the checkpoint writer's quantiser)."""
+    from dsv4core.checkpoint.quant import quantize_fp8_block
+
+    return quantize_fp8_block(w, scale_dtype, BLOCK, pow2=True)
 
 
 @linear.cases
