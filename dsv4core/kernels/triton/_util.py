@@ -4,10 +4,6 @@ from __future__ import annotations
 import torch
 import triton
 
-#: activation dtypes the Triton kernels accept (the contract's ``act``); fp64 and fp16 are declined.
-ACT_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def np2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

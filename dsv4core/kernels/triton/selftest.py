@@ -20,7 +20,6 @@ import torch
 
 from dsv4core.hal import Backend, catalogue
 
-from . import OPS
 from .registry import register_ops
 
 

@@ -8,7 +8,6 @@ import triton.language as tl
 
 from ._util import c, cdiv, interp, rne, to_out
 
-_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 #: launch-config overrides for tuning scripts; empty in normal use
 TUNE: dict = {}
@@ -30,38 +29,40 @@ def _wo_a_kernel(o_ptr, w_ptr, s_ptr, out_ptr, T, G, R, D, RB, DB,
     a_base = o_ptr + (rows.to(tl.int64)[:, None] * G + g) * D
     b_base = w_ptr + (g * R + cols.to(tl.int64)[:, None]) * D
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # KSUB sub-blocks summed into `part` before the running sum: two-level fp32 accumulation
+    # (fp32 activations: keeps the rounding of a length-D dot close to cuBLAS's blocked sums)
     for k1 in range(0, D, BK * KSUB):
-      part = tl.zeros([BM, BN], dtype=tl.float32)
-      for kin in tl.static_range(KSUB):
-        k0 = k1 + kin * BK
-        ks = k0 + kk
-        km = ks < D
-        a = tl.load(a_base + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        b = tl.load(b_base + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-        if INTERP:
-            a = a.to(tl.float32)
-        if SCALE:
+        part = tl.zeros([BM, BN], dtype=tl.float32)
+        for kin in tl.static_range(KSUB):
+            k0 = k1 + kin * BK
+            ks = k0 + kk
+            km = ks < D
+            a = tl.load(a_base + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            b = tl.load(b_base + ks[None, :], mask=cm[:, None] & km[None, :], other=0.0)
             if INTERP:
-                b = b.to(tl.float32)
+                a = a.to(tl.float32)
+            if SCALE:
+                if INTERP:
+                    b = b.to(tl.float32)
+                else:
+                    b = b.to(a.dtype)
+                if F32 or INTERP:
+                    part_k = tl.dot(a, tl.trans(b), input_precision="ieee")
+                else:
+                    part_k = tl.dot(a, tl.trans(b))
+                sidx = (g * RB + cols // 128) * DB + k0 // 128
+                if E8M0:
+                    sv = tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32)
+                    sv = tl.exp2(sv - 127.0)
+                else:
+                    sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
+                part += part_k * sv[None, :]
             else:
-                b = b.to(a.dtype)
-            if F32 or INTERP:
-                part_k = tl.dot(a, tl.trans(b), input_precision="ieee")
-            else:
-                part_k = tl.dot(a, tl.trans(b))
-            sidx = (g * RB + cols // 128) * DB + k0 // 128
-            if E8M0:
-                sv = tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32)
-                sv = tl.exp2(sv - 127.0)
-            else:
-                sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
-            part += part_k * sv[None, :]
-        else:
-            if F32 or INTERP:
-                part += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(a, tl.trans(b), part)
-      acc += part
+                if F32 or INTERP:
+                    part += tl.dot(a, tl.trans(b.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(a, tl.trans(b), part)
+        acc += part
     out_off = (rows.to(tl.int64)[:, None] * G + g) * R + cols[None, :]
     tl.store(out_ptr + out_off, to_out(acc, out_ptr, RNE), mask=rm[:, None] & cm[None, :])
 
