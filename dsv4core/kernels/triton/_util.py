@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
+
 def np2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
