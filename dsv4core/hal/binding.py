@@ -77,7 +77,7 @@ class OpTable:
 
 
 def parse_ops_override(text: str | None) -> dict[str, str]:
-    """Parse ``"rms_norm=reference,attention=cuda"``; keys are op names or op family names."""
+    """Parse ``"rms_norm=reference,attention=mybackend"``; keys are op names or op family names."""
     if not text:
         return {}
     specs = catalogue()
