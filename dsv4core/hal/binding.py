@@ -38,6 +38,7 @@ class OpBinding:
     declined: dict[str, str]
     call: Callable = field(repr=False)
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
+    impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
 
     @property
     def is_fallback(self) -> bool:
@@ -64,6 +65,29 @@ class OpTable:
 
     def __getattr__(self, name):  # only reached for unknown names
         raise AttributeError(f"no HAL op named {name!r} (known: {', '.join(self.bindings)})")
+
+    def accepts(self, op_name: str, *args, **kwargs) -> bool:
+        """True iff the implementation that SERVES ``op_name`` (not a fallback further down the
+        chain) accepts these arguments: its ``supports`` predicate says yes, or it has none.
+
+        For decisions taken once, ahead of the hot path (e.g. the model keeping FP8 weights when
+        the serving ``linear`` takes them). Pass arguments shaped, typed and placed like the real
+        call. A predicate that raises counts as a no. A binding built by hand without ``impl``
+        (no predicate known) accepts only when it is served by the reference backend.
+        Unknown op names raise :class:`HALError`.
+        """
+        b = self.bindings.get(op_name)
+        if b is None:
+            raise HALError(f"no HAL op named {op_name!r} (known: {', '.join(self.bindings)})")
+        impl = b.impl
+        if impl is None:
+            return b.backend == REFERENCE
+        if impl.supports is None:
+            return True
+        try:
+            return bool(impl.supports(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - a probe declines, it never raises
+            return False
 
     def report(self) -> list[dict[str, Any]]:
         """The binding table: per op, the serving backend, the candidates and declined reasons."""
@@ -179,7 +203,7 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             # explicitly (or per op) that cannot serve an op is worth a warning.
             explicit = backend != "auto" or op_name in override_map
             log.log(logging.WARNING if policy == "warn" and explicit else logging.INFO, msg)
-        binding = OpBinding(op_name, serving, tuple(order), declined, call=None)
+        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0])
         binding.call = _make_call(spec, chain, policy, binding, check)
         bindings[op_name] = binding
     return OpTable(device_type, policy, bindings)

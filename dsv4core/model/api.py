@@ -80,17 +80,27 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
 
 
 def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None) -> DSV4ForCausalLM:
+               device: torch.device | str | None = None, quantized: str = "auto") -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
     priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
     name; default float32 for "tiny", the checkpoint's dtype otherwise). device: default "cpu".
     Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
+    quantized: what to do with FP8 block-scaled checkpoint weights (see `dsv4core.model.fp8`):
+    "auto" keeps a projection FP8 (+ float32 `weight_scale_inv`) when the non-reference backend
+    serving its `linear` / `wo_a` accepts FP8 weights (asked through `OpTable.accepts`), else
+    dequantises; "keep" keeps every FP8 projection that can be; "dequantize" never keeps.
+    Experts (routed and shared) are always dequantised. `model.quantization_report()` lists them.
     """
+    from . import fp8
+
+    fp8.check_mode(quantized)
     dev = torch.device(device if device is not None else "cpu")
     if str(path_or_name) == "tiny":
-        return build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED)
+        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED)
+        model._quantization = fp8.report(model, quantized, [])
+        return model
 
     from dsv4core.checkpoint import open_checkpoint
 
@@ -104,6 +114,9 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     ops = _bind(dev, backend)
     with torch.device("meta"):
         model = DSV4ForCausalLM(cfg, ops, dtype=dt)
+    decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)
+    fp8.apply(model, decisions)  # kept projections get FP8 (+ scale) parameters: the loader fills them raw
     ckpt.load_into(model, device=dev, strict=True)
+    model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
     return model.eval()

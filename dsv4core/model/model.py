@@ -52,6 +52,7 @@ class DSV4ForCausalLM(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self._inv_freq: dict[tuple, dict[str, torch.Tensor]] = {}
         self.backend = None  # informational: the backend request the op table was bound with
+        self._quantization: dict | None = None  # set by load_model (see quantization_report)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -74,6 +75,14 @@ class DSV4ForCausalLM(nn.Module):
             if callable(fn):
                 return fn()
         return repr(t)
+
+    def quantization_report(self) -> dict:
+        """Which weights are kept FP8 (+ block scale) and why each FP8-capable projection was or was
+        not: ``{"mode", "kept": [names], "kept_bytes", "decisions": [{weight, op, backend, kept, reason}]}``
+        (set by ``load_model``; a model built otherwise keeps nothing)."""
+        from .fp8 import report
+
+        return self._quantization if self._quantization is not None else report(self, "dequantize", [])
 
     def _freqs(self, device: torch.device) -> dict[str, torch.Tensor]:
         key = (device.type, device.index)

@@ -39,16 +39,41 @@ def _param(shape, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class Linear(nn.Module):
-    """A bias-free projection `y = x W^T`, W `[out, in]` (HF `nn.Linear` parameter layout)."""
+    """A bias-free projection `y = x W^T`, W `[out, in]` (HF `nn.Linear` parameter layout).
+
+    Normally W holds dequantised values in the model dtype and `weight_scale_inv` is None (not in
+    the state dict). After `keep_fp8()`, W is float8_e4m3fn and `weight_scale_inv` the float32
+    128x128 block dequantisation multipliers `[ceil(out/128), ceil(in/128)]` (transformers' FP8
+    names); both go to the `linear` op as they are."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), dtype)
+        self.register_parameter("weight_scale_inv", None)
         self._ops = ops
 
+    def fp8_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(weight shape, scale shape) of the FP8 form."""
+        n, k = self.weight.shape
+        return (n, k), (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+
+    def keep_fp8(self) -> None:
+        """Switch to FP8 weight + float32 block scale (empty; filled by the checkpoint loader)."""
+        (w, s), dev = self.fp8_shapes(), self.weight.device
+        self.weight = nn.Parameter(torch.empty(w, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(s, dtype=FP32, device=dev), requires_grad=False)
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self._ops.t.linear(x, self.weight, None, out_dtype)
+        return self._ops.t.linear(x, self.weight, self.weight_scale_inv, out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -237,12 +262,35 @@ class GroupedLinear(nn.Module):
     def __init__(self, in_per_group: int, out_features: int, groups: int, dtype: torch.dtype, ops: OpsRef):
         super().__init__()
         self.weight = _param((out_features, in_per_group), dtype)
+        self.register_parameter("weight_scale_inv", None)
         self.groups = groups
         self._ops = ops
 
-    def forward(self, o: torch.Tensor) -> torch.Tensor:
+    def fp8_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(weight shape, scale shape) as the `wo_a` op takes them: `[G, R, D]`, `[G, R/128, ceil(D/128)]`.
+        The checkpoint's `[G*R/128, ceil(D/128)]` scale grid splits per group only if R % 128 == 0."""
         G = self.groups
-        return self._ops.t.wo_a(o, self.weight.view(G, -1, self.weight.shape[-1]), None)
+        R, D = self.weight.shape[0] // G, self.weight.shape[1]
+        return (G, R, D), (G, R // FP8_BLOCK, _cdiv(D, FP8_BLOCK))
+
+    def fp8_ok(self) -> bool:
+        return (self.weight.shape[0] // self.groups) % FP8_BLOCK == 0
+
+    def keep_fp8(self) -> None:
+        """Switch to FP8 weight `[G*R, D]` + float32 scale `[G*R/128, ceil(D/128)]` (checkpoint layout)."""
+        if not self.fp8_ok():
+            raise ValueError(f"wo_a FP8 needs R % {FP8_BLOCK} == 0 (weight {tuple(self.weight.shape)}, G={self.groups})")
+        n, d = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, d, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(n // FP8_BLOCK, _cdiv(d, FP8_BLOCK), dtype=FP32, device=dev),
+                                             requires_grad=False)
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        G, w, s = self.groups, self.weight, self.weight_scale_inv
+        if s is not None:
+            return self._ops.t.wo_a(o, w.view(G, -1, w.shape[-1]), s.view(G, -1, s.shape[-1]))
+        return self._ops.t.wo_a(o, w.view(G, -1, w.shape[-1]), None)
 
 
 class Attention(nn.Module):
