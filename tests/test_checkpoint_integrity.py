@@ -251,3 +251,23 @@ def test_fp8_nan_code_in_weight(off):
 
     f = edit(off, bad, n + ".weight")
     expect(off, "non-finite", n + ".weight", f)
+
+
+@pytest.mark.parametrize("what", ["weight", "scale"])
+def test_corrupt_fp8_kept_quantised_is_an_error(off, what):
+    """Weights kept FP8 (load_model(quantized="keep")) get the same corruption check as the
+    dequantising path: an FP8 NaN code or an e8m0 NaN scale is an error naming tensor and file."""
+    import dsv4core
+
+    n = "layers.3.attn.wq_b"
+
+    def bad(t):
+        key = f"{n}.{what}"
+        raw = t[key].view(torch.uint8).clone()
+        raw.view(-1)[-1] = 0x7F if what == "weight" else 0xFF
+        t[key] = raw.view(t[key].dtype)
+
+    f = edit(off, bad, f"{n}.{what}")
+    with pytest.raises(CheckpointError, match="non-finite") as ei:
+        dsv4core.load_model(off, backend="reference", quantized="keep")
+    assert ei.value.file == str(f)

@@ -492,7 +492,19 @@ def _read_raw(handle, info: TensorInfo, label: str, full_shape, index, dt, dev, 
         else:
             raise CheckpointError(f"dtype mismatch: checkpoint {t.dtype} vs model {dt} (kept quantised)",
                                   tensor=label, file=info.file)
+    # kept-quantised data gets the same corruption check as the dequantising path
+    if _has_nonfinite_codes(None if is_scale else t, t if is_scale else None):
+        raise CheckpointError("quantised data holds NaN / non-finite codes (corrupt data or scale)",
+                              tensor=label, file=info.file)
     return t.to(dev)
+
+
+def _has_nonfinite_codes(weight: torch.Tensor | None, scale: torch.Tensor | None) -> bool:
+    """A NaN / 0xFF scale, or an FP8 e4m3 NaN code (|byte| = 0x7F) in the weight."""
+    if scale is not None and not torch.isfinite(quant.scale_to_float32(scale)).all():
+        return True
+    return weight is not None and weight.dtype == torch.float8_e4m3fn and bool(
+        ((weight.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
 def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device, dst, fmt: str) -> torch.Tensor:
@@ -542,10 +554,7 @@ def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device
     def decode_scale(w, sc):
         # non-finite dequantised values can only come from a NaN / 0xFF scale or an FP8 NaN code
         s32 = quant.scale_to_float32(sc)
-        bad = not torch.isfinite(s32).all()
-        if not bad and src_dt == torch.float8_e4m3fn:
-            bad = bool(((w.view(torch.uint8) & 0x7F) == 0x7F).any())
-        if bad:
+        if _has_nonfinite_codes(w if src_dt == torch.float8_e4m3fn else None, sc):
             raise CheckpointError("quantised data holds NaN / non-finite codes (corrupt data or scale)",
                                   tensor=label, file=info.file)
         return s32

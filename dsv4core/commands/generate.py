@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
     p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--quantized", default="auto", choices=["auto", "keep", "dequantize"],
+                   help="FP8 checkpoint weights: keep them FP8 where the serving backend accepts FP8 "
+                        "(auto), always keep, or dequantise (default: auto)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
@@ -71,7 +74,8 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
+    model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                                 quantized=args.quantized)
     t_load = time.perf_counter() - t0
     progress = _Progress(not args.no_progress)
     t1 = time.perf_counter()
