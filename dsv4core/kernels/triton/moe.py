@@ -6,7 +6,8 @@ row, end row) of BM pairs each. Kernel 1 gathers x rows, computes g/u blocks for
 ``silu(min(g, L)) * clamp(u, -L, L)`` and stores the activation in fp32. Kernel 2 multiplies by W2
 (the fp32 activation split into two bf16 halves for bf16 weights, ~16 mantissa bits), scales by the
 routing weight and atomically adds into an fp32 [T, H] output (k experts per token), cast once.
-The tile list needs one host sync (its length), so this op is not CUDA-graph capturable.
+Building the tile list syncs with the host (``torch.nonzero``, ``torch.bincount`` on CUDA, and the
+tile count that sizes the grid), so this op is not CUDA-graph capturable.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, interp, rne, to_out
+from .predicates import _E8M0
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 #: launch-config overrides for tuning scripts; empty in normal use
 TUNE: dict = {}
 
@@ -127,6 +127,9 @@ def wo_a(o, weight, weight_scale=None):
     if TUNE and not f32:
         BM, BN, BK, nw, ns = (TUNE.get(k, v) for k, v in (("BM", BM), ("BN", BN), ("BK", BK),
                                                            ("num_warps", nw), ("num_stages", ns)))
+    if scaled and 128 % BK:
+        # one scale per 128 columns of D is read per BK step: a BK step must not straddle scale blocks
+        raise ValueError(f"wo_a: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     RB, DB = cdiv(R, 128), cdiv(D, 128)
     grid = (cdiv(T, BM), cdiv(R, BN), G)
     _wo_a_kernel[grid](o, weight, s, out, T, G, R, D, RB, DB, BM=BM, BN=BN, BK=BK, SCALE=scaled,
