@@ -41,7 +41,9 @@ def _parts(timer, shapes, rows):
         x, fn = case.kwargs["x"], case.kwargs["fn"]
         n, H = x.shape[1], x.shape[2]
         t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
-        r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=case.bytes / t / 1e9)
+        # the bytes this kernel must move: x and fn (case.bytes also counts the op's outputs)
+        mix_bytes = x.numel() * x.element_size() + fn.numel() * fn.element_size()
+        r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=mix_bytes / t / 1e9)
         rows.append(r)
         print(json.dumps(r), flush=True)
 

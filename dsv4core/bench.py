@@ -122,7 +122,7 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
         ids = torch.stack([torch.randperm(Eu, device=device)[:k] for _ in range(T)]) if T <= 64 else \
             torch.randint(0, Eu, (T, k), device=device)
         kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0)
-        touched = min(Eu, T * k)
+        touched = int(torch.unique(ids).numel())   # experts actually read (ids repeat across tokens)
         return BenchCase("moe_experts", label, kw, touched * 3 * I * H * es + 2 * T * H * es,
                          T * k * 6 * H * I, f"{Eu} experts allocated, k={k}, I={I}; bytes = experts touched",
                          graphable=False)
@@ -138,10 +138,14 @@ class Timer:
         self.last_graphed = False
         self._keep = None
 
-    def time(self, fn, warmup=3, reps=20, max_seconds=2.0, graph=True):
+    def time(self, fn, warmup=3, reps=20, max_seconds=2.0, graph=True, host=None):
         """Median seconds per call of ``fn()``. On GPUs: device time with a cold L2 (a 256 MiB buffer is
         written before every timed call), the call replayed from a CUDA graph when it can be captured
-        (so host launch overhead is excluded, as in the peers' kineto numbers), else launched eagerly."""
+        (so host launch overhead is excluded, as in the peers' kineto numbers), else launched eagerly.
+
+        ``host`` (default: True for an eager call, False for a graph replay): wait for the L2 flush to
+        finish before the timed call, so that the host work of launching it is inside the measured
+        interval; otherwise up to the flush's duration (~60 µs) of launch overhead hides behind it."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -162,11 +166,15 @@ class Timer:
                 self._keep = g
             except Exception:  # noqa: BLE001 - not capturable (host syncs...): time it eagerly
                 self.sync()
+        if host is None:
+            host = not self.last_graphed
         times = []
         t_start = time.perf_counter()
         for _ in range(reps):
             if self.cuda:
                 self.flush.zero_()
+                if host:
+                    self.sync()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 call()
@@ -195,13 +203,13 @@ def measure_ceilings(device, timer: Timer) -> dict:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     a.random_(0, 255)
-    t = timer.time(lambda: b.copy_(a), warmup=3, reps=10, graph=False)
+    t = timer.time(lambda: b.copy_(a), warmup=3, reps=10, graph=False, host=False)
     out["copy_GBps"] = 2 * n / t / 1e9
     del a, b
     m = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    t = timer.time(lambda: x @ y, warmup=3, reps=10, graph=False)
+    t = timer.time(lambda: x @ y, warmup=3, reps=10, graph=False, host=False)
     out["bf16_mm_TFLOPs"] = 2 * m ** 3 / t / 1e12
     return out
 
