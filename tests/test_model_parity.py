@@ -10,6 +10,9 @@ import torch
 import dsv4core
 from _model_hf import CONFIG_A, CONFIG_B, hf_generate, hf_model, rand_ids
 
+# float32 logits, relative to max|logit|: measured ~1e-6 (prefill vs transformers, decode-with-state
+# vs recompute, every config here); the bound leaves ~15x for other BLAS blockings.
+REL = 2e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +53,7 @@ def test_prefill_logits_match_hf(pair):
     got = ours.logits(ids)
     assert got.shape == ref.shape
     diff = (got - ref).abs().max().item()
-    bound = 1e-4 * ref.abs().max().item()
+    bound = REL * ref.abs().max().item()
     print(f"[{name}] prefill 300 tokens: max|diff|={diff:.3e} bound={bound:.3e}")
     assert diff <= bound
 
@@ -77,7 +80,7 @@ def test_decode_with_state_equals_recompute(pair):
         out.append(ours.forward_batch(torch.tensor([seq[i]]), torch.tensor([i]), torch.tensor([0]), [st]))
     step = torch.cat(out)
     diff = (step - full).abs().max().item()
-    bound = 1e-4 * full.abs().max().item()
+    bound = REL * full.abs().max().item()
     print(f"[{name}] decode-with-state vs recompute over {len(seq) - P} steps: max|diff|={diff:.3e}")
     assert diff <= bound
     assert st.length == len(seq)
@@ -103,7 +106,7 @@ def test_chunked_prefill_and_mixed_batch_equal_recompute(pair):
     assert ia == len(a)
     da = (torch.cat(got_a) - fa).abs().max().item()
     db = (torch.cat(got_b) - fb[20:25]).abs().max().item()
-    assert da <= 1e-4 * fa.abs().max().item() and db <= 1e-4 * fb.abs().max().item()
+    assert da <= REL * fa.abs().max().item() and db <= REL * fb.abs().max().item()
 
 
 def test_batch_of_different_lengths_equals_alone(pair):
@@ -117,7 +120,10 @@ def test_batch_of_different_lengths_equals_alone(pair):
 
 
 def test_bfloat16_report(pair, capsys):
-    """bf16: reported, not asserted (max |diff| against transformers bf16 and against our fp32)."""
+    """bf16: max |diff| against transformers bf16 and against our fp32, reported. Asserted: our
+    bf16 is no less accurate than transformers' bf16 (median over tokens of the per-token max
+    |diff| against our fp32; measured 0.77x and 0.87x of transformers' on configs A and B): the
+    fp32 mHC / rope / router / pooling decisions of SPEC.md section 0 must not be lost in bf16."""
     name, kw, hf, ours, d = pair
     from transformers import DeepseekV4ForCausalLM
 
@@ -140,6 +146,7 @@ def test_bfloat16_report(pair, capsys):
               f"vs ours-fp32: ours-bf16 {med(got16, f32):.3e}, HF-bf16 {med(ref16, f32):.3e}; argmax agreement "
               f"with fp32: ours-bf16 {agree(got16):.3f}, HF-bf16 {agree(ref16):.3f}")
     assert torch.isfinite(got16).all()
+    assert med(got16, f32) <= 1.1 * med(ref16, f32)
 
 
 @pytest.mark.parametrize("change", [
@@ -159,11 +166,11 @@ def test_edge_configs(change, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     full = m.logits(ids)
-    assert (full - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert (full - ref).abs().max() <= REL * ref.abs().max()
     st = m.new_state()
     out = [m.forward_batch(torch.tensor(ids[:7]), torch.arange(7), torch.zeros(7, dtype=torch.long), [st])]
     for i in range(7, len(ids)):
         out.append(m.forward_batch(torch.tensor([ids[i]]), torch.tensor([i]), torch.tensor([0]), [st]))
-    assert (torch.cat(out) - full).abs().max() <= 1e-4 * full.abs().max()
+    assert (torch.cat(out) - full).abs().max() <= REL * full.abs().max()
     if kw["sliding_window"] > 1:
         assert hf_generate(hf, ids[:30], 20) == m.generate([ids[:30]], 20)[0]

@@ -134,6 +134,8 @@ class DSV4ForCausalLM(nn.Module):
         if any(r < 0 or r >= len(states) for r in rids):
             raise InputError(f"request_ids must index states (0..{len(states) - 1}); got {sorted(set(rids))}")
         seg_states = [states[r] for r in rids]
+        if len({id(s) for s in seg_states}) != len(seg_states):
+            raise InputError("two request_ids refer to the same RequestState object")
         start_len = [s.length for s in seg_states]
         maxpos = self.config.max_position_embeddings
         pl = pos_h.tolist()
@@ -143,9 +145,16 @@ class DSV4ForCausalLM(nn.Module):
                                  f"got {pl[s0]}..{pl[s0 + n - 1]}")
             if L + n > maxpos:
                 raise InputError(f"request {r}: length {L + n} exceeds max_position_embeddings={maxpos}")
+        rows_h = None
+        if logits_rows is not None:
+            rows_h = _host_long(logits_rows)
+            if rows_h.numel() and (int(rows_h.min()) < -T or int(rows_h.max()) >= T):
+                raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows_h.tolist()[:8]}")
         seg_h = torch.repeat_interleave(torch.arange(len(starts), dtype=torch.int64),
                                         torch.tensor(counts, dtype=torch.int64))
-        batch = Batch(input_ids=ids_h.to(dev), positions=pos_h.to(dev), seg_of_token=seg_h.to(dev),
+        # one host->device copy for all per-token index vectors (each copy is a device sync)
+        packed = torch.cat([ids_h, pos_h, seg_h] + ([rows_h] if rows_h is not None else [])).to(dev)
+        batch = Batch(input_ids=packed[:T], positions=packed[T:2 * T], seg_of_token=packed[2 * T:3 * T],
                       states=seg_states, starts=starts, counts=counts, start_len=start_len,
                       inv_freq=self._freqs(dev), max_position=max(pl) if pl else -1)
 
@@ -154,8 +163,8 @@ class DSV4ForCausalLM(nn.Module):
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
         for layer in self.model.layers:
             X = layer(X, batch)
-        if logits_rows is not None:
-            X = X[_host_long(logits_rows).to(dev)]
+        if rows_h is not None:
+            X = X[packed[3 * T:]]
         y = self.model.norm(self.model.hc_head(X))
         logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
         for st, n_ in zip(seg_states, counts):
@@ -222,7 +231,6 @@ class DSV4ForCausalLM(nn.Module):
             pos = torch.tensor([states[i].length for i in active], dtype=torch.int64)
             logits = self.forward_batch(ids, pos, torch.arange(len(active)), [states[i] for i in active])
         return out
-
 
     def _prefill(self, prompts: list[list[int]], states: list[RequestState], chunk: int | None) -> torch.Tensor:
         """Prefill all prompts (chunked over positions if `chunk`); logits of each last token."""

@@ -140,10 +140,22 @@ class Batch:
     start_len: list[int]  # state.length before this forward
     inv_freq: dict[str, torch.Tensor] = field(default_factory=dict)
     max_position: int = -1  # largest position in the batch (host value: no device sync)
+    _per_token: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def per_token(self, per_segment: list[int]) -> torch.Tensor:
+        """int64 [T] on the batch's device: `per_segment[r]` for every token of segment r.
+        The host->device copy (a device sync) is made once per distinct list and forward, not
+        once per layer: layers of one kind lay out their row stores identically."""
+        key = tuple(per_segment)
+        t = self._per_token.get(key)
+        if t is None:
+            t = torch.tensor(per_segment, dtype=torch.int64, device=self.input_ids.device)[self.seg_of_token]
+            self._per_token[key] = t
+        return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,9 +244,11 @@ class Indexer(nn.Module):
         q = ops.rope(q, batch.positions, batch.inv_freq["compress"])
         w = self.scorer.weights_proj(x, FP32) * (self.n_heads ** -0.5)
         keys = torch.cat([c.entries for c in comp_states]) if comp_states else x.new_zeros(0, self.head_dim)
-        offs = torch.tensor([0] + [c.entries.shape[0] for c in comp_states][:-1], dtype=torch.int64,
-                            device=x.device).cumsum(0)
-        k_offsets = offs[batch.seg_of_token]
+        offs, acc = [], 0
+        for c in comp_states:
+            offs.append(acc)
+            acc += c.entries.shape[0]
+        k_offsets = batch.per_token(offs)
         k_lengths = (batch.positions + 1) // self.ratio
         scores = ops.indexer_scores(q, keys.to(q.dtype), w, k_offsets, k_lengths, self.head_dim ** -0.5)
         return ops.indexer_topk(scores, k_lengths, self.topk)
@@ -288,9 +302,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         G, w, s = self.groups, self.weight, self.weight_scale_inv
-        if s is not None:
-            return self._ops.t.wo_a(o, w.view(G, -1, w.shape[-1]), s.view(G, -1, s.shape[-1]))
-        return self._ops.t.wo_a(o, w.view(G, -1, w.shape[-1]), None)
+        return self._ops.t.wo_a(o, w.view(G, -1, w.shape[-1]), None if s is None else s.view(G, -1, s.shape[-1]))
 
 
 class Attention(nn.Module):
@@ -352,13 +364,12 @@ class Attention(nn.Module):
                 cursor += ls.comp.entries.shape[0]
         rows = torch.cat(parts) if parts else kv.new_zeros(0, self.d)
 
-        seg = batch.seg_of_token
         # sliding window: positions p-W+1 .. p (W keys including the query itself)
         cand = pos[:, None] - (self.W - 1) + torch.arange(self.W, device=dev)[None]
-        base = torch.tensor(win_base, dtype=torch.int64, device=dev)[seg] if T else pos
+        base = batch.per_token(win_base) if T else pos
         idx = torch.where(cand >= 0, base[:, None] + cand, -1)
         if self.compressor is not None and T:
-            cbase = torch.tensor(comp_base, dtype=torch.int64, device=dev)[seg][:, None]
+            cbase = batch.per_token(comp_base)[:, None]
             if topk_local is not None:  # CSA: the indexer's picks
                 tl = topk_local.long()
                 cidx = torch.where(tl >= 0, cbase + tl, -1)
