@@ -69,3 +69,15 @@ def test_inspect_error_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="truncated") as ei:
         args.func(args)
     assert ei.value.file == str(tmp_path / "model.safetensors")
+
+
+def test_layer_schedule_uses_the_configs_rates():
+    """Ratios other than the published 4 / 128 are read from the config, in both dialects."""
+    from dsv4core.checkpoint.summary import layer_schedule
+
+    hf = {"num_hidden_layers": 3, "compress_rates": {"compressed_sparse_attention": 3, "heavily_compressed_attention": 16},
+          "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]}
+    off = {"num_hidden_layers": 3, "compress_ratios": [0, 4, 16, 0]}
+    for cfg, csa in ((hf, 3), (off, 4)):
+        sched = layer_schedule(cfg)
+        assert [(s["attention"], s["compress_ratio"]) for s in sched] == [("SWA", 0), ("CSA", csa), ("HCA", 16)]

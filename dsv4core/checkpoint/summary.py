@@ -9,8 +9,9 @@ from . import quant
 from .loader import Checkpoint
 from .names import HF_SCALE_SUFFIX, is_mtp
 
-_RATIO_NAME = {0: "SWA", 4: "CSA", 128: "HCA"}
-_TYPE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+_TYPE_NAME = {"sliding_attention": "SWA", "compressed_sparse_attention": "CSA", "heavily_compressed_attention": "HCA"}
+# transformers' defaults when the config gives no compress_rates (as DSV4Config does)
+_DEFAULT_RATES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 
 
@@ -23,14 +24,19 @@ def _scale_of(name: str) -> str:
 
 
 def layer_schedule(config: dict, n_layers: int | None = None) -> list[dict]:
-    """Per layer: attention kind (SWA / CSA m=4 / HCA m=128) and MoE routing (hash / topk)."""
+    """Per layer: attention kind (SWA / CSA / HCA) with its compress ratio, and MoE routing
+    (hash / topk). Ratios come from ``compress_rates`` (transformers) or ``compress_ratios``
+    (official: 0 = SWA, the CSA rate (``compress_rate_csa``, default 4) = CSA, any other = HCA)."""
     n = config.get("num_hidden_layers", n_layers) or n_layers or 0
+    kinds: list[tuple[int | None, str]]
     if "layer_types" in config and config["layer_types"]:
-        ratios = [_TYPE_RATIO.get(t, -1) for t in config["layer_types"]]
+        rates = {**_DEFAULT_RATES, **(config.get("compress_rates") or {})}
+        kinds = [(rates.get(t), _TYPE_NAME.get(t, "?")) for t in config["layer_types"]]
     elif "compress_ratios" in config:
-        ratios = list(config["compress_ratios"])
+        csa = config.get("compress_rate_csa") or _DEFAULT_RATES["compressed_sparse_attention"]
+        kinds = [(r, "SWA" if r == 0 else "CSA" if r == csa else "HCA") for r in config["compress_ratios"]]
     else:
-        ratios = []
+        kinds = []
     if "mlp_layer_types" in config and config["mlp_layer_types"]:
         mlp = list(config["mlp_layer_types"])
     else:
@@ -38,8 +44,8 @@ def layer_schedule(config: dict, n_layers: int | None = None) -> list[dict]:
         mlp = ["hash_moe" if i < nh else "moe" for i in range(n)]
     out = []
     for i in range(n):
-        r = ratios[i] if i < len(ratios) else None
-        out.append({"layer": i, "compress_ratio": r, "attention": _RATIO_NAME.get(r, "?"),
+        r, kind = kinds[i] if i < len(kinds) else (None, "?")
+        out.append({"layer": i, "compress_ratio": r, "attention": kind,
                     "moe": "hash" if i < len(mlp) and mlp[i] == "hash_moe" else "topk"})
     return out
 
