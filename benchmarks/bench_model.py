@@ -52,14 +52,12 @@ def _models(name: str, backend: str, device: str, dtype: torch.dtype):
     hf = DeepseekV4ForCausalLM(hcfg).eval()
     cfg = DSV4Config.from_dict(json.loads(hcfg.to_json_string()))
     randomize_weights_(hf, cfg, seed=0)
-    ours = build_model(cfg, dtype=torch.float32, device="cpu", backend=backend)
+    hf = hf.to(device=device, dtype=dtype)
+    # built on the device, so its op table is bound for that device (moving a built model with
+    # .to() would keep the table bound for cpu); DSV4's fp32 parameters stay fp32 in ours (they
+    # take the values transformers' to() rounded to `dtype`: the same weights in both)
+    ours = build_model(cfg, dtype=dtype, device=device, backend=backend)
     ours.load_state_dict(hf.state_dict(), strict=True)
-    hf = hf.to(device=device, dtype=dtype) if dtype == torch.float32 else hf.to(device=device).to(dtype)
-    if dtype != torch.float32:  # keep DSV4's fp32 parameters fp32 in ours (transformers' to() casts all)
-        ours = build_model(cfg, dtype=dtype, device=device, backend=backend)
-        ours.load_state_dict({k: v for k, v in hf.state_dict().items()}, strict=True)
-    else:
-        ours = ours.to(device)
     return cfg, hf, ours
 
 
