@@ -351,3 +351,27 @@ def test_official_config_keeps_the_compress_yarn_rope():
     for kind in ("main", "compress"):
         assert torch.equal(a.inv_freq(kind), b.inv_freq(kind)), kind
     assert not torch.equal(a.inv_freq("compress"), DSV4Config.from_dict({**off, "rope_scaling": None}).inv_freq("compress"))
+
+
+def test_keep_fp8_experts_when_module_asks_for_it(tmp_path):
+    """Official FP8 experts (expert_dtype fp8) into a module holding FP8 ``gate_up_proj`` + a
+    ``[E, 2I/128, H/128]`` scale: w1 / w3 fill their halves of the weight AND of the scale grid
+    (one scale row per 128 weight rows, not per weight row)."""
+    from dsv4core.checkpoint import dequantize_fp8
+    from dsv4core.checkpoint.writer import write_official
+
+    model = tiny_model(seed=2)
+    ref = write_official(model.state_dict(), model.config.to_dict(), tmp_path, fp4_experts=False,
+                         max_shard_bytes=300_000)
+    m = tiny_model(meta=True)
+    ex = m.model.layers[1].mlp.experts
+    E, I2, H = ex.gate_up_proj.shape
+    assert (I2 // 2) % 128 == 0
+    ex.gate_up_proj = torch.nn.Parameter(torch.empty(E, I2, H, dtype=torch.float8_e4m3fn, device="meta"),
+                                         requires_grad=False)
+    ex.gate_up_proj_scale_inv = torch.nn.Parameter(
+        torch.empty(E, I2 // 128, H // 128, dtype=torch.float8_e8m0fnu, device="meta"), requires_grad=False)
+    open_checkpoint(tmp_path).load_into(m)
+    assert ex.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert torch.equal(dequantize_fp8(ex.gate_up_proj, ex.gate_up_proj_scale_inv),
+                       ref["model.layers.1.mlp.experts.gate_up_proj"])

@@ -337,14 +337,15 @@ class Checkpoint:
                     val = _read_raw(handle, pc.weight, pc.label, slot.orig.shape, pc.index, tdtype[pc.target], dev)
                     sslot = slots[scale_name]
                     sdt = tdtype[scale_name]
-                    sval = _read_raw(handle, pc.scale, pc.scale.name, sslot.orig.shape, pc.index, sdt, dev,
+                    sindex = _scale_index(pc, tdtype[pc.target])
+                    sval = _read_raw(handle, pc.scale, pc.scale.name, sslot.orig.shape, sindex, sdt, dev,
                                      is_scale=True)
                     if pc.index:
                         sbuf = partial_scale.get(scale_name)
                         if sbuf is None:
                             sbuf = _target_buffer(sslot, sdt, dev)
                             partial_scale[scale_name] = sbuf
-                        sbuf[pc.index].copy_(sval)
+                        sbuf[sindex].copy_(sval)
                         dst.copy_(val)
                     else:
                         _assign(slots, scale_name, sval)
@@ -465,6 +466,19 @@ def _assign(slots: dict[str, _Slot], name: str, value: torch.Tensor) -> None:
 
 def _region_shape(full: torch.Size, index: tuple) -> tuple[int, ...]:
     return tuple(torch.empty(full, device="meta")[index].shape)
+
+
+def _scale_index(pc: _Piece, weight_dtype: torch.dtype) -> tuple:
+    """Region of the scale tensor that goes with the region ``pc.index`` of a kept-quantised
+    weight. Packed FP4 scales have one row per weight row (same index); FP8 scales one row per
+    128 weight rows, so a row slice (w1 / w3 half of ``gate_up_proj``) is divided by the block."""
+    if len(pc.index) != 2 or not quant.is_fp8(weight_dtype):
+        return pc.index
+    e, rows = pc.index
+    if rows.start % quant.FP8_BLOCK or rows.stop % quant.FP8_BLOCK:
+        raise CheckpointError(f"kept FP8 expert rows {rows.start}..{rows.stop} are not whole {quant.FP8_BLOCK}-row "
+                              f"scale blocks", tensor=pc.label, file=pc.weight.file)
+    return (e, slice(rows.start // quant.FP8_BLOCK, rows.stop // quant.FP8_BLOCK))
 
 
 def _read_raw(handle, info: TensorInfo, label: str, full_shape, index, dt, dev, is_scale=False) -> torch.Tensor:
