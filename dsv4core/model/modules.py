@@ -128,8 +128,8 @@ class HyperHead(nn.Module):
 
 @dataclass
 class Batch:
-    """Flattened tokens of several requests. Segment r holds the `n[r]` new tokens of request
-    `states[r]` (contiguous, positions `start_len[r] .. start_len[r]+n[r]-1`)."""
+    """Flattened tokens of several requests. Segment r holds the `counts[r]` new tokens of request
+    `states[r]` (contiguous from `starts[r]`, positions `start_len[r] .. start_len[r]+counts[r]-1`)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
