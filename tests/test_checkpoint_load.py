@@ -375,3 +375,14 @@ def test_keep_fp8_experts_when_module_asks_for_it(tmp_path):
     assert ex.gate_up_proj.dtype == torch.float8_e4m3fn
     assert torch.equal(dequantize_fp8(ex.gate_up_proj, ex.gate_up_proj_scale_inv),
                        ref["model.layers.1.mlp.experts.gate_up_proj"])
+
+
+def test_official_config_keeps_a_non_default_csa_rate():
+    """compress_ratios alone cannot say which ratio is CSA; a CSA rate other than 4 is written as
+    ``compress_rate_csa`` so the schedule reads back (CSA layers used to come back as HCA)."""
+    from dsv4core.checkpoint.writer import official_config
+    from dsv4core.model.config import DSV4Config
+
+    hf = tiny_config(compress_ratios=None, compress_rates={"compressed_sparse_attention": 3,
+                                                           "heavily_compressed_attention": 5}).to_dict()
+    assert DSV4Config.from_dict(official_config(hf)) == DSV4Config.from_dict(hf)

@@ -42,6 +42,8 @@ def official_config(hf_config: Mapping) -> dict:
     layer_types = c.pop("layer_types")
     mlp_types = c.pop("mlp_layer_types")
     c["compress_ratios"] = [ratio[t] for t in layer_types] + [0] * int(c.get("num_nextn_predict_layers", 0) or 0)
+    if ratio["compressed_sparse_attention"] != 4:  # readers take ratio 4 as CSA unless told otherwise
+        c["compress_rate_csa"] = ratio["compressed_sparse_attention"]
     c["num_hash_layers"] = sum(1 for t in mlp_types if t == "hash_moe")
     if mlp_types != ["hash_moe"] * c["num_hash_layers"] + ["moe"] * (len(mlp_types) - c["num_hash_layers"]):
         raise ValueError("hash layers must lead the schedule to be expressible as num_hash_layers")
