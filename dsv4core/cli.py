@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):   # no subcommand: a usage error (stderr, exit 2)
+        parser.print_help(sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)

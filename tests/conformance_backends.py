@@ -331,6 +331,35 @@ def attention_no_sink(q, kv, indices, sink, scale):
     return _attention(q, kv, indices, sink, scale, use_sink=False)
 
 
+def attention_sink_scaled(q, kv, indices, sink, scale):
+    """Multiplies the sink by the softmax scale (the spec's sink is a raw logit)."""
+    return _attention(q, kv, indices, sink * scale, scale)
+
+
+def compress_pool_ape_halves_swapped(kv, score, ape, overlap, prev_kv=None, prev_score=None):
+    """CSA: the A slots get ape's B half and the B slots its A half."""
+    if overlap:
+        dp = ape.shape[1] // 2
+        ape = torch.cat((ape[:, dp:], ape[:, :dp]), 1)
+    return compress_pool(kv, score, ape, overlap, prev_kv, prev_score)
+
+
+def _route(logits, topk, scaling, correction_bias, hash_ids, bias_in_weights=False, renorm_eps=1e-20):
+    s = torch.sqrt(F.softplus(logits.to(_ct(logits))))
+    key = s if correction_bias is None else s + correction_bias.to(s.dtype)
+    ids = hash_ids.long() if hash_ids is not None else key.topk(topk, dim=-1).indices
+    w = (key if bias_in_weights else s).gather(-1, ids)
+    return w / (w.sum(-1, keepdim=True) + renorm_eps) * scaling, ids.to(torch.int32)
+
+
+def moe_route_bias_in_weights(logits, topk, scaling, correction_bias=None, hash_ids=None):
+    return _route(logits, topk, scaling, correction_bias, hash_ids, bias_in_weights=True)
+
+
+def moe_route_no_renorm_eps(logits, topk, scaling, correction_bias=None, hash_ids=None):
+    return _route(logits, topk, scaling, correction_bias, hash_ids, renorm_eps=0.0)
+
+
 def indexer_topk_off_by_one(scores, k_lengths, topk):
     return _topk(scores, k_lengths, topk, off_by_one=True)
 
@@ -346,6 +375,10 @@ BROKEN = {
     "hc-post-comb-transposed": ("hc_post", hc_post_comb_transposed),
     "rope-neox-pairs": ("rope", rope_neox),
     "attention-sink-ignored": ("sparse_mqa_attention", attention_no_sink),
+    "attention-sink-scaled": ("sparse_mqa_attention", attention_sink_scaled),
+    "compress-pool-ape-halves-swapped": ("compress_pool", compress_pool_ape_halves_swapped),
+    "moe-route-bias-in-weights": ("moe_route", moe_route_bias_in_weights),
+    "moe-route-no-renorm-eps": ("moe_route", moe_route_no_renorm_eps),
     "indexer-topk-off-by-one": ("indexer_topk", indexer_topk_off_by_one),
     "swiglu-clamp-missing": ("moe_experts", moe_experts_no_clamp),
 }

@@ -171,7 +171,8 @@ def test_cases_reproducible_from_seed():
     assert any(not torch.equal(x.kwargs["q"], y.kwargs["q"]) for x, y in zip(a, c) if x.kwargs["q"].numel())
 
 
-def test_every_op_has_cases_in_every_shape_set_and_dtype():
+def test_every_op_has_small_float32_cases_with_a_zero_size_one():
+    # (flash / pro cases allocate real-model tensors: too big to generate for every op here)
     from dsv4core.conformance import iter_cases
     from dsv4core.hal import catalogue
 

@@ -51,6 +51,44 @@ def test_broken_plugins_are_reported_not_fatal():
     assert not st["unavailable"].available and "FooAccelerator" in st["unavailable"].reason
 
 
+def test_malformed_backend_object_is_reported_not_fatal(monkeypatch):
+    """A plugin registering a Backend whose fields are malformed (here api_version "1.0"), or one
+    calling exit(), is listed as failed; discovery of the other backends goes on."""
+    import types
+    from importlib import metadata
+
+    from dsv4core.hal import discovery, hookimpl
+
+    mod = types.ModuleType("_dsv4core_test_malformed_plugin")
+
+    @hookimpl
+    def dsv4core_register_backends(register):
+        register(Backend(name="malformed", api_version="1.0"))
+
+    mod.dsv4core_register_backends = dsv4core_register_backends
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    # and one whose registration calls exit() (some vendor libraries do on a missing driver)
+    mod2 = types.ModuleType("_dsv4core_test_exiting_plugin")
+
+    @hookimpl
+    def dsv4core_register_backends(register):  # noqa: F811
+        raise SystemExit("no driver")
+
+    mod2.dsv4core_register_backends = dsv4core_register_backends
+    monkeypatch.setitem(sys.modules, mod2.__name__, mod2)
+    real = metadata.entry_points(group=discovery.ENTRY_POINT_GROUP)
+    fake = [metadata.EntryPoint(name=n, value=m.__name__, group=discovery.ENTRY_POINT_GROUP)
+            for n, m in (("malformed", mod), ("exiting", mod2))]
+    monkeypatch.setattr(discovery.metadata, "entry_points", lambda group: [*fake, *real])
+    reset()
+    st = discover()
+    assert not st["malformed"].available and "registration failed" in st["malformed"].reason
+    assert not st["exiting"].available and "SystemExit: no driver" in st["exiting"].reason
+    assert st["example"].available and st["reference"].available
+    with pytest.raises(BackendNotFoundError, match="malformed.*not available"):
+        bind("cpu", backend="malformed")
+
+
 def test_explicit_request_for_a_failed_backend_raises_with_cause():
     with pytest.raises(BackendNotFoundError, match="broken-import.*not available.*ModuleNotFoundError") as ei:
         bind("cpu", backend="broken-import")
@@ -93,6 +131,12 @@ def test_env_backend_and_per_op_override(monkeypatch):
     # family names work as keys too
     t2 = bind("cpu", backend="example", ops="mhc=reference", policy="allow")
     assert t2.bindings["hc_post"].backend == "reference" and t2.bindings["rms_norm"].backend == "example"
+    # ... also in a dict, like bind's docstring says; an op named itself wins over its family
+    t3 = bind("cpu", backend="reference", ops={"norms": "example", "hc_post": "example"}, policy="allow")
+    assert t3.bindings["rms_norm"].backend == "example" and t3.bindings["hc_post"].backend == "example"
+    assert t3.bindings["hc_pre"].backend == "reference"
+    with pytest.raises(HALError, match="unknown op or family 'attn'"):
+        bind("cpu", ops={"attn": "reference"})
     with pytest.raises(HALError, match="unknown op or family 'attn'"):
         bind("cpu", ops="attn=reference")
     with pytest.raises(BackendNotFoundError, match="per-op override for rms_norm"):
@@ -140,6 +184,15 @@ def test_registration_rejects_signature_mismatch():
               supports=lambda x, positions, inv_freq, inverse, foo: True)
     with pytest.raises(RegistrationError, match="unknown op 'attention'"):
         b.add("attention", lambda q: q)
+    # the model omits defaulted arguments and passes the others positionally: both must work
+    with pytest.raises(RegistrationError, match="op 'rope': implementation .*'inverse' must default to False"):
+        b.add("rope", lambda x, positions, inv_freq, inverse: x)
+    with pytest.raises(RegistrationError, match="op 'rope': supports .*'inverse' must default to False"):
+        b.add("rope", lambda x, positions, inv_freq, inverse=False: x,
+              supports=lambda x, positions, inv_freq, inverse=True: True)
+    with pytest.raises(RegistrationError, match="op 'rms_norm': implementation .*'eps' is keyword-only"):
+        b.add("rms_norm", lambda x, weight, *, eps: x)
+    assert not b.impls
 
 
 @pytest.mark.parametrize("args,match", [
@@ -194,6 +247,8 @@ def test_cli_backends_and_ops_json():
     assert [o["op"] for o in ops] == CATALOGUE and {o["backend"] for o in ops} == {"reference"}
     r = _cli("ops", "--backend", "nope")
     assert r.returncode == 2 and "backend 'nope'" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("ops", "--device", "nodevice")
+    assert r.returncode == 2 and "--device 'nodevice'" in r.stderr and not r.stdout
 
 
 def test_cli_help_and_version():
@@ -203,6 +258,8 @@ def test_cli_help_and_version():
     assert r.returncode == 0 and r.stdout.strip().startswith("dsv4core 0.")
     r = _cli("frobnicate")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _cli()                      # no subcommand: usage on stderr, exit 2
+    assert r.returncode == 2 and "backends" in r.stderr and not r.stdout
 
 
 def test_generated_op_reference_is_up_to_date():

@@ -118,6 +118,13 @@ def test_sparse_mqa_attention_zero_tokens(ops, dtype):
     assert out.shape == (0, 64, 512) and out.dtype == dtype
 
 
+def test_sparse_mqa_attention_empty_row_lists(ops):
+    # K = 0: every query's row set is empty -> exactly 0 (not an error)
+    out = ops.sparse_mqa_attention(torch.randn(3, 4, 16), torch.randn(5, 16), torch.zeros(3, 0, dtype=torch.int32),
+                                   torch.randn(4), 0.25)
+    assert out.shape == (3, 4, 16) and torch.equal(out, torch.zeros(3, 4, 16))
+
+
 # ----------------------------------------------------------------------------- compress_pool
 def pool_tolerance(kv, score, ape):
     """fp32 score+ape (1 ulp of |s|) shifts softmax weights by <= 2^-23*|s| relative; fp32

@@ -55,6 +55,7 @@ BAD_CASES = [
     # I differs between w13 (2I rows) and w2 (I cols): either may be named
     ("moe_experts", "(w13|w2)", (z(2, 16), torch.zeros(2, 2, dtype=I64), z(2, 2), z(4, 16, 16), z(4, 16, 9), 10.0)),
     ("moe_experts", "ids", (z(2, 16), z(2, 2), z(2, 2), z(4, 16, 16), z(4, 16, 8), 10.0)),  # float ids
+    ("reduce_scatter", "dim", (z(2, 4), 5)),                                   # no such dim
 ]
 
 

@@ -16,9 +16,18 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    import sys
+
+    import torch
+
     from dsv4core.hal import bind, catalogue
 
-    table = bind(args.device, backend=args.backend, policy="allow")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as e:   # a bad argument: exit 2 like the other usage errors
+        print(f"dsv4core ops: error: bad --device {args.device!r}: {e}", file=sys.stderr)
+        return 2
+    table = bind(device, backend=args.backend, policy="allow")
     specs = catalogue()
     report = table.report()
     for r in report:

@@ -266,9 +266,8 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
 
 
 def _route_keys(kwargs: dict) -> torch.Tensor:
-    """fp64 selection keys sqrt(softplus(logits)) (+ bias): used only to judge ties."""
-    s = torch.sqrt(torch.nn.functional.softplus(kwargs["logits"].detach().to(torch.float64).cpu()))
-    return s
+    """fp64 scores sqrt(softplus(logits)) (the caller adds the bias to get the selection keys)."""
+    return torch.sqrt(torch.nn.functional.softplus(kwargs["logits"].detach().to(torch.float64).cpu()))
 
 
 def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:

@@ -31,16 +31,12 @@ HEADERS = ("op", "status", "passed", "failed", "declined", "worst err/bound")
 
 def write_table(report: Report, file: TextIO) -> None:
     """The final human table plus every failure (op, case, metric, measured value, bound)."""
-    rows = table_rows(report)
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(HEADERS)]
+    from dsv4core.commands._util import print_table
+
     print(f"\nconformance of backend {report.backend!r} {report.backend_version} on {report.device} "
           f"(shapes {','.join(report.shapes)}; dtypes {','.join(report.dtypes)}; seed {report.seed}; "
           f"{report.seconds:.1f}s)", file=file)
-    print("  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip(), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=file)
+    print_table(HEADERS, table_rows(report), file=file)
     fails = report.failures()
     if fails:
         print(f"\n{len(fails)} failing case(s):", file=file)

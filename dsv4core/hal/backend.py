@@ -50,8 +50,9 @@ class Backend:
                    why_not: Callable[..., str] | None = None) -> Callable[[Callable], Callable]:
         """Decorator registering ``fn`` as this backend's implementation of ``op_name``.
 
-        ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names and order);
-        a mismatch raises RegistrationError naming the op and the parameter.
+        ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
+        kinds, and the op's defaults where it has them); a mismatch raises RegistrationError naming
+        the op and the parameter.
         """
 
         def wrap(fn: Callable) -> Callable:
@@ -65,18 +66,40 @@ class Backend:
         if op_name not in specs:
             raise RegistrationError(f"backend {self.name!r}: unknown op {op_name!r} "
                                     f"(known: {', '.join(specs)})")
-        want = list(specs[op_name].signature.parameters)
+        params = specs[op_name].signature.parameters
+        want = list(params)
         for what, f in (("implementation", fn), ("supports", supports), ("why_not", why_not)):
             if f is None:
                 continue
-            got = list(inspect.signature(f).parameters)
+            got_params = inspect.signature(f).parameters
+            got = list(got_params)
+            detail = ""
             if got != want:
                 missing = [p for p in want if p not in got]
                 extra = [p for p in got if p not in want]
                 detail = (f"missing parameter {missing[0]!r}" if missing else
                           f"unexpected parameter {extra[0]!r}" if extra else f"parameter order {got}")
+            else:  # callers pass arguments positionally or by name and omit defaulted ones
+                for name, p in params.items():
+                    g = got_params[name]
+                    if g.kind != p.kind:
+                        detail = f"parameter {name!r} is {g.kind.description}, expected {p.kind.description}"
+                    elif p.default is not inspect.Parameter.empty and (
+                            g.default is inspect.Parameter.empty or not _same_default(g.default, p.default)):
+                        detail = (f"parameter {name!r} must default to {p.default!r}, "
+                                  f"got {'no default' if g.default is inspect.Parameter.empty else repr(g.default)}")
+                    if detail:
+                        break
+            if detail:
                 raise RegistrationError(f"backend {self.name!r}, op {op_name!r}: {what} signature does not "
                                         f"match the op contract ({detail}; expected {want})")
         if op_name in self.impls:
             raise RegistrationError(f"backend {self.name!r}: op {op_name!r} registered twice")
         self.impls[op_name] = Impl(op_name, fn, supports, why_not, self.name)
+
+
+def _same_default(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - an uncomparable default is a different default
+        return False

@@ -100,27 +100,36 @@ class OpTable:
         return f"OpTable(device_type={self.device_type!r}, policy={self.policy!r}, served={served})"
 
 
-def parse_ops_override(text: str | None) -> dict[str, str]:
-    """Parse ``"rms_norm=reference,attention=mybackend"``; keys are op names or op family names."""
+def parse_ops_override(text: str | dict[str, str] | None) -> dict[str, str]:
+    """Parse ``"rms_norm=reference,attention=mybackend"`` (or the same as a dict); keys are op
+    names or op family names (a family expands to its ops; an op named itself wins)."""
     if not text:
         return {}
+    where = "DSV4CORE_OPS" if isinstance(text, str) else "ops override"
+    if isinstance(text, str):
+        pairs = []
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not value.strip():
+                raise HALError(f"DSV4CORE_OPS: expected 'op=backend' items, got {item!r}")
+            pairs.append((key.strip(), value.strip()))
+    else:
+        pairs = [(str(k).strip(), str(v).strip()) for k, v in dict(text).items()]
     specs = catalogue()
     families: dict[str, list[str]] = {}
     for s in specs.values():
         families.setdefault(s.family, []).append(s.name)
     out: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not value:
-            raise HALError(f"DSV4CORE_OPS: expected 'op=backend' items, got {item!r}")
+    for key, value in pairs:
+        if not value:
+            raise HALError(f"{where}: no backend given for {key!r}")
         if key in specs:
             out[key] = value
         elif key in families:
             for name in families[key]:
                 out.setdefault(name, value)
         else:
-            raise HALError(f"DSV4CORE_OPS: unknown op or family {key!r} (ops: {', '.join(specs)}; "
+            raise HALError(f"{where}: unknown op or family {key!r} (ops: {', '.join(specs)}; "
                            f"families: {', '.join(families)})")
     return out
 
@@ -156,7 +165,7 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
         raise HALError(f"fallback policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if ops is None:
         ops = os.environ.get("DSV4CORE_OPS")
-    overrides = parse_ops_override(ops) if isinstance(ops, str) or ops is None else dict(ops)
+    overrides = parse_ops_override(ops)
     if check is None:
         check = policy == "strict" or os.environ.get("DSV4CORE_CHECK", "") not in ("", "0")
     return _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))

@@ -88,7 +88,7 @@ def discover() -> dict[str, PluginStatus]:
         try:
             module = ep.load()
             pm.register(module, name=f"{dist}:{ep.name}")
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a vendor library calling exit() at import included
             log.debug("backend plugin %s failed to import:\n%s", source, traceback.format_exc())
             found.setdefault(ep.name, PluginStatus(name=ep.name, source=source, error=e,
                                                    reason=f"import failed: {type(e).__name__}: {e}"))
@@ -103,7 +103,7 @@ def discover() -> dict[str, PluginStatus]:
             for b in registered:
                 if not isinstance(b, Backend):
                     raise TypeError(f"register() got {type(b).__name__}, expected dsv4core.hal.Backend")
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             found.setdefault(ep.name, PluginStatus(name=ep.name, source=source, error=e,
                                                    reason=f"registration failed: {type(e).__name__}: {e}"))
             continue
@@ -112,5 +112,9 @@ def discover() -> dict[str, PluginStatus]:
                 log.warning("backend %r from %s ignored: the name is already taken by %s",
                             b.name, source, found[b.name].source)
                 continue
-            found[b.name] = _status_for(b, source)
+            try:  # a malformed Backend (e.g. api_version not a (major, minor) pair) stays isolated
+                found[b.name] = _status_for(b, source)
+            except Exception as e:
+                found[b.name] = PluginStatus(name=b.name, source=source, error=e,
+                                             reason=f"registration failed: {type(e).__name__}: {e}")
     return found

@@ -186,13 +186,6 @@ class Dims:
                 self._match(arg, i, want, int(got), shape, tuple(t.shape))
         return self
 
-    def require(self, name: str, value: int, why: str) -> "Dims":
-        """Require the named dimension (already bound) to equal ``value``."""
-        if name in self.sizes and self.sizes[name] != value:
-            raise OpInputError(self.op, name, f"{value} ({why})", str(self.sizes[name]))
-        self.sizes[name] = value
-        return self
-
     def _match(self, arg, i, want, got, shape, actual):
         if want is None:
             return
@@ -214,12 +207,3 @@ def expect(op_name: str, arg: str, ok: bool, expected: str, actual: Any) -> None
     if not ok:
         raise OpInputError(op_name, arg, expected, str(actual))
 
-
-def same_device(op_name: str, **tensors: torch.Tensor | None) -> None:
-    """All given tensors must live on one device."""
-    devs = {k: t.device for k, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devs.values())) > 1:
-        first = next(iter(devs))
-        for k, d in devs.items():
-            if d != devs[first]:
-                raise OpInputError(op_name, k, f"device {devs[first]} (like '{first}')", str(d))

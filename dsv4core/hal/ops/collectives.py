@@ -21,7 +21,8 @@ def world_size(group=None) -> int:
 
 @op(family="collectives", tolerance=_SUM)
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Elementwise sum of ``x`` over the ranks of ``group``; returns a new tensor."""
+    """Elementwise sum of ``x`` over the ranks of ``group``; returns a new tensor (``x`` itself
+    when there is a single rank: do not modify the result in place)."""
     if world_size(group) == 1:
         return x
     y = x.clone()
@@ -72,13 +73,15 @@ def _check_x(op_name):
     return check
 
 
-for _spec in (all_reduce, all_gather, reduce_scatter):
+for _spec in (all_reduce, all_gather):
     _spec._check = _check_x(_spec.name)
 
 
 @reduce_scatter.check
 def _(x, dim=0, group=None):
     Dims("reduce_scatter").tensor("x", x, min_rank=1)
+    expect("reduce_scatter", "dim", isinstance(dim, int) and -x.dim() <= dim < x.dim(),
+           f"a dim of x (rank {x.dim()})", dim)
     ws = world_size(group)
     expect("reduce_scatter", "x", x.shape[dim] % ws == 0, f"dim {dim} divisible by the world size {ws}",
            f"shape {tuple(x.shape)}")

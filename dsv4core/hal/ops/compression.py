@@ -21,7 +21,9 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, over
 
     overlap=False (HCA): window w pools its own m slots. overlap=True (CSA): entry w pools the A
     halves (``[..., :d']``) of window w-1 (``prev_*`` for w = 0; kv 0 and score -inf when None)
-    and the B halves (``[..., d':]``) of window w, each with its half of ape. fp32 math.
+    and the B halves (``[..., d':]``) of window w, each with its half of ape. ``prev_kv`` and
+    ``prev_score`` [m, d'] are the raw A halves of the previous call's last window (score without
+    ape: the op adds ``ape[:, :d']``). fp32 math.
     """
     ct = compute_dtype(kv)
     kv_c, s_c, ape_c = kv.to(ct), score.to(ct) + ape.to(ct), ape.to(ct)

@@ -65,6 +65,10 @@ def _(shapes, dtype, device, gen):
                                             hash_ids=torch.stack([torch.randperm(E, generator=gen)[:k]
                                                                   for _ in range(4)]).to(device, torch.int32)),
                ("noncontig",))
+    # logits ~ -86.5: s ~ 1.6e-19 (softplus ~ 2.7e-38, still a normal fp32), so sum(s) over k is
+    # ~1e-18 and the spec's +1e-20 in the renormalisation changes every weight by ~1%
+    yield Case("renorm-eps", dict(logits=-86.5 + 0.5 * torch.rand((3, E), generator=gen).to(device), topk=k,
+                                  scaling=1.5), ("extreme",))
 
 
 def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
