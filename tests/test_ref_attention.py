@@ -123,6 +123,10 @@ def test_sparse_mqa_attention_empty_row_lists(ops):
     out = ops.sparse_mqa_attention(torch.randn(3, 4, 16), torch.randn(5, 16), torch.zeros(3, 0, dtype=torch.int32),
                                    torch.randn(4), 0.25)
     assert out.shape == (3, 4, 16) and torch.equal(out, torch.zeros(3, 4, 16))
+    # an empty row store (N = 0, every index -1, e.g. a request with nothing cached yet) -> 0 too
+    out = ops.sparse_mqa_attention(torch.randn(3, 4, 16), torch.randn(0, 16), torch.full((3, 2), -1, dtype=torch.int32),
+                                   torch.randn(4), 0.25)
+    assert out.shape == (3, 4, 16) and torch.equal(out, torch.zeros(3, 4, 16))
 
 
 # ----------------------------------------------------------------------------- compress_pool

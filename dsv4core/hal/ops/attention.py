@@ -25,7 +25,7 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     T, h, d = q.shape
     ct = compute_dtype(q)
     K = indices.shape[1]
-    if K == 0:                                   # no row for any query: every S_t is empty -> 0
+    if K == 0 or kv.shape[0] == 0:               # no row for any query: every S_t is empty -> 0
         return torch.zeros((T, h, d), dtype=q.dtype, device=q.device)
     out = torch.empty((T, h, d), dtype=q.dtype, device=q.device)
     chunk = max(1, _GATHER_BUDGET // max(1, K * d))
