@@ -181,3 +181,15 @@ def test_every_op_has_small_float32_cases_with_a_zero_size_one():
         assert n >= 4, name
         assert any(c.kwargs and any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in c.kwargs.values())
                    for c in iter_cases(spec, "small", torch.float32, "cpu", 0)), f"{name}: no zero-size case"
+
+
+def test_an_op_with_no_applicable_case_is_not_reported_as_passed():
+    """moe_route takes fp32 logits only: a bfloat16-only run has no case for it. That is "no cases"
+    (nothing was checked), never "passed", and it makes the run incomplete for --require-all."""
+    from dsv4core.conformance import run
+    from dsv4core.conformance.runner import NO_CASES
+
+    report = run("reference", ops="moe_route,rms_norm", shapes="small", dtypes="bfloat16")
+    status = {o.op: o.status for o in report.ops}
+    assert status == {"moe_route": NO_CASES, "rms_norm": "passed"}
+    assert report.exit_code() == 0 and report.exit_code(require_all=True) == 1

@@ -54,7 +54,7 @@ def write_table(report: Report, file: TextIO) -> None:
         print(f"\nmodel check: {format_model(report.model)}", file=file)
     verdict = ("FAILED" if report.failed else
                "PASSED (complete: every op implemented, nothing declined)" if report.complete else
-               "PASSED for the implemented ops (partial: see 'not implemented' / 'declined')")
+               "PASSED for the implemented ops (partial: see 'not implemented' / 'declined' / 'no cases')")
     print(f"\nresult: {verdict}", file=file)
 
 

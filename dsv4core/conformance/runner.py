@@ -37,6 +37,9 @@ SHAPE_SETS = ("small", "flash", "pro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 PASSED, FAILED, DECLINED, NOT_IMPLEMENTED = "passed", "failed", "declined", "not implemented"
+#: An implemented op none of whose cases apply to this run (e.g. fp32-only inputs under --dtype
+#: bfloat16): nothing was checked, so it is not reported as passed.
+NO_CASES = "no cases"
 
 
 class ConformanceError(Exception):
@@ -85,9 +88,11 @@ class OpResult:
     def status(self) -> str:
         if not self.implemented:
             return NOT_IMPLEMENTED
+        if not self.cases:
+            return NO_CASES
         if self.count(FAILED):
             return FAILED
-        if self.cases and self.count(DECLINED) == len(self.cases):
+        if self.count(DECLINED) == len(self.cases):
             return DECLINED
         return PASSED
 
@@ -125,8 +130,8 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """Every op implemented and no case declined (a "full" run; a partial run earns nothing)."""
-        return all(o.implemented and o.count(DECLINED) == 0 for o in self.ops)
+        """Every op implemented and checked, no case declined (a "full" run; a partial run earns nothing)."""
+        return all(o.implemented and o.cases and o.count(DECLINED) == 0 for o in self.ops)
 
     def exit_code(self, require_all: bool = False) -> int:
         if self.failed:
