@@ -121,6 +121,21 @@ def _mix(x2, fn, M):
 
 # ------------------------------------------------------------------------------------- hc_pre epilogue
 @triton.jit
+def _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH: tl.constexpr, RNE: tl.constexpr):
+    """y[t, cols] = sum_j pre_j * x[t, j, cols] over this program's H-chunk (fp32 accumulate, one
+    rounding): the stream collapse shared by hc_pre and hc_head."""
+    h_lo = hb * HCH
+    h_hi = tl.minimum(h_lo + HCH, H)
+    for h0 in range(h_lo, h_hi, BH):
+        cols = h0 + tl.arange(0, BH)
+        cm = cols < h_hi
+        xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+
+
+@triton.jit
 def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                        T, H, S, rms_eps, hc_eps, iters, post_mult,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
@@ -164,15 +179,7 @@ def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
     if hb == 0:
         tl.store(post_ptr + t * N + i, post, mask=im)
         tl.store(comb_ptr + t * N * N + zi2, C, mask=m2)
-    h_lo = hb * HCH
-    h_hi = tl.minimum(h_lo + HCH, H)
-    for h0 in range(h_lo, h_hi, BH):
-        cols = h0 + tl.arange(0, BH)
-        cm = cols < h_hi
-        xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
-                     other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+    _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
 
 
 def _epi_block(T, H):
@@ -224,15 +231,7 @@ def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
     s0 = tl.load(scale_ptr)
     b = tl.load(base_ptr + i, mask=im, other=0.0)
     pre = tl.sigmoid(s0 * (rho * z) + b) + hc_eps
-    h_lo = hb * HCH
-    h_hi = tl.minimum(h_lo + HCH, H)
-    for h0 in range(h_lo, h_hi, BH):
-        cols = h0 + tl.arange(0, BH)
-        cm = cols < h_hi
-        xs = tl.load(x_ptr + t * K + i[:, None] * H + cols[None, :], mask=im[:, None] & cm[None, :],
-                     other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(y_ptr + t * H + cols, to_out(y, y_ptr, RNE), mask=cm)
+    _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
 
 
 def hc_head(x, fn, scale, base, rms_eps, hc_eps):
