@@ -165,7 +165,8 @@ def main(argv=None) -> int:
         for t, v in sb.items():
             print(f"  {t:6d} tokens: total {v['total'] / 2**20:8.2f} MiB  (window {v['window'] / 2**20:.2f}, "
                   f"compressed {v['compressed_entries'] / 2**20:.2f}, indexer keys {v['indexer_keys'] / 2**20:.2f}, "
-                  f"buffers {v['compressor_buffers'] / 2**20:.2f})")
+                  f"buffers {v['compressor_buffers'] / 2**20:.2f}, "
+                  f"entry capacity slack {v['entry_capacity_slack'] / 2**20:.2f})")
     return 0
 
 

@@ -273,6 +273,43 @@ def test_state_is_bounded_and_matches_computed_size(tiny):
     assert sizes[0] < sizes[1] < sizes[2]
 
 
+@pytest.mark.parametrize("concat_rows", [4096, 12, 0])
+def test_decode_state_growth_matches_one_shot(tiny, monkeypatch, concat_rows):
+    """Decode steps append compressed entries in place (spare capacity) and, once a request has
+    more entries than top-k picks, its CSA row store holds only the picked rows; one batch mixes
+    such a request with a short one, their indexer keys scored in one call or apart
+    (`concat_rows`). Logits equal one-shot prefill; the held bytes stay within `state_bytes`
+    (capacity slack included)."""
+    from dsv4core.model import modules
+
+    monkeypatch.setattr(modules, "INDEXER_CONCAT_ROWS", concat_rows)
+    cfg = tiny.config
+    n0, steps, m0 = 40, 60, 20
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (n0 + steps,), generator=g)
+    ids2 = torch.randint(0, cfg.vocab_size, (m0 + steps // 2,), generator=g)
+    ref, ref2 = tiny.logits(ids), tiny.logits(ids2)
+    s1, s2 = tiny.new_state(), tiny.new_state()
+    tiny.forward_batch(torch.cat([ids[:n0], ids2[:m0]]), torch.cat([torch.arange(n0), torch.arange(m0)]),
+                       torch.tensor([0] * n0 + [1] * m0), [s1, s2])
+    long_, short = [], []
+    for j, t in enumerate(range(n0, n0 + steps, 2)):  # the long request takes 2 tokens per step
+        lg = tiny.forward_batch(torch.cat([ids[t:t + 2], ids2[m0 + j:m0 + j + 1]]),
+                                torch.tensor([t, t + 1, m0 + j]), torch.tensor([0, 0, 1]), [s1, s2])
+        long_.append(lg[:2])
+        short.append(lg[2])
+    scale = ref.abs().max()
+    assert (torch.cat(long_) - ref[n0:]).abs().max() <= 2e-5 * scale  # fp32; measured ~1e-6
+    assert (torch.stack(short) - ref2[m0:]).abs().max() <= 2e-5 * scale
+    n = n0 + steps
+    assert s1.nbytes() <= state_bytes(cfg, n, act_bytes=4)["total"]
+    assert s2.nbytes() <= state_bytes(cfg, m0 + steps // 2, act_bytes=4)["total"]
+    for i, ls in enumerate(s1.layers):
+        for c in (ls.comp, ls.index_comp):
+            if c is not None:
+                assert c.entries.shape[0] == n // cfg.compress_ratio(i) <= c.store.shape[0]
+
+
 # ------------------------------------------------------------------ CLI
 
 def _cli(argv):

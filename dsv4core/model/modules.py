@@ -25,6 +25,11 @@ from .state import CompressorState, RequestState
 
 FP32 = torch.float32
 
+#: The lightning indexer concatenates the keys of consecutive requests into one scoring call while
+#: they total at most this many rows; a request with more keys is scored from its own store (no
+#: copy). Bounds the per-step key copy by a constant, whatever the context length.
+INDEXER_CONCAT_ROWS = 4096
+
 
 class OpsRef:
     """Shared, rebindable holder of the bound op table (`dsv4core.hal.OpTable`)."""
@@ -194,10 +199,9 @@ class Compressor(nn.Module):
             if wn:
                 pooled = ops.compress_pool(kv[:used].view(wn, m, -1), sc[:used].view(wn, m, -1), self.position_bias,
                                            self.overlap, st.prev_kv, st.prev_score)
-                first = st.entries.shape[0]
-                pos = (torch.arange(wn, device=x.device, dtype=torch.int64) + first) * m
+                pos = (torch.arange(wn, device=x.device, dtype=torch.int64) + st.count) * m
                 ent = ops.kv_norm_rope(pooled, self.kv_norm.weight, pos, inv_freq, self.kv_norm.eps)
-                st.entries = torch.cat([st.entries, ent.to(st.entries.dtype)])
+                st.append(ent.to(st.store.dtype))  # in place: old entries are not copied
                 if self.overlap:
                     st.prev_kv = kv[used - m:used, :dim].clone()
                     st.prev_score = sc[used - m:used, :dim].clone()
@@ -235,7 +239,12 @@ class Indexer(nn.Module):
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, batch: Batch, states: list[RequestState],
                layer: int) -> torch.Tensor:
         """Top-k compressed entries per query: int32 [T, topk], relative to the request's own
-        entries, -1 = unused. Updates the indexer key state first."""
+        entries, -1 = unused. Updates the indexer key state first.
+
+        Requests are scored in runs of consecutive segments, one `indexer_scores` +
+        `indexer_topk` per run: a run's keys are concatenated only while they total at most
+        `INDEXER_CONCAT_ROWS` (a bounded copy that saves op calls); a request with more keys is a
+        run of its own, scored straight from its key store (no copy at any context length)."""
         ops = self._ops.t
         T = batch.num_tokens
         comp_states = [s.layers[layer].index_comp for s in states]
@@ -243,15 +252,26 @@ class Indexer(nn.Module):
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, batch.positions, batch.inv_freq["compress"])
         w = self.scorer.weights_proj(x, FP32) * (self.n_heads ** -0.5)
-        keys = torch.cat([c.entries for c in comp_states]) if comp_states else x.new_zeros(0, self.head_dim)
-        offs, acc = [], 0
-        for c in comp_states:
-            offs.append(acc)
-            acc += c.entries.shape[0]
-        k_offsets = batch.per_token(offs)
         k_lengths = (batch.positions + 1) // self.ratio
-        scores = ops.indexer_scores(q, keys.to(q.dtype), w, k_offsets, k_lengths, self.head_dim ** -0.5)
-        return ops.indexer_topk(scores, k_lengths, self.topk)
+        runs: list[list[int]] = []
+        offs, rows = [], 0  # offs[r]: first key of request r within its run's key tensor
+        for r, c in enumerate(comp_states):
+            if not runs or rows + c.count > INDEXER_CONCAT_ROWS:
+                runs.append([])
+                rows = 0
+            runs[-1].append(r)
+            offs.append(rows)
+            rows += c.count
+        k_offsets = batch.per_token(offs) if T else k_lengths
+        picks = []
+        for run in runs:
+            a, b = batch.starts[run[0]], batch.starts[run[-1]] + batch.counts[run[-1]]
+            keys = [comp_states[r].entries for r in run]
+            keys = keys[0] if len(keys) == 1 else torch.cat(keys)
+            scores = ops.indexer_scores(q[a:b], keys.to(q.dtype), w[a:b], k_offsets[a:b], k_lengths[a:b],
+                                        self.head_dim ** -0.5)
+            picks.append(ops.indexer_topk(scores, k_lengths[a:b], self.topk))
+        return torch.cat(picks) if picks else torch.full((T, self.topk), -1, dtype=torch.int32, device=x.device)
 
 
 class CSACompressor(Compressor):
@@ -308,7 +328,8 @@ class GroupedLinear(nn.Module):
 class Attention(nn.Module):
     """Shared-KV MQA with sliding window (+ CSA top-k or HCA compressed rows), sink, inverse rope
     on the output, grouped output projection. One `sparse_mqa_attention` call per layer over the
-    flattened batch: the row store is [window rows | new rows | compressed rows] per request."""
+    flattened batch: the row store is [window rows | new rows | compressed rows] per request
+    (CSA: only the picked compressed rows once a request has more entries than picks)."""
 
     def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
@@ -350,8 +371,11 @@ class Attention(nn.Module):
             if self.layer_type == CSA:
                 topk_local = self.compressor.indexer.select(x, q_latent, batch, batch.states, self.layer)
 
-        # row store: per request [window rows | new rows | compressed rows]
-        parts, win_base, comp_base, cursor = [], [], [], 0
+        # row store: per request [window rows | new rows | compressed rows]. Compressed rows: HCA
+        # all entries (every query reads them all); CSA all entries while they are no more than
+        # the request's n * topk picks, else only the picked rows, gathered in pick order (slot
+        # t*topk + j), so a decode step copies window + topk rows whatever the context length.
+        parts, win_base, comp_base, gathered, cursor = [], [], [], [], 0
         for r, ls in enumerate(layer_states):
             s0, n = batch.starts[r], batch.counts[r]
             parts += [ls.window, kv[s0:s0 + n]]
@@ -359,9 +383,14 @@ class Attention(nn.Module):
             win_base.append(cursor - (batch.start_len[r] - ls.window.shape[0]))
             cursor += ls.window.shape[0] + n
             if self.compressor is not None:
-                parts.append(ls.comp.entries)
+                ent = ls.comp.entries
+                g = topk_local is not None and n * topk_local.shape[1] < ent.shape[0]
+                if g:
+                    ent = ent[topk_local[s0:s0 + n].reshape(-1).long().clamp_min(0)]
+                parts.append(ent)
                 comp_base.append(cursor)
-                cursor += ls.comp.entries.shape[0]
+                gathered.append(int(g))
+                cursor += ent.shape[0]
         rows = torch.cat(parts) if parts else kv.new_zeros(0, self.d)
 
         # sliding window: positions p-W+1 .. p (W keys including the query itself)
@@ -372,7 +401,13 @@ class Attention(nn.Module):
             cbase = batch.per_token(comp_base)[:, None]
             if topk_local is not None:  # CSA: the indexer's picks
                 tl = topk_local.long()
-                cidx = torch.where(tl >= 0, cbase + tl, -1)
+                rel = tl
+                if any(gathered):  # gathered requests: pick j of token t sits at slot t*topk + j
+                    K = tl.shape[1]
+                    t_in_seg = torch.arange(T, device=dev) - batch.per_token(batch.starts)
+                    slot = t_in_seg[:, None] * K + torch.arange(K, device=dev)[None]
+                    rel = torch.where(batch.per_token(gathered)[:, None] > 0, slot, tl)
+                cidx = torch.where(tl >= 0, cbase + rel, -1)
             else:  # HCA: every complete window w < floor((p+1)/m)
                 visible = (pos + 1) // self.ratio
                 width = (batch.max_position + 1) // self.ratio

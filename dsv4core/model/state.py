@@ -13,26 +13,44 @@ batch requests freely.
       buf_kv, buf_score   [< m, c*d'] fp32   projections of the tokens of the open (partial) window
       prev_kv, prev_score [m, d'] fp32       A halves (no ape) of the last complete window (CSA only;
                                              None before the first complete window)
-      entries             [N_c, d']          compressed rows emitted so far (after norm + rope)
+      entries             [N_c, d']          compressed rows emitted so far (after norm + rope): a
+                                             view of `store [capacity, d']`, rows `[:count]`
+
+Compressed entries grow in place: `append` writes into the spare capacity of `store` and
+reallocates only when it is full (capacity x GROWTH), so a decode step copies no old entries
+(amortised O(1) row copies per appended entry). A state owns its storage: fork a request with
+`copy.deepcopy`, never by sharing a `CompressorState` (appends would write into the same store).
 
 Memory per request is bounded by W-1 raw rows + (m-1) buffered rows (+ m overlap rows) per
-compressor + one entry per m tokens: see `state_bytes()` for the computed figure.
+compressor + one entry per m tokens (+ unused capacity, < (GROWTH-1) x the entries): see
+`state_bytes()` for the computed figure; `nbytes()` counts capacity, i.e. what is held.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .config import CSA, HCA, SLIDING, DSV4Config
 
+#: Capacity factor when a compressed-entry store is full: at most 1/5 of a store is unused and
+#: reallocations copy an entry fewer than GROWTH / (GROWTH - 1) = 5 times on average.
+GROWTH = 1.25
+
+
+def growth_capacity(old: int, needed: int) -> int:
+    """Capacity after a store of `old` rows must hold `needed` > old rows."""
+    return max(needed, math.ceil(GROWTH * old))
+
 
 @dataclass
 class CompressorState:
     buf_kv: torch.Tensor
     buf_score: torch.Tensor
-    entries: torch.Tensor
+    store: torch.Tensor  # [capacity, d'] entry storage; rows [:count] are the entries
+    count: int = 0
     prev_kv: torch.Tensor | None = None
     prev_score: torch.Tensor | None = None
 
@@ -40,10 +58,26 @@ class CompressorState:
     def empty(cls, width: int, dim: int, dtype: torch.dtype, device: torch.device) -> "CompressorState":
         f = dict(dtype=torch.float32, device=device)
         return cls(buf_kv=torch.empty(0, width, **f), buf_score=torch.empty(0, width, **f),
-                   entries=torch.empty(0, dim, dtype=dtype, device=device))
+                   store=torch.empty(0, dim, dtype=dtype, device=device))
+
+    @property
+    def entries(self) -> torch.Tensor:
+        """The compressed entries emitted so far, [count, d'] (a view of `store`)."""
+        return self.store[:self.count]
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Append entries [k, d'], in place while capacity lasts (old entries are never moved
+        otherwise)."""
+        n, k = self.count, rows.shape[0]
+        if n + k > self.store.shape[0]:
+            grown = self.store.new_empty(growth_capacity(self.store.shape[0], n + k), self.store.shape[1])
+            grown[:n] = self.store[:n]
+            self.store = grown
+        self.store[n:n + k] = rows
+        self.count = n + k
 
     def nbytes(self) -> int:
-        ts = [self.buf_kv, self.buf_score, self.entries, self.prev_kv, self.prev_score]
+        ts = [self.buf_kv, self.buf_score, self.store, self.prev_kv, self.prev_score]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
@@ -93,9 +127,16 @@ def state_bytes(config: DSV4Config, tokens: int, act_bytes: int = 2) -> dict[str
 
     Raw rows and compressed entries are in the activation dtype (`act_bytes`), compressor
     buffers and overlap rows in fp32 (the worst case m-1 buffered rows is counted).
+    `entry_capacity_slack`: the worst case unused capacity of the entry stores (compressed
+    entries + indexer keys) left by in-place growth (see `CompressorState.append`).
     """
     d, dI, W = config.head_dim, config.index_head_dim, config.sliding_window
-    out = {"window": 0, "compressor_buffers": 0, "compressed_entries": 0, "indexer_keys": 0}
+    out = {"window": 0, "compressor_buffers": 0, "compressed_entries": 0, "indexer_keys": 0,
+           "entry_capacity_slack": 0}
+
+    def slack(n: int) -> int:  # the last growth was to hold some needed <= n rows
+        return max(0, growth_capacity(n - 1, n) - n) if n else 0
+
     for i, t in enumerate(config.layer_types):
         out["window"] += min(tokens, W - 1) * d * act_bytes
         if t == SLIDING:
@@ -107,8 +148,10 @@ def state_bytes(config: DSV4Config, tokens: int, act_bytes: int = 2) -> dict[str
             buf += 2 * m * d * 4  # overlap A halves (kv + score)
         out["compressor_buffers"] += buf
         out["compressed_entries"] += (tokens // m) * d * act_bytes
+        out["entry_capacity_slack"] += slack(tokens // m) * d * act_bytes
         if t == CSA:
             out["compressor_buffers"] += min(tokens, m - 1) * 2 * 2 * dI * 4 + 2 * m * dI * 4
             out["indexer_keys"] += (tokens // m) * dI * act_bytes
+            out["entry_capacity_slack"] += slack(tokens // m) * dI * act_bytes
     out["total"] = sum(out.values())
     return out
