@@ -39,10 +39,13 @@ CONFIG = dict(
 
 
 @torch.no_grad()
-def run(context: int, batch: int, steps: int, repeats: int, chunk: int, device: str, head_dim: int) -> dict:
+def run(context: int, batch: int, steps: int, repeats: int, chunk: int, device: str, head_dim: int,
+        no_hca: bool) -> dict:
     from dsv4core.model.api import build_model
 
     cfg = dict(CONFIG, head_dim=head_dim)
+    if no_hca:
+        cfg["layer_types"] = [SW if t == HCA else t for t in cfg["layer_types"]]
     model = build_model(cfg, dtype=torch.float32, device=device, backend="reference", seed=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, CONFIG["vocab_size"], (context,), generator=g)
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     ap.add_argument("--head-dim", type=int, default=64, help="attention head dim (DSV4: 512)")
+    ap.add_argument("--no-hca", action="store_true", help="the HCA layer becomes a sliding one")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
@@ -80,13 +84,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     import dsv4core
 
-    rows = [run(c, a.batch, a.steps, a.repeats, a.chunk, a.device, a.head_dim) for c in a.contexts]
+    rows = [run(c, a.batch, a.steps, a.repeats, a.chunk, a.device, a.head_dim, a.no_hca) for c in a.contexts]
     if a.json:
         print(json.dumps({"dsv4core": dsv4core.__file__, "threads": a.threads, "head_dim": a.head_dim,
-                          "results": rows}, indent=2))
+                          "no_hca": a.no_hca, "results": rows}, indent=2))
         return
-    print(f"# dsv4core from {dsv4core.__file__}; {a.threads} thread(s), head_dim {a.head_dim}, batch {a.batch}, "
-          f"{a.steps} steps")
+    layers = ", no HCA" if a.no_hca else ""
+    print(f"# dsv4core from {dsv4core.__file__}; {a.threads} thread(s), head_dim {a.head_dim}{layers}, "
+          f"batch {a.batch}, {a.steps} steps")
     for r in rows:
         print(f"context {r['context']:6d}: decode {r['decode_ms_per_step']:7.2f} ms/step   "
               f"(prefill {r['prefill_s']:.1f} s, state {r['state_MiB_per_request']:.2f} MiB/request)")

@@ -262,7 +262,7 @@ class Indexer(nn.Module):
             runs[-1].append(r)
             offs.append(rows)
             rows += c.count
-        k_offsets = batch.per_token(offs) if T else k_lengths
+        k_offsets = batch.per_token(offs)
         picks = []
         for run in runs:
             a, b = batch.starts[run[0]], batch.starts[run[-1]] + batch.counts[run[-1]]
