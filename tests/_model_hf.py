@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 
 from dsv4core.model import DSV4Config, randomize_weights_
@@ -61,3 +62,12 @@ def hf_generate(model, prompt: list[int], n: int) -> list[int]:
 
 def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Small tensors: intra-op threads only add overhead (and stall badly on a shared CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

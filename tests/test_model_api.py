@@ -17,17 +17,9 @@ import torch
 import dsv4core
 from dsv4core.model import ConfigError, DSV4Config, InputError, state_bytes
 from dsv4core.model.api import TINY_CONFIG, load_model
-from _model_hf import CONFIG_A, hf_model
+from _model_hf import CONFIG_A, hf_model, _one_thread  # noqa: F401 (autouse: one torch thread)
 
 CSA, HCA, SW = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,11 @@ import pytest
 import torch
 
 import dsv4core
-from _model_hf import CONFIG_A, CONFIG_B, hf_generate, hf_model, rand_ids
+from _model_hf import CONFIG_A, CONFIG_B, hf_generate, hf_model, rand_ids, _one_thread  # noqa: F401 (autouse: one torch thread)
 
 # float32 logits, relative to max|logit|: measured ~1e-6 (prefill vs transformers, decode-with-state
 # vs recompute, every config here); the bound leaves ~15x for other BLAS blockings.
 REL = 2e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small tensors: intra-op threads only add overhead (and stall badly on a shared CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 CONFIGS = {"A_hc4": (CONFIG_A, 11), "B_hc2_odd_ratios": (CONFIG_B, 12)}
