@@ -304,22 +304,31 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
                         reason = f"why_not() raised {_exc(e)}"
                 res.status, res.message = DECLINED, reason or "supports() returned False"
                 return res
-        # 3. fp64 evaluation and the reference in the case dtype
-        exact = compare.split_outputs(spec.name, _eval64(spec, kw))
-        ref = compare.split_outputs(spec.name, spec.reference(**kw))
+        # 3. fp64 evaluation and the reference in the case dtype (ops that write in place: each
+        #    evaluation gets its own copy of the written arguments, and what they hold afterwards
+        #    is the output)
+        ref = compare.split_outputs(spec.name, _written(spec, kw, lambda k: spec.reference(**k)))
+        # a store has no arithmetic: the case-dtype reference is its exact value
+        exact = ref if spec.writes else compare.split_outputs(spec.name, _eval64(spec, kw))
         # 4. the backend
-        snap = _snapshot(kw)
+        call_kw = _with_copies(spec, kw)
+        snap = _snapshot({k: v for k, v in call_kw.items() if k not in spec.writes})
         try:
-            raw = impl.fn(**kw)
+            raw = impl.fn(**call_kw)
             if torch.device(_device_of(kw)).type == "cuda":
                 torch.cuda.synchronize()          # asynchronous kernel errors belong to this case
         except Exception as e:
             res.status, res.message = FAILED, f"the op raised {_exc(e)}"
             return res
-        changed = _modified(kw, snap)
+        changed = _modified(call_kw, snap)
         if changed:
             res.status, res.message = FAILED, f"modified its input(s) {', '.join(changed)} in place"
             return res
+        if spec.writes:
+            if raw is not None:
+                raise Mismatch(f"returned {type(raw).__name__}; an op that writes {', '.join(spec.writes)} "
+                               "in place returns None")
+            raw = _written_values(spec, call_kw)
         got = compare.split_outputs(spec.name, raw, like=ref)
         for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
             compare.check_structure(name, g, r)
@@ -327,7 +336,13 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
             if msg:
                 raise Mismatch(msg)
         # 5. numbers
-        if tol.metric == "index_set":
+        if tol.metric == "bitwise":
+            for name, g, r in zip(got.names, got.tensors, ref.tensors):
+                ok = torch.equal(_bits(g), _bits(r))
+                res.checks.append(Check(name, "bitwise", 0.0 if ok else 1.0, 0.0, 0.0, ok,
+                                        "" if ok else f"differs from the reference in "
+                                        f"{_rows_differing(g, r)} of {g.shape[0] if g.dim() else 1} rows"))
+        elif tol.metric == "index_set":
             res.checks += compare.index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
         elif tol.metric == "route":
             res.checks += compare.route_check(kw, got, ref, tol.k, floor)
@@ -353,6 +368,45 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
     finally:
         res.seconds = time.perf_counter() - t0
     return res
+
+
+def _with_copies(spec: OpSpec, kw: dict) -> dict:
+    """``kw`` with every argument the op writes replaced by a copy of the same layout: the whole
+    underlying buffer is copied and viewed with the same strides and offset, so a pool that is a
+    strided view of a larger buffer stays one (and writes outside the view are visible)."""
+    if not spec.writes:
+        return kw
+    out = dict(kw)
+    for name in spec.writes:
+        t = kw[name]
+        n = t.untyped_storage().nbytes() // t.element_size()
+        flat = torch.as_strided(t, (n,), (1,), 0).clone()
+        out[name] = torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def _written_values(spec: OpSpec, kw: dict) -> tuple | torch.Tensor:
+    vals = tuple(kw[n] for n in spec.writes)
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _written(spec: OpSpec, kw: dict, fn):
+    """``fn(kwargs)``; for an op that writes in place: run on copies of the written arguments and
+    return what they hold afterwards."""
+    if not spec.writes:
+        return fn(kw)
+    copies = _with_copies(spec, kw)
+    if fn(copies) is not None:
+        raise RuntimeError(f"{spec.name}: the reference returned a value but declares writes={spec.writes}")
+    return _written_values(spec, copies)
+
+
+def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> int:
+    if g.dim() == 0:
+        return int(not torch.equal(_bits(g), _bits(r)))
+    gb = g.detach().contiguous().view(torch.uint8).reshape(g.shape[0], -1)
+    rb = r.detach().contiguous().view(torch.uint8).reshape(r.shape[0], -1)
+    return int((gb != rb).any(1).sum())
 
 
 def _eval64(spec: OpSpec, kw: dict):

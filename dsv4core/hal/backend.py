@@ -11,7 +11,7 @@ from .spec import catalogue
 
 #: The HAL API version (major, minor). Majors are incompatible; minors only add (new optional ops,
 #: new arguments with defaults). See dsv4core/hal/CHANGELOG.md.
-HAL_API_VERSION = (1, 0)
+HAL_API_VERSION = (1, 1)
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class Impl:
     supports: Callable[..., bool] | None = None
     why_not: Callable[..., str] | None = None
     backend: str = ""
+    #: The implementation may be recorded in a CUDA graph: it never synchronises with the host,
+    #: allocates no shape that depends on tensor values, and does the same work on replay.
+    capturable: bool = False
 
 
 @dataclass
@@ -47,21 +50,24 @@ class Backend:
         return "*" in self.device_types or device_type in self.device_types
 
     def implements(self, op_name: str, *, supports: Callable[..., bool] | None = None,
-                   why_not: Callable[..., str] | None = None) -> Callable[[Callable], Callable]:
+                   why_not: Callable[..., str] | None = None,
+                   capturable: bool = False) -> Callable[[Callable], Callable]:
         """Decorator registering ``fn`` as this backend's implementation of ``op_name``.
 
         ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
         kinds, and the op's defaults where it has them); a mismatch raises RegistrationError naming
-        the op and the parameter.
+        the op and the parameter. ``capturable=True`` declares that the implementation (and its
+        ``supports`` predicate) can be recorded in a CUDA graph: no host synchronisation, no
+        shape that depends on tensor values. Undeclared implementations are run eagerly.
         """
 
         def wrap(fn: Callable) -> Callable:
-            self.add(op_name, fn, supports=supports, why_not=why_not)
+            self.add(op_name, fn, supports=supports, why_not=why_not, capturable=capturable)
             return fn
 
         return wrap
 
-    def add(self, op_name: str, fn: Callable, *, supports=None, why_not=None) -> None:
+    def add(self, op_name: str, fn: Callable, *, supports=None, why_not=None, capturable: bool = False) -> None:
         specs = catalogue()
         if op_name not in specs:
             raise RegistrationError(f"backend {self.name!r}: unknown op {op_name!r} "
@@ -95,7 +101,7 @@ class Backend:
                                         f"match the op contract ({detail}; expected {want})")
         if op_name in self.impls:
             raise RegistrationError(f"backend {self.name!r}: op {op_name!r} registered twice")
-        self.impls[op_name] = Impl(op_name, fn, supports, why_not, self.name)
+        self.impls[op_name] = Impl(op_name, fn, supports, why_not, self.name, bool(capturable))
 
 
 def _same_default(a, b) -> bool:

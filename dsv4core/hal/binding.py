@@ -39,6 +39,7 @@ class OpBinding:
     call: Callable = field(repr=False)
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
     impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
+    chain: tuple = field(default=(), repr=False)          # implementations a call may reach, in order
 
     @property
     def is_fallback(self) -> bool:
@@ -88,6 +89,23 @@ class OpTable:
             return bool(impl.supports(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a probe declines, it never raises
             return False
+
+    def capturable(self, op_names=None) -> dict[str, str]:
+        """Ops (all, or ``op_names``) that cannot be recorded in a CUDA graph, with the reason:
+        ``{}`` means every one can. An op is capturable when every implementation its call may
+        reach (the serving one and, behind a ``supports`` predicate, the fallbacks) declares
+        ``capturable=True``."""
+        out = {}
+        for name in (self.bindings if op_names is None else op_names):
+            b = self.bindings[name]
+            chain = b.chain or ((b.impl,) if b.impl is not None else ())
+            if not chain:
+                out[name] = "bound by hand (no implementation record)"
+                continue
+            bad = [i.backend for i in chain if not i.capturable]
+            if bad:
+                out[name] = f"implementation of {', '.join(repr(x) for x in bad)} not declared capturable"
+        return out
 
     def report(self) -> list[dict[str, Any]]:
         """The binding table: per op, the serving backend, the candidates and declined reasons."""
@@ -212,7 +230,8 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             # explicitly (or per op) that cannot serve an op is worth a warning.
             explicit = backend != "auto" or op_name in override_map
             log.log(logging.WARNING if policy == "warn" and explicit else logging.INFO, msg)
-        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0])
+        reach = tuple(chain) if chain[0].supports is not None else (chain[0],)
+        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0], chain=reach)
         binding.call = _make_call(spec, chain, policy, binding, check)
         bindings[op_name] = binding
     return OpTable(device_type, policy, bindings)

@@ -14,5 +14,5 @@ def make_reference_backend() -> Backend:
                 api_version=HAL_API_VERSION, priority=0,
                 description="pure PyTorch oracle (dsv4core/hal/ops); runs on any torch device")
     for name, spec in catalogue().items():
-        b.add(name, spec.reference)
+        b.add(name, spec.reference, capturable=spec.capturable)
     return b

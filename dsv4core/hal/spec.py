@@ -65,7 +65,8 @@ CaseGenerator = Callable[[str, torch.dtype, torch.device, torch.Generator], Iter
 class OpSpec:
     """A HAL op: name, signature, reference implementation, input check, cases, tolerance."""
 
-    def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int]):
+    def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int],
+                 writes: tuple[str, ...] = (), capturable: bool = True):
         self.name: str = fn.__name__
         self.family = family
         self.reference = fn
@@ -73,6 +74,15 @@ class OpSpec:
         self.doc = inspect.getdoc(fn) or ""
         self.tolerance = tolerance
         self.since = since
+        #: Arguments the op writes in place (pool ops); the op returns None. Conformance compares
+        #: what each backend leaves in them, and that no other argument changed.
+        self.writes = tuple(writes)
+        for w in self.writes:
+            if w not in self.signature.parameters:
+                raise ValueError(f"op {self.name!r}: writes names unknown parameter {w!r}")
+        #: Whether the reference implementation can be captured in a CUDA graph (no host sync, no
+        #: data-dependent shape). Backends declare their own implementations (Backend.add).
+        self.capturable = capturable
         self._check: Callable | None = None
         self._cases: CaseGenerator | None = None
 
@@ -117,11 +127,15 @@ class OpSpec:
 _CATALOGUE: dict[str, OpSpec] = {}
 
 
-def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0)) -> Callable[[Callable], OpSpec]:
-    """Declare a HAL op. The decorated function is its reference implementation."""
+def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), writes: tuple[str, ...] = (),
+       capturable: bool = True) -> Callable[[Callable], OpSpec]:
+    """Declare a HAL op. The decorated function is its reference implementation.
+
+    ``writes``: parameters written in place (the op returns None). ``capturable``: whether the
+    reference implementation can be recorded in a CUDA graph (see ``Backend.add``)."""
 
     def wrap(fn: Callable) -> OpSpec:
-        spec = OpSpec(fn, family, tolerance, since)
+        spec = OpSpec(fn, family, tolerance, since, writes, capturable)
         if spec.name in _CATALOGUE:
             raise ValueError(f"op {spec.name!r} declared twice")
         _CATALOGUE[spec.name] = spec

@@ -6,10 +6,11 @@
 | mhc          | hc_pre, hc_post, hc_head |
 | rope         | rope, q_norm_rope, kv_norm_rope |
 | attention    | sparse_mqa_attention |
-| compression  | compress_pool, indexer_scores, indexer_topk |
+| compression  | compress_pool, compress_windows, indexer_scores, indexer_scores_rows, indexer_topk |
+| cache        | cache_store |
 | projections  | linear, wo_a |
 | moe          | moe_route, moe_experts |
 | collectives  | all_reduce, all_gather, reduce_scatter, all_to_all |
 """
 
-from . import norms, mhc, rope, attention, compression, projections, moe, collectives  # noqa: F401
+from . import norms, mhc, rope, attention, compression, cache, projections, moe, collectives  # noqa: F401

@@ -1,5 +1,5 @@
-"""KV compression and the lightning indexer: compress_pool, indexer_scores, indexer_topk
-(SPEC.md section 2)."""
+"""KV compression and the lightning indexer: compress_pool, compress_windows, indexer_scores,
+indexer_scores_rows, indexer_topk (SPEC.md section 2)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,68 @@ def _(shapes, dtype, device, gen):
                                   ape=randn((128, dp), gen, torch.float32, device), overlap=False), ("extreme",))
 
 
+@op(family="compression", since=(1, 1), tolerance=Tolerance(
+    k=2.0, floor=1e-6, why="a softmax over at most 2m slots and a weighted sum per channel, fp32"))
+def compress_windows(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """Softmax-gated pooling of gathered windows, one entry per row: kv, score [E, S, c*d'] f32
+    (c = 2 if overlap), score already holding the position bias (``score + ape[pos % m]``), masked
+    slots scored ``-inf``. Returns [E, d'] f32.
+
+    overlap=False (HCA, S = m): entry e pools its S slots. overlap=True (CSA, S = 2m): slots
+    ``[0, m)`` (the previous window) contribute their A halves ``[..., :d']``, slots ``[m, 2m)``
+    (the entry's own window) their B halves ``[..., d':]``; one softmax over the 2m slots per
+    channel. A row whose slots are all masked pools to 0. fp32 math.
+    """
+    ct = compute_dtype(kv)
+    kv_c, s_c = kv.to(ct), score.to(ct)
+    E, S, cd = kv.shape
+    if overlap:
+        m, dp = S // 2, cd // 2
+        kv_c = torch.cat((kv_c[:, :m, :dp], kv_c[:, m:, dp:]), 1)          # [E, 2m, d']
+        s_c = torch.cat((s_c[:, :m, :dp], s_c[:, m:, dp:]), 1)
+    mx = s_c.amax(1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))      # all-masked rows pool to 0
+    p = torch.exp(s_c - mx)
+    den = p.sum(1)
+    num = (p * kv_c).sum(1)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+@compress_windows.check
+def _(kv, score, overlap):
+    d = Dims("compress_windows").tensor("kv", kv, ("E", "S", "cd"), F32)
+    d.tensor("score", score, ("E", "S", "cd"), F32)
+    expect("compress_windows", "overlap", isinstance(overlap, bool), "a bool", overlap)
+    if overlap:
+        expect("compress_windows", "kv", kv.shape[1] % 2 == 0 and kv.shape[2] % 2 == 0,
+               "even slot count (previous | own window) and even last dim (A|B halves) with overlap=True",
+               tuple(kv.shape))
+
+
+@compress_windows.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    f32 = torch.float32
+    for dp, label in ((D["d"], "main"), (D["dI"], "indexer")):
+        for E in (0, 1, 5):
+            yield Case(f"hca-{label}-E{E}", dict(kv=randn((E, 128, dp), gen, f32, device),
+                                                 score=randn((E, 128, dp), gen, f32, device, 2.0), overlap=False))
+            sc = randn((E, 8, 2 * dp), gen, f32, device, 2.0)
+            if E:
+                sc[0, :4] = float("-inf")               # the first window of a request: no previous window
+            yield Case(f"csa-{label}-E{E}", dict(kv=randn((E, 8, 2 * dp), gen, f32, device), score=sc, overlap=True))
+    dp = D["dI"]
+    # peaked gates (scores ~ +-40: the max subtraction matters), a fully masked row, non-contiguous views
+    sc = randn((4, 8, 2 * dp), gen, f32, device, 40.0)
+    sc[2] = float("-inf")
+    yield Case("csa-peaked-masked-noncontig", dict(kv=noncontig(randn((4, 8, 2 * dp), gen, f32, device, 100.0)),
+                                                   score=noncontig(sc), overlap=True), ("extreme", "noncontig", "masked"))
+    # masked slots inside the A half only (prefix of a request), and the B half decides
+    sc = randn((3, 8, 2 * dp), gen, f32, device, 3.0)
+    sc[:, :2, :dp] = float("-inf")
+    yield Case("csa-partial-prev", dict(kv=randn((3, 8, 2 * dp), gen, f32, device), score=sc, overlap=True), ("masked",))
+
+
 @op(family="compression", tolerance=Tolerance(
     k=4.0, floor=1e-5,
     why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
@@ -157,6 +219,74 @@ def _(shapes, dtype, device, gen):
                                  weights=randn((3, nI), gen, torch.float32, device),
                                  k_offsets=torch.zeros(3, dtype=torch.int64, device=device),
                                  k_lengths=torch.zeros(3, dtype=torch.int64, device=device), scale=dI ** -0.5),
+               ("masked",))
+
+
+@op(family="compression", since=(1, 1), tolerance=Tolerance(
+    k=4.0, floor=1e-5,
+    why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
+        "reductions in fp32; the floor absorbs cancellation when the weighted sum is near zero"))
+def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])`` for
+    ``rows[t, w] >= 0``, ``-inf`` where ``rows[t, w] = -1``. q [T, nI, dI]; k [N, dI] (a key pool:
+    any rows, any order); rows [T, L] int. Returns [T, L] f32. Fixed output shape (capturable)."""
+    T, L = rows.shape
+    ct = compute_dtype(q)
+    out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32), device=q.device)
+    if L == 0 or T == 0 or k.shape[0] == 0:
+        return out
+    chunk = max(1, _GATHER_BUDGET // (L * q.shape[2]))
+    for s in range(0, T, chunk):
+        r = rows[s:s + chunk].long()
+        valid = r >= 0
+        keys = k[r.clamp_min(0)].to(ct)                                        # [t, L, dI]
+        dots = torch.relu(torch.einsum("thd,tld->thl", q[s:s + chunk].to(ct), keys))
+        sc = torch.einsum("th,thl->tl", weights[s:s + chunk].to(ct), dots) * scale
+        out[s:s + chunk] = sc.masked_fill(~valid, float("-inf"))
+    return out
+
+
+@indexer_scores_rows.check
+def _(q, k, weights, rows, scale):
+    d = Dims("indexer_scores_rows").tensor("q", q, ("T", "nI", "dI"), ACT_DTYPES + (torch.float64,))
+    d.tensor("k", k, ("N", "dI"), (q.dtype,))
+    d.tensor("weights", weights, ("T", "nI"), F32)
+    d.tensor("rows", rows, ("T", "L"), INT_DTYPES)
+    if rows.numel():
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < -1 or hi >= k.shape[0]:
+            raise OpInputError("indexer_scores_rows", "rows", f"values in [-1, {k.shape[0] - 1}]",
+                               f"range [{lo}, {hi}]")
+
+
+@indexer_scores_rows.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    nI, dI = D["nI"], D["dI"]
+    N = 40 if shapes == "small" else 2048
+    for T in TOKENS[shapes]:
+        L = 24 if shapes == "small" else 1024
+        rows = torch.stack([torch.randperm(N, generator=gen)[:L] for _ in range(T)]) if T else torch.zeros(0, L)
+        rows = rows.long()
+        if T:
+            keep = torch.randint(0, L + 1, (T,), generator=gen)
+            keep[0] = 0                                                   # a query with no keys
+            rows[torch.arange(L)[None, :] >= keep[:, None]] = -1
+        yield Case(f"T{T}-L{L}-N{N}", dict(q=randn((T, nI, dI), gen, dtype, device), k=randn((N, dI), gen, dtype, device),
+                                           weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
+                                           rows=rows.to(device), scale=dI ** -0.5))
+    # paged layout: keys of one request scattered over blocks, -1 in the middle, int32, non-contiguous q
+    T, L = 6, 12
+    rows = torch.randint(0, N, (T, L), generator=gen)
+    rows[:, 5] = -1
+    yield Case("scattered-int32-noncontig", dict(q=noncontig(randn((T, nI, dI), gen, dtype, device)),
+                                                 k=randn((N, dI), gen, dtype, device),
+                                                 weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
+                                                 rows=rows.to(device, torch.int32), scale=0.37), ("noncontig",))
+    yield Case("all-masked", dict(q=randn((3, nI, dI), gen, dtype, device), k=randn((4, dI), gen, dtype, device),
+                                  weights=randn((3, nI), gen, torch.float32, device),
+                                  rows=torch.full((3, 5), -1, dtype=torch.int64, device=device), scale=dI ** -0.5),
                ("masked",))
 
 

@@ -1,0 +1,88 @@
+"""Writing rows into the model's state pools (SPEC.md section 2, "Pool writes").
+
+The pools (sliding-window rows, compressed entries, indexer keys, compressor rings) are owned by
+the model's cache (dsv4core/model/cache.py); an op that writes into one takes the pool and the flat
+destination rows explicitly and returns nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import OpInputError
+from ..spec import ACT_DTYPES, INT_DTYPES, Case, Dims, Tolerance, expect, op
+from ._cases import dims, noncontig, randn
+
+
+@op(family="cache", writes=("pool",), tolerance=Tolerance(
+    k=0.0, floor=0.0, metric="bitwise",
+    why="a store: each written row is rows[i] cast once to the pool dtype (round to nearest even), "
+        "every other row of the pool keeps its bits"))
+def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``pool[index[i]] = rows[i]`` (cast to pool.dtype) for every ``index[i] >= 0``; ``-1`` skips
+    row i. pool [R, D] (any row stride), index [E] int, rows [E, D]. The valid destinations are
+    distinct. Writes in place; returns None. Capturable: no host synchronisation, fixed shapes."""
+    E = index.shape[0]
+    if E == 0 or pool.shape[0] == 0:
+        return None
+    idx = index.long()
+    valid = idx >= 0
+    # Skipped rows are redirected to the first valid destination carrying that destination's own
+    # value (or to row 0 carrying row 0's current value when none is valid), so every duplicate
+    # destination receives identical bits whatever order the writes land in.
+    first = torch.argmax(valid.to(torch.int8))
+    any_valid = valid[first]
+    src = rows.to(pool.dtype)
+    fallback_idx = torch.where(any_valid, idx[first], torch.zeros_like(idx[first]))
+    fallback_row = torch.where(any_valid, src[first], pool[0])
+    tgt = torch.where(valid, idx, fallback_idx)
+    val = torch.where(valid[:, None], src, fallback_row[None, :])
+    pool.index_copy_(0, tgt, val)
+    return None
+
+
+@cache_store.check
+def _(pool, index, rows):
+    d = Dims("cache_store").tensor("pool", pool, ("R", "D"), ACT_DTYPES + (torch.float64,))
+    d.tensor("index", index, ("E",), INT_DTYPES)
+    d.tensor("rows", rows, ("E", "D"), ACT_DTYPES + (torch.float64,))
+    if index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -1 or hi >= pool.shape[0]:
+            raise OpInputError("cache_store", "index", f"values in [-1, {pool.shape[0] - 1}]", f"range [{lo}, {hi}]")
+        v = index[index >= 0]
+        expect("cache_store", "index", v.unique().numel() == v.numel(), "distinct destination rows",
+               f"{v.numel() - v.unique().numel()} repeated")
+
+
+def _distinct(E: int, R: int, gen: torch.Generator, skip: float) -> torch.Tensor:
+    idx = torch.randperm(R, generator=gen)[:E].long()
+    idx[torch.rand(E, generator=gen) < skip] = -1
+    return idx
+
+
+@cache_store.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    for width, label in ((D["d"], "rows"), (D["dI"], "keys"), (2 * D["d"], "ring")):
+        R = 64
+        for E, skip in ((0, 0.0), (1, 0.0), (7, 0.3), (33, 0.5)):
+            pool_dt = torch.float32 if label == "ring" else dtype
+            yield Case(f"{label}-E{E}", dict(pool=randn((R, width), gen, pool_dt, device),
+                                             index=_distinct(E, R, gen, skip).to(device),
+                                             rows=randn((E, width), gen, torch.float32, device, 3.0)))
+    d = D["d"]
+    # every row skipped (nothing may change, row 0 included); a write into row 0 beside skipped rows;
+    # int32 indices into a strided pool view (a layer's region of a larger buffer); rows in bf16
+    # written into an fp32 pool and fp32 rows into a bf16 pool (one rounding)
+    yield Case("all-skipped", dict(pool=randn((16, d), gen, dtype, device), index=torch.full((5,), -1, device=device),
+                                   rows=randn((5, d), gen, dtype, device)), ("masked",))
+    idx = torch.tensor([-1, 0, -1, 9], device=device)
+    yield Case("row0-beside-skips", dict(pool=randn((16, d), gen, dtype, device), index=idx,
+                                         rows=randn((4, d), gen, dtype, device)), ("masked",))
+    big = randn((40, 2 * d + 1), gen, dtype, device)
+    yield Case("strided-pool-int32", dict(pool=big[3:35, 1:d + 1], index=_distinct(9, 32, gen, 0.2).to(device, torch.int32),
+                                          rows=noncontig(randn((9, d), gen, torch.float32, device))), ("noncontig",))
+    yield Case("cast-into-pool", dict(pool=randn((16, d), gen, torch.float32, device),
+                                      index=_distinct(6, 16, gen, 0.0).to(device),
+                                      rows=randn((6, d), gen, dtype, device)))
