@@ -4,9 +4,9 @@ forward on HAL ops (no vendor code here). Public entry point: ``dsv4core.load_mo
 
 from .config import ConfigError, DSV4Config, RopeSpec, rope_inv_freq
 from .model import DSV4ForCausalLM, InputError, randomize_weights_
-from .state import CompressorState, LayerState, RequestState, state_bytes
+from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState
 
 __all__ = [
     "ConfigError", "DSV4Config", "RopeSpec", "rope_inv_freq", "DSV4ForCausalLM", "InputError",
-    "randomize_weights_", "CompressorState", "LayerState", "RequestState", "state_bytes",
+    "randomize_weights_", "CacheConfig", "CacheError", "KVCache", "PoolFullError", "RequestState",
 ]

@@ -1,5 +1,5 @@
-"""The DSV4 causal LM: batched forward over flattened tokens of several requests, each with an
-explicit `RequestState`; greedy generation (prefill, then decode steps with the state).
+"""The DSV4 causal LM: one step = one forward over the flattened tokens of several requests, whose
+state lives in the model's `KVCache` pools; greedy generation with continuous batching.
 
 The module tree and `state_dict()` keys equal transformers 5.23.0 `DeepseekV4ForCausalLM`
 (`model.embed_tokens`, `model.layers.N....`, `model.norm`, `model.hc_head`, `lm_head`), so a
@@ -8,14 +8,17 @@ transformers checkpoint loads with no renaming.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
-from .modules import FP32, Batch, DecoderLayer, HyperHead, OpsRef, RMSNorm
-from .state import RequestState
+from .graphs import DecodeGraphs
+from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm, Step
 
 
 class InputError(ValueError):
@@ -38,9 +41,17 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg, ops)
 
 
+#: Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one).
+DEFAULT_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
 class DSV4ForCausalLM(nn.Module):
     """DSV4 with a device-neutral forward on HAL ops. Build with `load_model` (dsv4core.model.api)
-    or directly: `DSV4ForCausalLM(config, ops, dtype=...)` then load weights."""
+    or directly: `DSV4ForCausalLM(config, ops, dtype=...)` then load weights.
+
+    Request state lives in the model's `KVCache` (`model.cache`, created on first use with
+    `CacheConfig()` defaults, or explicitly with `configure_cache`); `new_state()` hands out a
+    request, `forward_batch` runs one step over any mix of prefill chunks and decode tokens."""
 
     def __init__(self, config: DSV4Config, ops=None, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -53,6 +64,11 @@ class DSV4ForCausalLM(nn.Module):
         self._inv_freq: dict[tuple, dict[str, torch.Tensor]] = {}
         self.backend = None  # informational: the backend request the op table was bound with
         self._quantization: dict | None = None  # set by load_model (see quantization_report)
+        self._cache: KVCache | None = None
+        self._graphs: DecodeGraphs | None = None
+        #: CUDA-graph decode: on where the device and every bound op allow it (see graph_status()).
+        self.use_graphs = True
+        self.graph_buckets: tuple[int, ...] = DEFAULT_GRAPH_BUCKETS
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -60,8 +76,9 @@ class DSV4ForCausalLM(nn.Module):
         return self._ops.t
 
     def bind_ops(self, ops) -> None:
-        """Swap the op table (e.g. after moving to another device)."""
+        """Swap the op table (e.g. after moving to another device). Captured graphs are dropped."""
         self._ops.t = ops
+        self._graphs = None
 
     @property
     def device(self) -> torch.device:
@@ -69,12 +86,7 @@ class DSV4ForCausalLM(nn.Module):
 
     def hal_report(self):
         """The binding table of the op table this model calls (op -> implementation)."""
-        t = self._ops.t
-        for name in ("report", "hal_report", "table"):
-            fn = getattr(t, name, None)
-            if callable(fn):
-                return fn()
-        return repr(t)
+        return self._ops.t.report()
 
     def quantization_report(self) -> dict:
         """Which weights are kept FP8 (+ block scale) and why each FP8-capable projection was or was
@@ -90,8 +102,39 @@ class DSV4ForCausalLM(nn.Module):
             self._inv_freq[key] = {k: self.config.inv_freq(k, device) for k in ("main", "compress")}
         return self._inv_freq[key]
 
+    # ------------------------------------------------------------------ state
+    def configure_cache(self, cache_config: CacheConfig | None = None, **kwargs) -> KVCache:
+        """Build the model's cache (all request state) with `CacheConfig(**kwargs)` or the given
+        config; replaces the previous one, which must have no live request."""
+        if self._cache is not None and self._cache.live:
+            raise CacheError(f"configure_cache: {len(self._cache.live)} request(s) still live in the current cache; "
+                             f"release them first")
+        cc = cache_config if cache_config is not None else CacheConfig(**kwargs)
+        self._cache = KVCache(self.config, self.act_dtype, self.device, cc)
+        self._graphs = None
+        return self._cache
+
+    @property
+    def cache(self) -> KVCache:
+        """The model's cache (built with `CacheConfig()` defaults on first use)."""
+        if self._cache is None or self._cache.device != self.device:
+            self.configure_cache()
+        return self._cache
+
     def new_state(self) -> RequestState:
-        return RequestState.new(self.config, self.act_dtype, self.device)
+        """A new request backed by the cache's pools (release it when done, or drop it)."""
+        return self.cache.new_request()
+
+    def graph_status(self) -> str:
+        """'' when decode steps are captured as CUDA graphs, else why they run eagerly."""
+        if not self.use_graphs:
+            return "disabled (model.use_graphs = False)"
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device (model on {self.device.type})"
+        bad = self.ops.capturable()
+        if bad:
+            return "; ".join(f"{k}: {v}" for k, v in bad.items())
+        return ""
 
     # ------------------------------------------------------------------ validation
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -100,35 +143,17 @@ class DSV4ForCausalLM(nn.Module):
             bad = ids[(ids < 0) | (ids >= V)][:5].tolist()
             raise InputError(f"{what}: token ids out of vocabulary [0, {V}): {bad}")
 
-    # ------------------------------------------------------------------ forward
-    @torch.no_grad()
-    def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, request_ids: torch.Tensor,
-                      states: Sequence[RequestState], logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward over flattened tokens.
-
-        input_ids, positions, request_ids: [T] int64. `request_ids[t]` indexes `states`; each
-        request's tokens are contiguous and their positions are `state.length, state.length+1, ...`
-        (prefill: many tokens; decode: one; any mix of requests in one call).
-        logits_rows: which flattened rows to return logits for (default all). Returns float32
-        logits [len(logits_rows), vocab]. Everything is validated before any state changes.
-        """
-        dev = self.device
-        # validation and bookkeeping on host copies (no device syncs on the hot path)
-        ids_h, pos_h, rid_h = (_host_long(a) for a in (input_ids, positions, request_ids))
+    def _segments(self, ids_h, pos_h, rid_h, states):
+        """Validate a step on host metadata; returns (starts, counts, segment states, start lengths)."""
         T = ids_h.shape[0]
         if pos_h.shape[0] != T or rid_h.shape[0] != T:
             raise InputError(f"input_ids ({T}), positions ({pos_h.shape[0]}) and request_ids "
                              f"({rid_h.shape[0]}) must have the same length")
         self._check_ids(ids_h, "input_ids")
-        # segments (contiguous runs of one request)
-        starts, counts, rids = [], [], []
-        rl = rid_h.tolist()
-        for t, r in enumerate(rl):
-            if t == 0 or r != rl[t - 1]:
-                starts.append(t)
-                counts.append(0)
-                rids.append(r)
-            counts[-1] += 1
+        brk = torch.nonzero(rid_h[1:] != rid_h[:-1]).flatten() + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), brk])
+        counts = torch.diff(torch.cat([starts, torch.tensor([T])]))
+        rids = rid_h[starts].tolist()
         if len(set(rids)) != len(rids):
             raise InputError("each request's tokens must be contiguous in the flattened batch")
         if any(r < 0 or r >= len(states) for r in rids):
@@ -136,39 +161,112 @@ class DSV4ForCausalLM(nn.Module):
         seg_states = [states[r] for r in rids]
         if len({id(s) for s in seg_states}) != len(seg_states):
             raise InputError("two request_ids refer to the same RequestState object")
-        start_len = [s.length for s in seg_states]
+        cache = self.cache
+        for r, s in zip(rids, seg_states):
+            if not isinstance(s, RequestState) or s.cache is not cache:
+                raise InputError(f"request {r}: not a request of this model's cache (use model.new_state())")
+            if s.released:
+                raise InputError(f"request {r} (slot {s.slot}) was released")
+        start_len = torch.tensor([s.length for s in seg_states], dtype=torch.int64)
+        expect = torch.repeat_interleave(start_len - starts, counts) + torch.arange(T)
+        bad = torch.nonzero(pos_h != expect).flatten()
+        if bad.numel():
+            t = int(bad[0])
+            k = int(torch.searchsorted(starts, torch.tensor([t]), right=True)[0]) - 1
+            s0, n, L = int(starts[k]), int(counts[k]), int(start_len[k])
+            raise InputError(f"request {rids[k]}: positions must continue its state ({L}..{L + n - 1}); "
+                             f"got {int(pos_h[s0])}..{int(pos_h[s0 + n - 1])}")
+        ends = start_len + counts
         maxpos = self.config.max_position_embeddings
-        pl = pos_h.tolist()
-        for s0, n, L, r in zip(starts, counts, start_len, rids):
-            if pl[s0:s0 + n] != list(range(L, L + n)):
-                raise InputError(f"request {r}: positions must continue its state ({L}..{L + n - 1}); "
-                                 f"got {pl[s0]}..{pl[s0 + n - 1]}")
-            if L + n > maxpos:
-                raise InputError(f"request {r}: length {L + n} exceeds max_position_embeddings={maxpos}")
+        if int(ends.max()) > maxpos:
+            k = int(torch.argmax(ends))
+            raise InputError(f"request {rids[k]}: length {int(ends[k])} exceeds max_position_embeddings={maxpos}")
+        return starts, counts, seg_states, start_len
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, request_ids: torch.Tensor,
+                      states: Sequence[RequestState], logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over flattened tokens.
+
+        input_ids, positions, request_ids: [T] int64. `request_ids[t]` indexes `states`; each
+        request's tokens are contiguous and their positions are `state.length, state.length+1, ...`
+        (prefill: many tokens; decode: one; any mix of requests in one call).
+        logits_rows: which flattened rows to return logits for (default all). Returns float32
+        logits [len(logits_rows), vocab]. Everything is validated on host metadata before the
+        forward; a step that raises (bad input, full pool, an op error) leaves every request as
+        it was. Decode steps (one token per request) replay a captured CUDA graph when possible.
+        """
+        ids_h, pos_h, rid_h = (_host_long(a) for a in (input_ids, positions, request_ids))
+        T = ids_h.shape[0]
         rows_h = None
         if logits_rows is not None:
             rows_h = _host_long(logits_rows)
             if rows_h.numel() and (int(rows_h.min()) < -T or int(rows_h.max()) >= T):
                 raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows_h.tolist()[:8]}")
-        seg_h = torch.repeat_interleave(torch.arange(len(starts), dtype=torch.int64),
-                                        torch.tensor(counts, dtype=torch.int64))
-        # one host->device copy for all per-token index vectors (each copy is a device sync)
-        packed = torch.cat([ids_h, pos_h, seg_h] + ([rows_h] if rows_h is not None else [])).to(dev)
-        batch = Batch(input_ids=packed[:T], positions=packed[T:2 * T], seg_of_token=packed[2 * T:3 * T],
-                      states=seg_states, starts=starts, counts=counts, start_len=start_len,
-                      inv_freq=self._freqs(dev), max_position=max(pl) if pl else -1)
+        if T == 0:
+            if pos_h.shape[0] or rid_h.shape[0]:
+                raise InputError(f"input_ids (0), positions ({pos_h.shape[0]}) and request_ids "
+                                 f"({rid_h.shape[0]}) must have the same length")
+            n = 0 if rows_h is None else rows_h.numel()
+            return torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        starts, counts, seg_states, start_len = self._segments(ids_h, pos_h, rid_h, states)
+        cache = self.cache
+        plan = cache.prepare(seg_states, counts.tolist())     # raises with nothing changed
+        try:
+            cache.sync_tables()
+            logits = None
+            if bool((counts == 1).all()) and not self.graph_status():
+                if self._graphs is None:
+                    self._graphs = DecodeGraphs(self, self.graph_buckets)
+                logits = self._graphs.run(ids_h, pos_h, torch.tensor([s.slot for s in seg_states]))
+                if logits is not None and rows_h is not None:
+                    logits = logits[rows_h.to(logits.device)]
+            if logits is None:                        # prefill / mixed steps, or no graph for this batch
+                logits = self._eager(ids_h, pos_h, counts, seg_states, start_len, rows_h)
+        except BaseException:
+            plan.rollback()
+            raise
+        plan.commit()
+        return logits
 
-        n = self.config.hc_mult
-        h = self.model.embed_tokens.weight[batch.input_ids]  # embedding lookup (glue)
+    def _eager(self, ids_h, pos_h, counts, seg_states, start_len, rows_h) -> torch.Tensor:
+        """Build the step's metadata on the host, copy it to the device once, run the layers."""
+        cache, dev = self.cache, self.device
+        T = ids_h.shape[0]
+        slot = torch.repeat_interleave(torch.tensor([s.slot for s in seg_states], dtype=torch.int64), counts)
+        start = torch.repeat_interleave(start_len, counts)
+        end = torch.repeat_interleave(start_len + counts, counts)
+        emit = {m: torch.nonzero((pos_h + 1) % m == 0).flatten() for m in cache.ratios}
+        caps = [c for c in cache.ring_cap if c]
+        ring_tok = torch.nonzero(pos_h >= end - max(caps)).flatten() if caps else torch.zeros(0, dtype=torch.int64)
+        widths = {m: int((start_len + counts).max()) // m for m in cache.ratios}
+        parts = [ids_h, pos_h, slot, start, end, ring_tok] + [emit[m] for m in cache.ratios]
+        if rows_h is not None:
+            parts.append(rows_h)
+        packed = torch.cat(parts).to(dev)                    # one host->device copy per step
+        sizes = [p.numel() for p in parts]
+        v = list(torch.split(packed, sizes))
+        step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4],
+                    valid=torch.ones(T, dtype=torch.bool, device=dev), ring_tok=v[5],
+                    emit_tok=dict(zip(cache.ratios, v[6:6 + len(cache.ratios)])), widths=widths,
+                    inv_freq=self._freqs(dev))
+        return self._forward(step, v[-1] if rows_h is not None else None)
+
+    def _forward(self, step: Step, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers over a prepared step; the deferred compressor-ring writes last."""
+        T, n = step.num_tokens, self.config.hc_mult
+        h = self.model.embed_tokens.weight[step.input_ids]  # embedding lookup (glue)
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
         for layer in self.model.layers:
-            X = layer(X, batch)
-        if rows_h is not None:
-            X = X[packed[3 * T:]]
+            X = layer(X, step)
+        if rows is not None:
+            X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
         logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
-        for st, n_ in zip(seg_states, counts):
-            st.length += n_
+        for pool, index, values in step.deferred:
+            self.ops.cache_store(pool, index, values)
+        step.deferred.clear()
         return logits
 
     # ------------------------------------------------------------------ public API
@@ -179,17 +277,36 @@ class DSV4ForCausalLM(nn.Module):
         if ids.numel() == 0:
             raise InputError("empty input_ids")
         st = self.new_state()
-        T = ids.numel()
-        return self.forward_batch(ids, torch.arange(T), torch.zeros(T, dtype=torch.int64), [st])
+        try:
+            T = ids.numel()
+            return self.forward_batch(ids, torch.arange(T), torch.zeros(T, dtype=torch.int64), [st])
+        finally:
+            st.release()
+
+    def _cache_for(self, request_tokens: int, requests: int) -> KVCache:
+        """The model's cache, rebuilt (when it holds no live request) if `request_tokens` exceed its
+        max_request_tokens."""
+        c = self.cache
+        if c.max_request_tokens >= request_tokens:
+            return c
+        if c.live:
+            raise InputError(f"a request of {request_tokens} tokens exceeds the cache's max_request_tokens="
+                             f"{c.max_request_tokens}, and live requests prevent rebuilding it")
+        cap = 1 << (request_tokens - 1).bit_length()
+        cc = dataclasses.replace(c.cc, max_request_tokens=min(cap, self.config.max_position_embeddings),
+                                 max_tokens=max(c.cc.max_tokens, cap * min(requests, c.cc.max_requests)))
+        return self.configure_cache(cc)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  eos_token_id: int | None = None, prefill_chunk: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
-        """Greedy, batched: one prefill forward of all prompts (or, with `prefill_chunk`, one
-        forward per chunk of at most that many tokens of each prompt), then one decode forward per
-        step for all unfinished requests. Returns only the new tokens of each prompt. With
-        `eos_token_id`, a request stops after emitting it."""
+        """Greedy generation with continuous batching: every step is one forward over the decode
+        tokens of the running requests plus prefill chunks (at most `prefill_chunk` tokens of a
+        prompt per step; default the cache's max_step_tokens) of newly admitted ones. Requests are
+        admitted while the cache has a free slot and blocks for their whole length; a finished
+        request (max_new_tokens, or `eos_token_id` emitted) leaves the batch and its blocks are
+        reused. Returns only the new tokens of each prompt. `progress(done, total)` counts tokens."""
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
         prompts = [list(map(int, p)) for p in prompts]
@@ -210,53 +327,91 @@ class DSV4ForCausalLM(nn.Module):
             return out
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
-        states = [self.new_state() for _ in prompts]
-        logits = self._prefill(prompts, states, prefill_chunk)
-        active = list(range(len(prompts)))
-        step = 0
-        while True:
-            nxt = logits.argmax(-1).tolist()
-            still = []
-            for i, tok in zip(active, nxt):
-                out[i].append(tok)
-                if len(out[i]) < max_new_tokens and tok != eos_token_id:
-                    still.append(i)
-            step += 1
-            if progress is not None:
-                progress(step, max_new_tokens)
-            active = still
-            if not active:
-                break
-            ids = torch.tensor([out[i][-1] for i in active], dtype=torch.int64)
-            pos = torch.tensor([states[i].length for i in active], dtype=torch.int64)
-            logits = self.forward_batch(ids, pos, torch.arange(len(active)), [states[i] for i in active])
+        cache = self._cache_for(max(len(p) for p in prompts) + max_new_tokens, len(prompts))
+        sched = _Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
+                           min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress)
+        try:
+            sched.run(out)
+        finally:
+            sched.release_all()
         return out
 
-    def _prefill(self, prompts: list[list[int]], states: list[RequestState], chunk: int | None) -> torch.Tensor:
-        """Prefill all prompts (chunked over positions if `chunk`); logits of each last token."""
-        chunk = chunk or max(len(p) for p in prompts)
-        last: list[torch.Tensor | None] = [None] * len(prompts)
-        for off in range(0, max(len(p) for p in prompts), chunk):
-            ids: list[int] = []
-            pos: list[int] = []
-            rid: list[int] = []
-            rows: list[int] = []
-            owners: list[int] = []
-            for i, p in enumerate(prompts):
-                seg = p[off:off + chunk]
-                if not seg:
-                    continue
+
+class _Scheduler:
+    """Continuous batching for `generate` (host-side bookkeeping only)."""
+
+    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress) -> None:
+        self.model, self.cache, self.prompts, self.max_new, self.eos = model, cache, prompts, max_new, eos
+        self.chunk, self.progress = chunk, progress
+        self.waiting = deque(range(len(prompts)))
+        self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
+        self.reserved = 0                      # compressed blocks promised to running requests
+        self.done = 0
+
+    def _blocks(self, i: int) -> int:
+        return -(-(len(self.prompts[i]) + self.max_new) // self.cache.block_tokens) if self.cache.ratios else 0
+
+    def _admit(self) -> None:
+        c = self.cache
+        free_blocks = c.comp_pool.n - 1 - self.reserved
+        while self.waiting and c.free_slots:
+            i = self.waiting[0]
+            need = self._blocks(i)
+            if need > free_blocks and self.running:
+                break                          # wait for a running request to finish
+            if need > c.comp_pool.n - 1:
+                raise InputError(f"prompt {i}: {len(self.prompts[i])} + {self.max_new} tokens need {need} compressed "
+                                 f"blocks; the cache has {c.comp_pool.n - 1} (raise CacheConfig.max_tokens)")
+            self.waiting.popleft()
+            self.running[i] = [c.new_request(), 0]
+            self.reserved += need
+            free_blocks -= need
+
+    def run(self, out: list[list[int]]) -> None:
+        total = len(self.prompts) * self.max_new
+        while self.waiting or self.running:
+            self._admit()
+            ids, pos, rid, rows, owners, states = [], [], [], [], [], []
+            budget = self.cache.cc.max_step_tokens
+            for i, (st, used) in self.running.items():
+                p = self.prompts[i]
+                if used < len(p):                      # prefill chunk
+                    n = min(self.chunk, len(p) - used, budget)
+                    if n <= 0:
+                        continue
+                    seg = p[used:used + n]
+                    self.running[i][1] = used + n
+                    last = used + n == len(p)
+                else:                                  # decode
+                    if budget <= 0:
+                        continue
+                    seg, n, last = [out[i][-1]], 1, True
+                budget -= n
+                r = len(states)
+                states.append(st)
                 ids += seg
-                pos += range(off, off + len(seg))
-                rid += [i] * len(seg)
-                if off + len(seg) == len(p):
+                pos += range(st.length, st.length + n)
+                rid += [r] * n
+                if last:
                     rows.append(len(ids) - 1)
                     owners.append(i)
-            lg = self.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
-                                    logits_rows=torch.tensor(rows, dtype=torch.int64))
-            for i, row in zip(owners, lg):
-                last[i] = row
-        return torch.stack(last)
+            lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
+                                          logits_rows=torch.tensor(rows, dtype=torch.int64))
+            for i, tok in zip(owners, lg.argmax(-1).tolist()):
+                out[i].append(tok)
+                self.done += 1
+                if len(out[i]) >= self.max_new or tok == self.eos:
+                    self.done += self.max_new - len(out[i])
+                    st, _ = self.running.pop(i)
+                    st.release()
+                    self.reserved -= self._blocks(i)
+            if self.progress is not None:
+                self.progress(self.done, total)
+
+    def release_all(self) -> None:
+        for st, _ in self.running.values():
+            st.release()
+        self.running.clear()
 
 
 # ---------------------------------------------------------------------------------------------

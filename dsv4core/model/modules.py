@@ -2,7 +2,7 @@
 (same attribute paths, names, shapes), math done only through the bound HAL op table.
 
 Each module holds an `OpsRef` (shared by the whole model, rebindable) and exposes a forward
-over *flattened* tokens of several requests (`Batch`, built by the model). Plain torch appears
+over *flattened* tokens of several requests (`Step`, built by the model). Plain torch appears
 only as glue: embedding lookup, cat / slicing / views, index-list construction.
 
 Flow of one decoder layer (n = hc_mult streams per token):
@@ -20,15 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import indexing as ix
+from .cache import KVCache
 from .config import CSA, HASH_MOE, HCA, SLIDING, DSV4Config
-from .state import CompressorState, RequestState
 
 FP32 = torch.float32
-
-#: The lightning indexer concatenates the keys of consecutive requests into one scoring call while
-#: they total at most this many rows; a request with more keys is scored from its own store (no
-#: copy). Bounds the per-step key copy by a constant, whatever the context length.
-INDEXER_CONCAT_ROWS = 4096
 
 
 class OpsRef:
@@ -128,84 +124,134 @@ class HyperHead(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# batch description
+# step description
 
 
 @dataclass
-class Batch:
-    """Flattened tokens of several requests. Segment r holds the `counts[r]` new tokens of request
-    `states[r]` (contiguous from `starts[r]`, positions `start_len[r] .. start_len[r]+counts[r]-1`)."""
+class Step:
+    """One step over flattened tokens (DSV4ForCausalLM builds it from host metadata, then copies
+    its vectors to the device once). Per token: `input_ids`, `positions`, `slot` (the request's
+    cache slot), `start` / `end` (the request's length before / after the step), `valid` (False
+    for bucket padding). Host-chosen index lists and widths (static in captured decode steps):
+    `emit_tok[m]` the candidate tokens for compressor emission at rate m, `ring_tok` the tokens
+    whose compressor projections are kept, `widths[m]` the entry-table width at rate m.
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    seg_of_token: torch.Tensor  # [T] int64 (segment index)
-    states: list[RequestState]
-    starts: list[int]  # first flattened token of each segment
-    counts: list[int]  # tokens of each segment
-    start_len: list[int]  # state.length before this forward
-    inv_freq: dict[str, torch.Tensor] = field(default_factory=dict)
-    max_position: int = -1  # largest position in the batch (host value: no device sync)
-    _per_token: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+    Compressor-ring writes are deferred (`deferred`) and applied after the last layer: a step
+    that fails part way leaves the rings as they were."""
+
+    cache: KVCache
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    valid: torch.Tensor
+    emit_tok: dict[int, torch.Tensor]
+    ring_tok: torch.Tensor
+    widths: dict[int, int]
+    inv_freq: dict[str, torch.Tensor]
+    deferred: list = field(default_factory=list)
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def per_token(self, per_segment: list[int]) -> torch.Tensor:
-        """int64 [T] on the batch's device: `per_segment[r]` for every token of segment r.
-        The host->device copy (a device sync) is made once per distinct list and forward, not
-        once per layer: layers of one kind lay out their row stores identically."""
-        key = tuple(per_segment)
-        t = self._per_token.get(key)
-        if t is None:
-            t = torch.tensor(per_segment, dtype=torch.int64, device=self.input_ids.device)[self.seg_of_token]
-            self._per_token[key] = t
-        return t
+    def memo(self, key, build):
+        """Metadata shared by the layers of one kind (built once per step)."""
+        v = self._memo.get(key)
+        if v is None:
+            v = self._memo[key] = build()
+        return v
+
+    def window_writes(self) -> torch.Tensor:
+        c = self.cache
+        return self.memo("ww", lambda: ix.window_writes(c.window_table_dev, self.slot, self.positions, self.valid,
+                                                       c.window_block))
+
+    def window_reads(self) -> torch.Tensor:
+        c = self.cache
+        return self.memo("wr", lambda: ix.window_reads(c.window_table_dev, self.slot, self.positions, self.valid,
+                                                      c.window_block, c.W))
+
+    def entry_reads(self, ratio: int, per_block: int) -> torch.Tensor:
+        c = self.cache
+        return self.memo(("er", ratio), lambda: ix.entry_reads(c.comp_table_dev, self.slot, self.positions, self.valid,
+                                                               ratio, per_block, self.widths[ratio]))
+
+    def emissions(self, ratio: int, per_block: int):
+        """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
+        c = self.cache
+        return self.memo(("em", ratio, per_block), lambda: ix.emissions(
+            c.comp_table_dev, self.slot, self.positions, self.valid, self.emit_tok[ratio], ratio, per_block))
+
+    def sources(self, ratio: int, overlap: bool, cap: int, per_block: int):
+        return self.memo(("src", ratio, cap), lambda: ix.window_sources(
+            self.slot, self.positions, self.start, self.emit_tok[ratio], self.emissions(ratio, per_block)[0], ratio,
+            overlap, cap))
+
+    def ring_rows(self, cap: int) -> torch.Tensor:
+        return self.memo(("rw", cap), lambda: ix.ring_writes(self.slot, self.positions, self.end, self.valid,
+                                                             self.ring_tok, cap))
 
 
 # --------------------------------------------------------------------------------------------
 # compressors
 
 
+def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: float) -> torch.Tensor:
+    """[E, S, width] window slots: this step's rows `new` [T, width] where the slot's position is
+    in the step, the ring's rows before, `fill` before position 0 (glue: two gathers + select)."""
+    new_i, ring_i, from_new, masked = src
+    T = new.shape[0]
+    a = new[new_i.clamp(0, max(T - 1, 0))] if T else new.new_zeros(new_i.shape + new.shape[1:])
+    b = ring[ring_i]
+    out = torch.where(from_new[..., None], a, b)
+    return out.masked_fill(masked[..., None], fill)
+
+
+def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: torch.Tensor, kv_norm: "RMSNorm",
+                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring_kv: torch.Tensor,
+                  ring_score: torch.Tensor, entry_pool: torch.Tensor, base: int, per_block: int) -> None:
+    """Feed the step's tokens into a compressor: project (fp32, SPEC section 0), add the position
+    bias, pool every window the step completes from the ring and this step's rows
+    (`compress_windows`), norm + rope the entries at their window start and store them into
+    `entry_pool` (rows offset by `base`); queue the ring writes (`step.deferred`)."""
+    kv = kv_proj(x, FP32)
+    sc = gate_proj(x, FP32) + position_bias[step.positions % ratio]
+    src = step.sources(ratio, overlap, cap, per_block)
+    kv_w = _gather_window(kv, ring_kv, src, 0.0)
+    sc_w = _gather_window(sc, ring_score, src, float("-inf"))
+    pooled = ops.compress_windows(kv_w, sc_w, overlap)
+    entry, dest = step.emissions(ratio, per_block)
+    ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"], kv_norm.eps)
+    ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1), ent)
+    rows = step.ring_rows(cap)
+    step.deferred += [(ring_kv, rows, kv[step.ring_tok]), (ring_score, rows, sc[step.ring_tok])]
+
+
 class Compressor(nn.Module):
     """Softmax-gated window pooling (SPEC compress_pool). HCA: `overlap=False`, projections of
-    width d'; CSA (and the indexer's own compressor): `overlap=True`, width 2 d' (A | B halves).
-    Parameter names follow transformers (`kv_proj`, `gate_proj`, `position_bias`, `kv_norm`)."""
+    width d'; CSA: `overlap=True`, width 2 d' (A | B halves). Parameter names follow transformers
+    (`kv_proj`, `gate_proj`, `position_bias`, `kv_norm`)."""
 
-    def __init__(self, cfg: DSV4Config, ratio: int, dim: int, overlap: bool, dtype: torch.dtype, ops: OpsRef):
+    def __init__(self, cfg: DSV4Config, layer: int, ratio: int, dim: int, overlap: bool, dtype: torch.dtype,
+                 ops: OpsRef):
         super().__init__()
         c = 2 if overlap else 1
-        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        self.layer, self.ratio, self.dim, self.overlap = layer, ratio, dim, overlap
         self.kv_proj = Linear(cfg.hidden_size, c * dim, dtype, ops)
         self.gate_proj = Linear(cfg.hidden_size, c * dim, dtype, ops)
         self.position_bias = _param((ratio, c * dim), FP32)
         self.kv_norm = RMSNorm(dim, cfg.rms_norm_eps, ops)
         self._ops = ops
 
-    def update(self, x: torch.Tensor, batch: Batch, states: list[CompressorState]) -> None:
-        """Feed the segment tokens of `x [T,H]` into each request's compressor state; every window
-        that becomes complete emits one entry (pooled, normed, roped at the window start)."""
-        ops = self._ops.t
-        m, dim = self.ratio, self.dim
-        kv_all = self.kv_proj(x, FP32)  # projections taken as fp32 (SPEC section 0)
-        sc_all = self.gate_proj(x, FP32)
-        inv_freq = batch.inv_freq["compress"]
-        for r, st in enumerate(states):
-            s0, n = batch.starts[r], batch.counts[r]
-            kv = torch.cat([st.buf_kv, kv_all[s0:s0 + n]])
-            sc = torch.cat([st.buf_score, sc_all[s0:s0 + n]])
-            wn = kv.shape[0] // m
-            used = wn * m
-            if wn:
-                pooled = ops.compress_pool(kv[:used].view(wn, m, -1), sc[:used].view(wn, m, -1), self.position_bias,
-                                           self.overlap, st.prev_kv, st.prev_score)
-                pos = (torch.arange(wn, device=x.device, dtype=torch.int64) + st.count) * m
-                ent = ops.kv_norm_rope(pooled, self.kv_norm.weight, pos, inv_freq, self.kv_norm.eps)
-                st.append(ent.to(st.store.dtype))  # in place: old entries are not copied
-                if self.overlap:
-                    st.prev_kv = kv[used - m:used, :dim].clone()
-                    st.prev_score = sc[used - m:used, :dim].clone()
-            st.buf_kv, st.buf_score = kv[used:].clone(), sc[used:].clone()
+    def forward(self, x: torch.Tensor, step: Step) -> None:
+        """Store the entries the step completes into the layer's row pool (after the window rows)."""
+        c, i = step.cache, self.layer
+        compress_step(self._ops.t, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio,
+                      self.overlap, x, step, c.ring_cap[i], c.rings[i]["kv"], c.rings[i]["score"], c.rows[i], c.Rw,
+                      c.epb[i])
 
 
 class IndexerScorer(nn.Module):
@@ -217,10 +263,10 @@ class IndexerScorer(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer (CSA): own compressor at d_I, `q_b_proj` from the q latent, head weights."""
 
-    def __init__(self, cfg: DSV4Config, ratio: int, dtype: torch.dtype, ops: OpsRef) -> None:
+    def __init__(self, cfg: DSV4Config, layer: int, ratio: int, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
         dI, nI = cfg.index_head_dim, cfg.index_n_heads
-        self.n_heads, self.head_dim, self.topk, self.ratio = nI, dI, cfg.index_topk, ratio
+        self.layer, self.n_heads, self.head_dim, self.topk, self.ratio = layer, nI, dI, cfg.index_topk, ratio
         # same parameter names as transformers' DeepseekV4Indexer (compressor params inline)
         self.kv_proj = Linear(cfg.hidden_size, 2 * dI, dtype, ops)
         self.gate_proj = Linear(cfg.hidden_size, 2 * dI, dtype, ops)
@@ -230,60 +276,34 @@ class Indexer(nn.Module):
         self.scorer = IndexerScorer(cfg, dtype, ops)
         self._ops = ops
 
-    # the indexer's compressor shares Compressor.update's code through this view
-    ratio: int
-    dim = property(lambda self: self.head_dim)
-    overlap = True
-    update = Compressor.update
-
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, batch: Batch, states: list[RequestState],
-               layer: int) -> torch.Tensor:
-        """Top-k compressed entries per query: int32 [T, topk], relative to the request's own
-        entries, -1 = unused. Updates the indexer key state first.
-
-        Requests are scored in runs of consecutive segments, one `indexer_scores` +
-        `indexer_topk` per run: a run's keys are concatenated only while they total at most
-        `INDEXER_CONCAT_ROWS` (a bounded copy that saves op calls); a request with more keys is a
-        run of its own, scored straight from its key store (no copy at any context length)."""
-        ops = self._ops.t
-        T = batch.num_tokens
-        comp_states = [s.layers[layer].index_comp for s in states]
-        self.update(x, batch, comp_states)
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step) -> torch.Tensor:
+        """Top-k compressed entries per query as rows of the layer's entry region (0-based),
+        int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
+        ops, c, i = self._ops.t, step.cache, self.layer
+        compress_step(ops, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio, True, x,
+                      step, c.ring_cap[i], c.rings[i]["ikv"], c.rings[i]["iscore"], c.keys[i], 0, c.epb[i])
+        T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
-        q = ops.rope(q, batch.positions, batch.inv_freq["compress"])
+        q = ops.rope(q, step.positions, step.inv_freq["compress"])
         w = self.scorer.weights_proj(x, FP32) * (self.n_heads ** -0.5)
-        k_lengths = (batch.positions + 1) // self.ratio
-        runs: list[list[int]] = []
-        offs, rows = [], 0  # offs[r]: first key of request r within its run's key tensor
-        for r, c in enumerate(comp_states):
-            if not runs or rows + c.count > INDEXER_CONCAT_ROWS:
-                runs.append([])
-                rows = 0
-            runs[-1].append(r)
-            offs.append(rows)
-            rows += c.count
-        k_offsets = batch.per_token(offs)
-        picks = []
-        for run in runs:
-            a, b = batch.starts[run[0]], batch.starts[run[-1]] + batch.counts[run[-1]]
-            keys = [comp_states[r].entries for r in run]
-            keys = keys[0] if len(keys) == 1 else torch.cat(keys)
-            scores = ops.indexer_scores(q[a:b], keys.to(q.dtype), w[a:b], k_offsets[a:b], k_lengths[a:b],
-                                        self.head_dim ** -0.5)
-            picks.append(ops.indexer_topk(scores, k_lengths[a:b], self.topk))
-        return torch.cat(picks) if picks else torch.full((T, self.topk), -1, dtype=torch.int32, device=x.device)
+        rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
+        scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
+        picks = ops.indexer_topk(scores, ix.visible_entries(step.positions, step.valid, self.ratio), self.topk).long()
+        if rows.shape[1] == 0:
+            return picks
+        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)), -1)
 
 
 class CSACompressor(Compressor):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
         ratio = int(cfg.compress_rates[CSA])
-        super().__init__(cfg, ratio, cfg.head_dim, True, dtype, ops)
-        self.indexer = Indexer(cfg, ratio, dtype, ops)
+        super().__init__(cfg, layer, ratio, cfg.head_dim, True, dtype, ops)
+        self.indexer = Indexer(cfg, layer, ratio, dtype, ops)
 
 
 class HCACompressor(Compressor):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
-        super().__init__(cfg, int(cfg.compress_rates[HCA]), cfg.head_dim, False, dtype, ops)
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
+        super().__init__(cfg, layer, int(cfg.compress_rates[HCA]), cfg.head_dim, False, dtype, ops)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,8 +348,8 @@ class GroupedLinear(nn.Module):
 class Attention(nn.Module):
     """Shared-KV MQA with sliding window (+ CSA top-k or HCA compressed rows), sink, inverse rope
     on the output, grouped output projection. One `sparse_mqa_attention` call per layer over the
-    flattened batch: the row store is [window rows | new rows | compressed rows] per request
-    (CSA: only the picked compressed rows once a request has more entries than picks)."""
+    flattened step, reading the layer's row pool: per query the W window rows (paged window
+    region) then its compressed rows (CSA: the indexer's picks; HCA: every visible entry)."""
 
     def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
@@ -347,83 +367,35 @@ class Attention(nn.Module):
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype, ops)
         self.sinks = _param((h,), FP32)
         if self.layer_type == CSA:
-            self.compressor = CSACompressor(cfg, dtype, ops)
+            self.compressor = CSACompressor(cfg, layer, dtype, ops)
         elif self.layer_type == HCA:
-            self.compressor = HCACompressor(cfg, dtype, ops)
+            self.compressor = HCACompressor(cfg, layer, dtype, ops)
         else:
             self.compressor = None
         self._ops = ops
 
-    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        ops = self._ops.t
-        T, dev = batch.num_tokens, x.device
-        pos = batch.positions
-        inv_freq = batch.inv_freq[self.rope_kind]
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        ops, c = self._ops.t, step.cache
+        T, pos = step.num_tokens, step.positions
+        pool = c.rows[self.layer]
+        inv_freq = step.inv_freq[self.rope_kind]
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(T, self.h, self.d)
         q = ops.q_norm_rope(q, pos, inv_freq, self.eps)
         kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
-
-        layer_states = [s.layers[self.layer] for s in batch.states]
-        topk_local = None
+        ops.cache_store(pool, step.window_writes(), kv)       # rows at positions >= start: unread until committed
+        idx = [step.window_reads()]
         if self.compressor is not None:
-            self.compressor.update(x, batch, [ls.comp for ls in layer_states])
+            self.compressor(x, step)
             if self.layer_type == CSA:
-                topk_local = self.compressor.indexer.select(x, q_latent, batch, batch.states, self.layer)
-
-        # row store: per request [window rows | new rows | compressed rows]. Compressed rows: HCA
-        # all entries (every query reads them all); CSA all entries while they are no more than
-        # the request's n * topk picks, else only the picked rows, gathered in pick order (slot
-        # t*topk + j), so a decode step copies window + topk rows whatever the context length.
-        parts, win_base, comp_base, gathered, cursor = [], [], [], [], 0
-        for r, ls in enumerate(layer_states):
-            s0, n = batch.starts[r], batch.counts[r]
-            parts += [ls.window, kv[s0:s0 + n]]
-            # row index of absolute position 0 of this request (may be negative: not stored)
-            win_base.append(cursor - (batch.start_len[r] - ls.window.shape[0]))
-            cursor += ls.window.shape[0] + n
-            if self.compressor is not None:
-                ent = ls.comp.entries
-                g = topk_local is not None and n * topk_local.shape[1] < ent.shape[0]
-                if g:
-                    ent = ent[topk_local[s0:s0 + n].reshape(-1).long().clamp_min(0)]
-                parts.append(ent)
-                comp_base.append(cursor)
-                gathered.append(int(g))
-                cursor += ent.shape[0]
-        rows = torch.cat(parts) if parts else kv.new_zeros(0, self.d)
-
-        # sliding window: positions p-W+1 .. p (W keys including the query itself)
-        cand = pos[:, None] - (self.W - 1) + torch.arange(self.W, device=dev)[None]
-        base = batch.per_token(win_base) if T else pos
-        idx = torch.where(cand >= 0, base[:, None] + cand, -1)
-        if self.compressor is not None and T:
-            cbase = batch.per_token(comp_base)[:, None]
-            if topk_local is not None:  # CSA: the indexer's picks
-                tl = topk_local.long()
-                rel = tl
-                if any(gathered):  # gathered requests: pick j of token t sits at slot t*topk + j
-                    K = tl.shape[1]
-                    t_in_seg = torch.arange(T, device=dev) - batch.per_token(batch.starts)
-                    slot = t_in_seg[:, None] * K + torch.arange(K, device=dev)[None]
-                    rel = torch.where(batch.per_token(gathered)[:, None] > 0, slot, tl)
-                cidx = torch.where(tl >= 0, cbase + rel, -1)
-            else:  # HCA: every complete window w < floor((p+1)/m)
-                visible = (pos + 1) // self.ratio
-                width = (batch.max_position + 1) // self.ratio
-                w = torch.arange(width, device=dev)[None]
-                cidx = torch.where(w < visible[:, None], cbase + w, -1)
-            idx = torch.cat([idx, cidx], dim=1)
-        o = ops.sparse_mqa_attention(q, rows, idx.to(torch.int32), self.sinks, self.d ** -0.5)
+                picks = self.compressor.indexer.select(x, q_latent, step)
+                idx.append(torch.where(picks >= 0, picks + c.Rw, -1))
+            else:  # HCA: every visible entry
+                rows = step.entry_reads(self.ratio, c.epb[self.layer])
+                idx.append(torch.where(rows >= 0, rows + c.Rw, -1))
+        index = idx[0] if len(idx) == 1 else torch.cat(idx, dim=1)
+        o = ops.sparse_mqa_attention(q, pool, index.to(torch.int32), self.sinks, self.d ** -0.5)
         o = ops.rope(o, pos, inv_freq, inverse=True)
-
-        # keep the last W-1 raw rows per request
-        keep = self.W - 1
-        for r, ls in enumerate(layer_states):
-            s0, n = batch.starts[r], batch.counts[r]
-            win = torch.cat([ls.window, kv[s0:s0 + n]])
-            ls.window = win[max(0, win.shape[0] - keep):].clone() if keep > 0 else win[:0].clone()
-
         g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
         return self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
 
@@ -462,7 +434,12 @@ class Experts(nn.Module):
 
 
 class SharedMLP(nn.Module):
-    """Shared expert (same clamped SwiGLU), run through `moe_experts` as a single expert."""
+    """Shared expert (same clamped SwiGLU), run through `moe_experts` as a single expert.
+
+    `moe_experts` takes W1 and W3 as one `[1, 2I, H]` tensor: on first use the gate and up weights
+    are moved into one buffer and `gate_proj.weight` / `up_proj.weight` become views of its two
+    halves (state-dict names and values unchanged, no second copy held). A weight replaced later
+    (another load) is packed again."""
 
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
         super().__init__()
@@ -472,22 +449,27 @@ class SharedMLP(nn.Module):
         self.down_proj = Linear(I, H, dtype, ops)
         self.limit = cfg.swiglu_limit
         self._ops = ops
-        self._packed: tuple | None = None
+        self._w13: torch.Tensor | None = None
 
-    def _weights(self):
-        key = (self.gate_proj.weight.data_ptr(), self.up_proj.weight.data_ptr(), self.down_proj.weight.data_ptr(),
-               self.gate_proj.weight._version, self.up_proj.weight._version, self.down_proj.weight._version)
-        if self._packed is None or self._packed[0] != key:
-            w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight]).unsqueeze(0)
-            self._packed = (key, w13, self.down_proj.weight.unsqueeze(0))
-        return self._packed[1], self._packed[2]
+    def _packed(self) -> bool:
+        g, u, w = self.gate_proj.weight, self.up_proj.weight, self._w13
+        return (w is not None and g.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+                and g.data_ptr() == w.data_ptr() and u.data_ptr() == w.data_ptr() + g.numel() * g.element_size())
+
+    def w13(self) -> torch.Tensor:
+        if not self._packed():
+            g, u = self.gate_proj.weight, self.up_proj.weight
+            w13 = torch.cat([g, u]).unsqueeze(0)
+            self.gate_proj.weight = nn.Parameter(w13[0, :g.shape[0]], requires_grad=False)
+            self.up_proj.weight = nn.Parameter(w13[0, g.shape[0]:], requires_grad=False)
+            self._w13 = w13
+        return self._w13
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        w13, w2 = self._weights()
         ids = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
         wts = torch.ones(T, 1, dtype=FP32, device=x.device)
-        return self._ops.t.moe_experts(x, ids, wts, w13, w2, self.limit)
+        return self._ops.t.moe_experts(x, ids, wts, self.w13(), self.down_proj.weight.unsqueeze(0), self.limit)
 
 
 class SparseMoeBlock(nn.Module):
@@ -517,14 +499,14 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg, ops)
         self._ops = ops
 
-    def forward(self, X: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(self, X: torch.Tensor, step: Step) -> torch.Tensor:
         ops = self._ops.t
         y, post, comb = self.attn_hc(X)
-        a = self.self_attn(self.input_layernorm(y), batch)
+        a = self.self_attn(self.input_layernorm(y), step)
         X = ops.hc_post(a, X, post, comb)
         y, post, comb = self.ffn_hc(X)
-        f = self.mlp(self.post_attention_layernorm(y), batch.input_ids)
+        f = self.mlp(self.post_attention_layernorm(y), step.input_ids)
         return ops.hc_post(f, X, post, comb)
 
 
-__all__ = ["OpsRef", "Batch", "DecoderLayer", "HyperHead", "RMSNorm", "SLIDING"]
+__all__ = ["OpsRef", "Step", "DecoderLayer", "HyperHead", "RMSNorm", "SLIDING"]

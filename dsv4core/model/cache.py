@@ -1,0 +1,479 @@
+"""The model's state: preallocated device pools, block tables and request handles.
+
+One `KVCache` owns every request's state (DESIGN.md section 4.1, ENGINES.md section 4). Per layer:
+
+    rows[i]       [Rw + Rc_i, d]  act dtype   the row store `sparse_mqa_attention` reads:
+                                              rows [0, Rw): sliding-window rows, paged in
+                                              `window_block`-token blocks (window block table);
+                                              rows [Rw, Rw + Rc_i): compressed entries (CSA, HCA),
+                                              paged in `block_tokens`-token blocks of
+                                              block_tokens / m entries (compressed block table)
+    keys[i]       [Rc_i, d_I]     act dtype   the lightning indexer's keys (CSA), same rows as the
+                                              layer's compressed entries
+    ring_kv[i], ring_score[i]   [S * cap_i, c*d]  fp32   per-request compressor rings: the raw
+                                              projections `kv` and `score + ape[pos % m]` of the
+                                              last cap_i positions, row `slot * cap_i + pos % cap_i`
+                                              (cap = (1 + overlap) * m + max_rollback)
+    iring_kv[i], iring_score[i] [S * cap_i, 2*d_I]  fp32  the indexer compressor's rings (CSA)
+
+Block 0 of each block pool is a null block: never handed out, table entries of unheld blocks point
+at it. A request is a slot (its ring rows) plus two block tables (one row each in
+`window_table` / `comp_table`, host tensors mirrored on the device). Blocks are reference
+counted: `fork` shares them, a write into a shared block copies it first (copy-on-write).
+
+Everything is sized at construction (`CacheConfig`); nothing is reallocated afterwards. A step
+is prepared on host metadata only (`prepare`): allocations and copy-on-write are staged and
+undone if the step fails; the step's own writes land only in rows no committed state reads,
+except the compressor rings, which the model writes last (see DSV4ForCausalLM.forward_batch).
+
+The row format is described as data (`components()`): an FP8 row format (e4m3 + scales) changes
+a row's width and dtype, not the addressing.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import CSA, HCA, SLIDING, DSV4Config
+
+
+class CacheError(RuntimeError):
+    """A request or step the cache cannot serve (pool full, released request, bad truncate/fork)."""
+
+
+class PoolFullError(CacheError):
+    """No free block or request slot is left."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Capacities of a `KVCache`. `max_tokens`: tokens of all live requests together (sizes the
+    compressed pools); `max_request_tokens`: the longest request (sizes block tables and the
+    static widths of captured decode steps; default min(max_position_embeddings, max_tokens));
+    `block_tokens`: tokens per compressed block (default: the smallest multiple of every
+    compression rate that is >= 256); `window_block`: tokens per sliding-window block;
+    `max_rollback`: how many tokens `truncate` can always take back; `max_step_tokens`: the most
+    new tokens one step may hold (sizes the window blocks in flight)."""
+
+    max_requests: int = 64
+    max_tokens: int = 131072
+    max_request_tokens: int | None = None
+    block_tokens: int | None = None
+    window_block: int = 64
+    max_rollback: int = 16
+    max_step_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests", "max_tokens", "window_block", "max_step_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 1; got {v!r}")
+        if not isinstance(self.max_rollback, int) or self.max_rollback < 0:
+            raise ValueError(f"CacheConfig.max_rollback must be an int >= 0; got {self.max_rollback!r}")
+        for name in ("max_request_tokens", "block_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"CacheConfig.{name} must be None or an int >= 1; got {v!r}")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One pool, described as data (what an engine's allocator needs to own the memory)."""
+
+    name: str            # "rows", "keys", "ring_kv", ...
+    layer: int
+    kind: str            # "window+entries", "indexer_keys", "ring"
+    block_tokens: int    # tokens a block (or ring) covers
+    rows_per_block: int
+    row_width: int
+    dtype: torch.dtype
+    nbytes: int
+
+
+class _Blocks:
+    """Reference-counted block ids 1..n-1 (0 is the null block)."""
+
+    def __init__(self, n: int, what: str) -> None:
+        self.n, self.what = n, what
+        self.ref = [0] * n
+        self.free = list(range(n - 1, 0, -1))   # pop() hands out low ids first
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise PoolFullError(f"the {self.what} pool is full ({self.n - 1} blocks in use)")
+        b = self.free.pop()
+        self.ref[b] = 1
+        return b
+
+    def incref(self, b: int) -> None:
+        self.ref[b] += 1
+
+    def decref(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+    @property
+    def used(self) -> int:
+        return self.n - 1 - len(self.free)
+
+
+class RequestState:
+    """A request's handle: a slot of the cache plus its block tables; `length` tokens consumed.
+
+    `fork()` shares the prefix (copy-on-write), `truncate(n)` rolls back to the first n tokens,
+    `release()` frees everything (also done when the handle is garbage-collected)."""
+
+    __slots__ = ("cache", "slot", "length", "win_lo", "ring_hi", "released", "__weakref__", "_finalizer")
+
+    def __init__(self, cache: "KVCache", slot: int) -> None:
+        self.cache, self.slot = cache, slot
+        self.length = 0
+        self.win_lo = 0       # lowest position whose window block is still held
+        self.ring_hi = 0      # highest length reached since the slot was taken (ring high-water mark)
+        self.released = False
+        self._finalizer = weakref.finalize(self, KVCache._free_slot_rows, weakref.ref(cache), slot)
+
+    def _alive(self, what: str) -> None:
+        if self.released:
+            raise CacheError(f"{what}: request (slot {self.slot}) was released")
+
+    def fork(self) -> "RequestState":
+        """A new request continuing from this one's tokens (blocks shared copy-on-write, rings copied)."""
+        self._alive("fork")
+        return self.cache.fork(self)
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first `n` tokens (0 <= n <= length, within what the rings keep)."""
+        self._alive("truncate")
+        self.cache.truncate(self, n)
+
+    def release(self) -> None:
+        """Free the slot and the blocks (idempotent)."""
+        if not self.released:
+            self.released = True
+            self._finalizer.detach()
+            self.cache._release(self.slot)
+
+    def nbytes(self) -> int:
+        """Bytes of pool memory this request holds (a shared block counts for every holder)."""
+        return 0 if self.released else self.cache.request_bytes(self.slot)
+
+    def __repr__(self) -> str:
+        return f"RequestState(slot={self.slot}, length={self.length}{', released' if self.released else ''})"
+
+
+@dataclass
+class StepPlan:
+    """Staged host-side changes of one step: undone by `rollback`, made final by `commit`."""
+
+    cache: "KVCache"
+    states: list[RequestState]
+    new_lengths: list[int]
+    undo: list = field(default_factory=list)   # (table, slot, j, old_block, new_block, pool)
+
+    def rollback(self) -> None:
+        c = self.cache
+        for table, slot, j, old, new, pool in reversed(self.undo):
+            table[slot, j] = old
+            pool.decref(new)
+            if old:
+                pool.incref(old)
+        self.undo.clear()
+        c._dirty = True
+
+    def commit(self) -> None:
+        c = self.cache
+        for st, E in zip(self.states, self.new_lengths):
+            st.length = E
+            st.ring_hi = max(st.ring_hi, E)
+            c._free_window_below(st, E)
+        self.undo.clear()
+
+
+def _lcm(*xs: int) -> int:
+    out = 1
+    for x in xs:
+        out = out * x // math.gcd(out, x)
+    return out
+
+
+class KVCache:
+    """Preallocated pools for up to `max_requests` concurrent requests (see module docstring)."""
+
+    def __init__(self, config: DSV4Config, dtype: torch.dtype, device: torch.device | str,
+                 cache_config: CacheConfig | None = None) -> None:
+        cc = cache_config or CacheConfig()
+        self.config, self.cc, self.dtype, self.device = config, cc, dtype, torch.device(device)
+        cfg = config
+        d, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+        self.W = W
+        ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+        self.ratios = ratios
+        if cc.block_tokens is not None:
+            bad = [m for m in ratios if cc.block_tokens % m]
+            if bad:
+                raise ValueError(f"CacheConfig.block_tokens={cc.block_tokens} must be a multiple of every "
+                                 f"compression rate; {bad} do not divide it")
+            self.block_tokens = cc.block_tokens
+        else:
+            base = _lcm(*ratios) if ratios else 256
+            self.block_tokens = base * max(1, -(-256 // base))
+        self.window_block = cc.window_block
+        self.max_request_tokens = cc.max_request_tokens or min(cfg.max_position_embeddings, cc.max_tokens)
+        S = cc.max_requests
+        Bc, Bw = self.block_tokens, self.window_block
+        self.comp_blocks_per_request = -(-self.max_request_tokens // Bc)
+        self.win_blocks_per_request = -(-self.max_request_tokens // Bw)
+        n_comp = -(-cc.max_tokens // Bc) + 1
+        # held window blocks: W-1 + max_rollback rows behind the length, block-rounded, per request,
+        # plus the blocks of the largest step in flight (and one partial block per request)
+        per_req = -(-(max(W - 1, 0) + cc.max_rollback) // Bw) + 1
+        n_win = S * (per_req + 1) + -(-cc.max_step_tokens // Bw) + 1
+        self.win_pool = _Blocks(n_win, "sliding-window block")
+        self.comp_pool = _Blocks(n_comp if ratios else 1, "compressed-entry block")
+        self.Rw = n_win * Bw
+
+        f = dict(device=self.device)
+        self.layer_kind = list(cfg.layer_types)
+        self.rows: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor | None] = []
+        self.rings: list[dict[str, torch.Tensor] | None] = []
+        self.ring_cap: list[int] = []
+        self.epb: list[int] = []            # compressed entries per block (0 for sliding layers)
+        for i, t in enumerate(cfg.layer_types):
+            m = cfg.compress_ratio(i)
+            epb = Bc // m if m else 0
+            self.epb.append(epb)
+            self.rows.append(torch.zeros(self.Rw + self.comp_pool.n * epb, d, dtype=dtype, **f))
+            if t == SLIDING:
+                self.keys.append(None)
+                self.rings.append(None)
+                self.ring_cap.append(0)
+                continue
+            overlap = t == CSA
+            c = 2 if overlap else 1
+            cap = (1 + int(overlap)) * m + cc.max_rollback
+            self.ring_cap.append(cap)
+            r = {"kv": torch.zeros(S * cap, c * d, dtype=torch.float32, **f),
+                 "score": torch.zeros(S * cap, c * d, dtype=torch.float32, **f)}
+            if overlap:
+                self.keys.append(torch.zeros(self.comp_pool.n * epb, dI, dtype=dtype, **f))
+                r["ikv"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
+                r["iscore"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
+            else:
+                self.keys.append(None)
+            self.rings.append(r)
+
+        # host block tables (numpy: cheap element access in per-step bookkeeping), device mirrors
+        self.window_table = np.zeros((S, self.win_blocks_per_request), dtype=np.int32)
+        self.comp_table = np.zeros((S, self.comp_blocks_per_request), dtype=np.int32)
+        self.window_table_dev = torch.zeros(self.window_table.shape, dtype=torch.int32, device=self.device)
+        self.comp_table_dev = torch.zeros(self.comp_table.shape, dtype=torch.int32, device=self.device)
+        self._dirty = False
+        self.free_slots = list(range(S - 1, -1, -1))
+        self.live: dict[int, weakref.ref] = {}
+
+    # ------------------------------------------------------------------ description
+    def components(self) -> list[Component]:
+        out = []
+        Bc, Bw = self.block_tokens, self.window_block
+        for i, t in enumerate(self.layer_kind):
+            r = self.rows[i]
+            out.append(Component("rows", i, "window+entries", Bw, Bw, r.shape[1], r.dtype, r.numel() * r.element_size()))
+            if self.keys[i] is not None:
+                k = self.keys[i]
+                out.append(Component("keys", i, "indexer_keys", Bc, self.epb[i], k.shape[1], k.dtype,
+                                     k.numel() * k.element_size()))
+            for name, ring in (self.rings[i] or {}).items():
+                out.append(Component(f"ring_{name}", i, "ring", self.ring_cap[i], self.ring_cap[i], ring.shape[1],
+                                     ring.dtype, ring.numel() * ring.element_size()))
+        return out
+
+    def bytes_report(self) -> dict[str, int]:
+        """Bytes allocated per component kind: window rows, compressed entries, indexer keys,
+        compressor rings, block tables; and the total."""
+        out = {"window_rows": 0, "compressed_entries": 0, "indexer_keys": 0, "compressor_rings": 0}
+        for i in range(len(self.layer_kind)):
+            es = self.rows[i].element_size() * self.rows[i].shape[1]
+            out["window_rows"] += self.Rw * es
+            out["compressed_entries"] += (self.rows[i].shape[0] - self.Rw) * es
+            if self.keys[i] is not None:
+                out["indexer_keys"] += self.keys[i].numel() * self.keys[i].element_size()
+            for ring in (self.rings[i] or {}).values():
+                out["compressor_rings"] += ring.numel() * ring.element_size()
+        out["block_tables"] = 2 * (self.window_table.size + self.comp_table.size) * 4
+        out["total"] = sum(out.values())
+        return out
+
+    def request_bytes(self, slot: int) -> int:
+        wb = sum(self.rows[i].shape[1] * self.rows[i].element_size() * self.window_block
+                 for i in range(len(self.layer_kind)))
+        cb = sum(self.epb[i] * (self.rows[i].shape[1] * self.rows[i].element_size()
+                                + (self.keys[i].shape[1] * self.keys[i].element_size() if self.keys[i] is not None else 0))
+                 for i in range(len(self.layer_kind)))
+        ring = sum(self.ring_cap[i] * sum(r.shape[1] * r.element_size() for r in self.rings[i].values())
+                   for i in range(len(self.layer_kind)) if self.rings[i] is not None)
+        nw = int(np.count_nonzero(self.window_table[slot]))
+        nc = int(np.count_nonzero(self.comp_table[slot]))
+        return nw * wb + nc * cb + ring
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self) -> RequestState:
+        if not self.free_slots:
+            raise PoolFullError(f"no free request slot: all {self.cc.max_requests} are in use "
+                                f"(release finished requests, or build the cache with a larger max_requests)")
+        slot = self.free_slots.pop()
+        st = RequestState(self, slot)
+        self.live[slot] = weakref.ref(st)
+        return st
+
+    @staticmethod
+    def _free_slot_rows(cache_ref, slot: int) -> None:
+        """Finalizer of a garbage-collected handle: free its blocks and slot."""
+        cache = cache_ref()
+        if cache is not None:
+            cache._release(slot)
+
+    def _release(self, slot: int) -> None:
+        if slot not in self.live:
+            return
+        for table, pool in ((self.window_table, self.win_pool), (self.comp_table, self.comp_pool)):
+            row = table[slot]
+            for b in row[row > 0].tolist():
+                pool.decref(b)
+            row[:] = 0
+        del self.live[slot]
+        self.free_slots.append(slot)
+        self._dirty = True
+
+    def fork(self, st: RequestState) -> RequestState:
+        child = self.new_request()
+        s, t = st.slot, child.slot
+        for table, pool in ((self.window_table, self.win_pool), (self.comp_table, self.comp_pool)):
+            table[t] = table[s]
+            for b in table[s][table[s] > 0].tolist():
+                pool.incref(b)
+        for i, rings in enumerate(self.rings):
+            if rings is None:
+                continue
+            cap = self.ring_cap[i]
+            for ring in rings.values():
+                ring[t * cap:(t + 1) * cap] = ring[s * cap:(s + 1) * cap]
+        child.length, child.win_lo, child.ring_hi = st.length, st.win_lo, st.ring_hi
+        self._dirty = True
+        return child
+
+    def truncate_limit(self, st: RequestState) -> int:
+        """The smallest n that `truncate(n)` accepts now."""
+        lo = 0
+        W, m_lo = self.W, 0
+        if st.win_lo > 0:
+            lo = max(lo, st.win_lo + max(W - 1, 0))
+        for i, t in enumerate(self.layer_kind):
+            if t == SLIDING:
+                continue
+            cap, m = self.ring_cap[i], self.config.compress_ratio(i)
+            held = st.ring_hi - cap           # ring rows of positions >= held survive
+            if held <= 0:
+                continue
+            back = m if t == CSA else 0       # CSA pools the previous window's A halves too
+            # need (n // m) * m - back >= held  <=>  n >= the smallest multiple-of-m bound
+            need = -(-(held + back) // m) * m
+            m_lo = max(m_lo, need)
+        return max(lo, m_lo)
+
+    def truncate(self, st: RequestState, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise CacheError(f"truncate: n must be an int; got {n!r}")
+        if n < 0 or n > st.length:
+            raise CacheError(f"truncate: request (slot {st.slot}) has {st.length} tokens; cannot truncate to {n}")
+        lo = self.truncate_limit(st)
+        if n < lo:
+            raise CacheError(f"truncate: request (slot {st.slot}) can roll back to {lo} tokens at the earliest "
+                             f"(its rings and window keep max_rollback={self.cc.max_rollback} tokens); asked for {n}")
+        for table, pool, B in ((self.window_table, self.win_pool, self.window_block),
+                               (self.comp_table, self.comp_pool, self.block_tokens)):
+            first_dead = -(-n // B)
+            tail = table[st.slot, first_dead:]
+            for b in tail[tail > 0].tolist():
+                pool.decref(b)
+            tail[:] = 0
+        st.length = n
+        self._dirty = True
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self, states: list[RequestState], counts: list[int]) -> StepPlan:
+        """Stage the blocks a step writes (allocate, or copy-on-write a shared one). Raises
+        PoolFullError / CacheError with nothing changed."""
+        plan = StepPlan(self, list(states), [s.length + n for s, n in zip(states, counts)])
+        try:
+            for st, n in zip(states, counts):
+                st._alive("step")
+                L, E = st.length, st.length + n
+                if E > self.max_request_tokens:
+                    raise CacheError(f"request (slot {st.slot}): length {E} exceeds the cache's max_request_tokens="
+                                     f"{self.max_request_tokens}")
+                if n == 0:
+                    continue
+                self._stage(plan, self.window_table, self.win_pool, st.slot, L // self.window_block,
+                            (E - 1) // self.window_block, self._copy_window_block)
+                if self.ratios:
+                    self._stage(plan, self.comp_table, self.comp_pool, st.slot, L // self.block_tokens,
+                                (E - 1) // self.block_tokens, self._copy_comp_block)
+        except Exception:
+            plan.rollback()
+            raise
+        return plan
+
+    def _stage(self, plan, table, pool, slot, j0, j1, copy) -> None:
+        for j in range(j0, j1 + 1):
+            old = int(table[slot, j])
+            if old and pool.ref[old] == 1:
+                continue
+            new = pool.alloc()
+            if old:
+                copy(old, new)              # shared: copy-on-write (into a block no one reads yet)
+                pool.decref(old)
+            table[slot, j] = new
+            plan.undo.append((table, slot, j, old, new, pool))
+            self._dirty = True
+
+    def _copy_window_block(self, src: int, dst: int) -> None:
+        B = self.window_block
+        for r in self.rows:
+            r[dst * B:(dst + 1) * B] = r[src * B:(src + 1) * B]
+
+    def _copy_comp_block(self, src: int, dst: int) -> None:
+        for i, r in enumerate(self.rows):
+            e = self.epb[i]
+            if not e:
+                continue
+            r[self.Rw + dst * e:self.Rw + (dst + 1) * e] = r[self.Rw + src * e:self.Rw + (src + 1) * e]
+            if self.keys[i] is not None:
+                self.keys[i][dst * e:(dst + 1) * e] = self.keys[i][src * e:(src + 1) * e]
+
+    def _free_window_below(self, st: RequestState, E: int) -> None:
+        keep_from = max(0, E - max(self.W - 1, 0) - self.cc.max_rollback)
+        j_end = keep_from // self.window_block          # blocks [0, j_end) hold only dead rows
+        j_lo = st.win_lo // self.window_block          # blocks below were freed before
+        if j_end > j_lo:
+            row = self.window_table[st.slot]
+            for j in range(j_lo, j_end):
+                if row[j]:
+                    self.win_pool.decref(int(row[j]))
+                    row[j] = 0
+                    self._dirty = True
+            st.win_lo = j_end * self.window_block
+
+    def sync_tables(self) -> None:
+        """Copy the host block tables to the device if they changed (before a forward, never inside)."""
+        if self._dirty:
+            self.window_table_dev.copy_(torch.from_numpy(self.window_table))
+            self.comp_table_dev.copy_(torch.from_numpy(self.comp_table))
+            self._dirty = False
