@@ -191,6 +191,49 @@ def indexer_scores(q, k, weights, k_offsets, k_lengths, scale):
     return out
 
 
+def compress_windows(kv, score, overlap):
+    """Per entry, per channel: an online (running max) softmax over the slots, one at a time."""
+    ct = _ct(kv)
+    E, S, cd = kv.shape
+    dp = cd // 2 if overlap else cd
+    out = torch.zeros((E, dp), dtype=ct)
+    for e in range(E):
+        mx = torch.full((dp,), float("-inf"), dtype=ct)
+        num, den = torch.zeros(dp, dtype=ct), torch.zeros(dp, dtype=ct)
+        for j in range(S):
+            half = slice(0, dp) if (overlap and j < S // 2) else slice(cd - dp, cd)
+            s_j, v_j = score[e, j, half].to(ct), kv[e, j, half].to(ct)
+            new = torch.maximum(mx, s_j)
+            fin = torch.isfinite(new)
+            scale = torch.where(fin, torch.exp(torch.where(fin, mx - new, 0)), 1)
+            w = torch.where(fin, torch.exp(torch.where(fin, s_j - new, 0)), 0)
+            num, den, mx = num * scale + w * v_j, den * scale + w, new
+        out[e] = torch.where(den > 0, num / torch.where(den > 0, den, 1), 0)
+    return out
+
+
+def indexer_scores_rows(q, k, weights, rows, scale):
+    T, L = rows.shape
+    ct = _ct(q)
+    out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32))
+    for t in range(T):
+        for w in range(L):
+            r = int(rows[t, w])
+            if r < 0:
+                continue
+            acc = torch.zeros((), dtype=ct)
+            for hh in range(q.shape[1]):
+                acc = acc + weights[t, hh].to(ct) * torch.relu(q[t, hh].to(ct) @ k[r].to(ct))
+            out[t, w] = acc * scale
+    return out
+
+
+def cache_store(pool, index, rows):
+    for i in range(index.shape[0]):            # one row at a time
+        if int(index[i]) >= 0:
+            pool[int(index[i])] = rows[i].to(pool.dtype)
+
+
 def _topk(scores, k_lengths, topk, off_by_one=False):
     """Sort-based top-k (stable descending sort) instead of torch.topk."""
     T, L = scores.shape
@@ -364,6 +407,29 @@ def indexer_topk_off_by_one(scores, k_lengths, topk):
     return _topk(scores, k_lengths, topk, off_by_one=True)
 
 
+def compress_windows_prev_b_half(kv, score, overlap):
+    """Takes the B halves of the previous window too (the overlap halves mixed up)."""
+    if not overlap:
+        return compress_windows(kv, score, overlap)
+    dp = kv.shape[2] // 2
+    kv2, sc2 = kv.clone(), score.clone()
+    kv2[:, :kv.shape[1] // 2, :dp] = kv[:, :kv.shape[1] // 2, dp:]
+    sc2[:, :kv.shape[1] // 2, :dp] = score[:, :kv.shape[1] // 2, dp:]
+    return compress_windows(kv2, sc2, overlap)
+
+
+def indexer_scores_rows_no_relu(q, k, weights, rows, scale):
+    r = rows.long()
+    keys = k[r.clamp_min(0)].to(_ct(q))
+    sc = torch.einsum("th,thl->tl", weights.to(_ct(q)), torch.einsum("thd,tld->thl", q.to(_ct(q)), keys)) * scale
+    return sc.masked_fill(r < 0, float("-inf")).to(torch.promote_types(_ct(q), torch.float32))
+
+
+def cache_store_skips_to_row0(pool, index, rows):
+    """Sends the -1 rows to row 0 (a null-row convention the spec does not allow)."""
+    pool.index_copy_(0, index.long().clamp_min(0), rows.to(pool.dtype))
+
+
 def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit):
     return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False)
 
@@ -381,6 +447,9 @@ BROKEN = {
     "moe-route-no-renorm-eps": ("moe_route", moe_route_no_renorm_eps),
     "indexer-topk-off-by-one": ("indexer_topk", indexer_topk_off_by_one),
     "swiglu-clamp-missing": ("moe_experts", moe_experts_no_clamp),
+    "compress-windows-prev-b-half": ("compress_windows", compress_windows_prev_b_half),
+    "indexer-scores-rows-no-relu": ("indexer_scores_rows", indexer_scores_rows_no_relu),
+    "cache-store-skips-to-row0": ("cache_store", cache_store_skips_to_row0),
 }
 
 

@@ -9,12 +9,15 @@ import sys
 import pytest
 import torch
 
-from dsv4core.hal import (Backend, BackendNotFoundError, FallbackError, HALError, OpInputError,
+from dsv4core.hal import (HAL_API_VERSION, Backend, BackendNotFoundError, FallbackError, HALError, OpInputError,
                           RegistrationError, bind, call, catalogue, discover, reset)
 
 CATALOGUE = ["rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
-             "sparse_mqa_attention", "compress_pool", "indexer_scores", "indexer_topk", "linear", "wo_a",
+             "sparse_mqa_attention", "compress_pool", "compress_windows", "indexer_scores", "indexer_scores_rows",
+             "indexer_topk", "cache_store", "linear", "wo_a",
              "moe_route", "moe_experts", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+#: Added in HAL 1.1 (pool ops of the engine-grade model core).
+SINCE_1_1 = {"compress_windows", "indexer_scores_rows", "cache_store"}
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +27,9 @@ def _fresh():
     reset()
 
 
-def test_catalogue_has_the_nineteen_initial_ops():
+def test_catalogue_has_the_initial_ops_and_the_1_1_additions():
     assert list(catalogue()) == CATALOGUE
+    assert {n for n, s in catalogue().items() if s.since == (1, 1)} == SINCE_1_1
     for spec in catalogue().values():
         assert spec.doc, f"{spec.name} has no docstring"
         assert spec.tolerance.why, f"{spec.name} tolerance has no reason"
@@ -35,7 +39,7 @@ def test_catalogue_has_the_nineteen_initial_ops():
 
 def test_installed_example_plugin_is_discovered_with_its_metadata():
     st = discover()
-    assert st["reference"].available and len(st["reference"].backend.impls) == 19
+    assert st["reference"].available and len(st["reference"].backend.impls) == len(CATALOGUE)
     ex = st["example"]
     assert ex.available and ex.version == "0.3.0" and ex.priority == 10
     assert "dsv4core-example-plugin" in ex.source
@@ -47,7 +51,7 @@ def test_broken_plugins_are_reported_not_fatal():
     assert not st["broken-import"].available
     assert "import failed: ModuleNotFoundError" in st["broken-import"].reason
     assert not st["old-api"].available and "major versions differ" in st["old-api"].reason
-    assert "0.7" in st["old-api"].reason and "1.0" in st["old-api"].reason
+    assert "0.7" in st["old-api"].reason and "%d.%d" % HAL_API_VERSION in st["old-api"].reason
     assert not st["unavailable"].available and "FooAccelerator" in st["unavailable"].reason
 
 
@@ -223,9 +227,15 @@ def test_bad_input_errors_name_op_argument_expected_and_actual(args, match):
 def test_zero_token_inputs_give_empty_outputs_for_every_op():
     ops = bind("cpu", backend="reference", policy="strict")
     for name, spec in catalogue().items():
-        zero = [c for c in spec.sample_cases("small", torch.float32) if c.name.startswith(("T0", "hca-main-W0"))]
+        zero = [c for c in spec.sample_cases("small", torch.float32)
+                if c.name.startswith(("T0", "hca-main-W0", "hca-main-E0", "rows-E0"))]
         assert zero, f"{name}: no zero-token case"
         for c in zero:
+            if spec.writes:      # a store of zero rows returns None and changes nothing
+                before = {w: c.kwargs[w].clone() for w in spec.writes}
+                assert getattr(ops, name)(**c.kwargs) is None
+                assert all(torch.equal(before[w], c.kwargs[w]) for w in spec.writes)
+                continue
             out = getattr(ops, name)(**c.kwargs)
             for o in (out if isinstance(out, tuple) else (out,)):
                 assert o.shape[0] == 0, f"{name}/{c.name}: {tuple(o.shape)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import RegistrationError
 from .spec import catalogue
@@ -23,7 +23,7 @@ class Impl:
     supports: Callable[..., bool] | None = None
     why_not: Callable[..., str] | None = None
     backend: str = ""
-    #: The implementation may be recorded in a CUDA graph: it never synchronises with the host,
+    #: The implementation may be recorded in a device graph: it never synchronises with the host,
     #: allocates no shape that depends on tensor values, and does the same work on replay.
     capturable: bool = False
 
@@ -44,6 +44,9 @@ class Backend:
     available: Callable[[], tuple[bool, str]] = lambda: (True, "")
     description: str = ""
     impls: dict[str, Impl] = field(default_factory=dict)
+    #: Optional device-graph capture for the device types this backend serves
+    #: (see dsv4core.hal.graphs.GraphCapture).
+    graph_capture: Any = None
 
     def serves(self, device_type: str) -> bool:
         """True if this backend runs on ``device_type`` (``"*"`` in device_types means any)."""
@@ -57,7 +60,7 @@ class Backend:
         ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
         kinds, and the op's defaults where it has them); a mismatch raises RegistrationError naming
         the op and the parameter. ``capturable=True`` declares that the implementation (and its
-        ``supports`` predicate) can be recorded in a CUDA graph: no host synchronisation, no
+        ``supports`` predicate) can be recorded in a device graph: no host synchronisation, no
         shape that depends on tensor values. Undeclared implementations are run eagerly.
         """
 

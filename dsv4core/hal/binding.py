@@ -91,7 +91,7 @@ class OpTable:
             return False
 
     def capturable(self, op_names=None) -> dict[str, str]:
-        """Ops (all, or ``op_names``) that cannot be recorded in a CUDA graph, with the reason:
+        """Ops (all, or ``op_names``) that cannot be recorded in a device graph, with the reason:
         ``{}`` means every one can. An op is capturable when every implementation its call may
         reach (the serving one and, behind a ``supports`` predicate, the fallbacks) declares
         ``capturable=True``."""

@@ -80,7 +80,7 @@ class OpSpec:
         for w in self.writes:
             if w not in self.signature.parameters:
                 raise ValueError(f"op {self.name!r}: writes names unknown parameter {w!r}")
-        #: Whether the reference implementation can be captured in a CUDA graph (no host sync, no
+        #: Whether the reference implementation can be recorded in a device graph (no host sync, no
         #: data-dependent shape). Backends declare their own implementations (Backend.add).
         self.capturable = capturable
         self._check: Callable | None = None
@@ -132,7 +132,7 @@ def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), wr
     """Declare a HAL op. The decorated function is its reference implementation.
 
     ``writes``: parameters written in place (the op returns None). ``capturable``: whether the
-    reference implementation can be recorded in a CUDA graph (see ``Backend.add``)."""
+    reference implementation can be recorded in a device graph (see ``Backend.add``)."""
 
     def wrap(fn: Callable) -> OpSpec:
         spec = OpSpec(fn, family, tolerance, since, writes, capturable)

@@ -1,12 +1,12 @@
-"""Device-neutral DeepSeek-V4 model core: config, modules, explicit per-request state, batched
-forward on HAL ops (no vendor code here). Public entry point: ``dsv4core.load_model``
+"""Device-neutral DeepSeek-V4 model core: config, modules, pooled request state (KVCache), batched
+steps on HAL ops (no vendor code here). Public entry point: ``dsv4core.load_model``
 (implemented in :mod:`dsv4core.model.api`)."""
 
 from .config import ConfigError, DSV4Config, RopeSpec, rope_inv_freq
 from .model import DSV4ForCausalLM, InputError, randomize_weights_
-from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState
+from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState, state_bytes
 
 __all__ = [
     "ConfigError", "DSV4Config", "RopeSpec", "rope_inv_freq", "DSV4ForCausalLM", "InputError",
-    "randomize_weights_", "CacheConfig", "CacheError", "KVCache", "PoolFullError", "RequestState",
+    "randomize_weights_", "CacheConfig", "CacheError", "KVCache", "PoolFullError", "RequestState", "state_bytes",
 ]

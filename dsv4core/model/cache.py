@@ -203,6 +203,44 @@ def _lcm(*xs: int) -> int:
     return out
 
 
+def default_block_tokens(config: DSV4Config) -> int:
+    """The smallest multiple of every compression rate that is >= 256 tokens."""
+    ratios = sorted({config.compress_ratio(i) for i in range(config.num_hidden_layers)} - {0})
+    base = _lcm(*ratios) if ratios else 256
+    return base * max(1, -(-256 // base))
+
+
+def state_bytes(config: DSV4Config, tokens: int, cache_config: CacheConfig | None = None,
+                act_bytes: int = 2) -> dict[str, int]:
+    """Computed (not allocated) upper bound of the pool memory one request of `tokens` tokens holds
+    in a `KVCache` built with `cache_config`: window blocks (W-1 + max_rollback rows behind the
+    length, block-rounded, plus one partial block), compressed blocks (ceil(tokens / block_tokens)
+    blocks of entries and indexer keys), and its compressor-ring slot (fixed size, fp32)."""
+    cc = cache_config or CacheConfig()
+    Bc = cc.block_tokens or default_block_tokens(config)
+    Bw = cc.window_block
+    d, dI, W = config.head_dim, config.index_head_dim, config.sliding_window
+    held = min(tokens, max(W - 1, 0) + cc.max_rollback)
+    win_blocks = min(-(-tokens // Bw), -(-held // Bw) + 1)
+    comp_blocks = -(-tokens // Bc)
+    out = {"window_rows": 0, "compressed_entries": 0, "indexer_keys": 0, "compressor_rings": 0}
+    for i, t in enumerate(config.layer_types):
+        out["window_rows"] += win_blocks * Bw * d * act_bytes
+        if t == SLIDING:
+            continue
+        m = config.compress_ratio(i)
+        overlap = t == CSA
+        c = 2 if overlap else 1
+        cap = (1 + int(overlap)) * m + cc.max_rollback
+        out["compressed_entries"] += comp_blocks * (Bc // m) * d * act_bytes
+        out["compressor_rings"] += cap * 2 * c * d * 4
+        if overlap:
+            out["indexer_keys"] += comp_blocks * (Bc // m) * dI * act_bytes
+            out["compressor_rings"] += cap * 2 * 2 * dI * 4
+    out["total"] = sum(out.values())
+    return out
+
+
 class KVCache:
     """Preallocated pools for up to `max_requests` concurrent requests (see module docstring)."""
 
@@ -222,8 +260,7 @@ class KVCache:
                                  f"compression rate; {bad} do not divide it")
             self.block_tokens = cc.block_tokens
         else:
-            base = _lcm(*ratios) if ratios else 256
-            self.block_tokens = base * max(1, -(-256 // base))
+            self.block_tokens = default_block_tokens(config)
         self.window_block = cc.window_block
         self.max_request_tokens = cc.max_request_tokens or min(cfg.max_position_embeddings, cc.max_tokens)
         S = cc.max_requests

@@ -41,7 +41,7 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg, ops)
 
 
-#: Decode batch sizes captured as CUDA graphs (a batch is padded up to the next one).
+#: Decode batch sizes recorded as device graphs (a batch is padded up to the next one).
 DEFAULT_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -66,7 +66,7 @@ class DSV4ForCausalLM(nn.Module):
         self._quantization: dict | None = None  # set by load_model (see quantization_report)
         self._cache: KVCache | None = None
         self._graphs: DecodeGraphs | None = None
-        #: CUDA-graph decode: on where the device and every bound op allow it (see graph_status()).
+        #: Graph decode: on where the device and every bound op allow it (see graph_status()).
         self.use_graphs = True
         self.graph_buckets: tuple[int, ...] = DEFAULT_GRAPH_BUCKETS
 
@@ -126,14 +126,18 @@ class DSV4ForCausalLM(nn.Module):
         return self.cache.new_request()
 
     def graph_status(self) -> str:
-        """'' when decode steps are captured as CUDA graphs, else why they run eagerly."""
+        """'' when decode steps are recorded as device graphs and replayed, else why they run
+        eagerly (graphs disabled, no graph capture for the device, an op not capturable)."""
         if not self.use_graphs:
             return "disabled (model.use_graphs = False)"
-        if self.device.type != "cuda":
-            return f"CUDA graphs need a CUDA device (model on {self.device.type})"
+        from dsv4core.hal import graph_capture
+
+        cap, why = graph_capture(self.device.type)
+        if cap is None:
+            return why
         bad = self.ops.capturable()
         if bad:
-            return "; ".join(f"{k}: {v}" for k, v in bad.items())
+            return "ops not capturable: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
         return ""
 
     # ------------------------------------------------------------------ validation
@@ -195,7 +199,7 @@ class DSV4ForCausalLM(nn.Module):
         logits_rows: which flattened rows to return logits for (default all). Returns float32
         logits [len(logits_rows), vocab]. Everything is validated on host metadata before the
         forward; a step that raises (bad input, full pool, an op error) leaves every request as
-        it was. Decode steps (one token per request) replay a captured CUDA graph when possible.
+        it was. Decode steps (one token per request) replay a recorded device graph when possible.
         """
         ids_h, pos_h, rid_h = (_host_long(a) for a in (input_ids, positions, request_ids))
         T = ids_h.shape[0]
@@ -218,7 +222,9 @@ class DSV4ForCausalLM(nn.Module):
             logits = None
             if bool((counts == 1).all()) and not self.graph_status():
                 if self._graphs is None:
-                    self._graphs = DecodeGraphs(self, self.graph_buckets)
+                    from dsv4core.hal import graph_capture
+
+                    self._graphs = DecodeGraphs(self, self.graph_buckets, graph_capture(self.device.type)[0])
                 logits = self._graphs.run(ids_h, pos_h, torch.tensor([s.slot for s in seg_states]))
                 if logits is not None and rows_h is not None:
                     logits = logits[rows_h.to(logits.device)]

@@ -14,7 +14,7 @@ from ..spec import ACT_DTYPES, INT_DTYPES, Case, Dims, Tolerance, expect, op
 from ._cases import dims, noncontig, randn
 
 
-@op(family="cache", writes=("pool",), tolerance=Tolerance(
+@op(family="cache", since=(1, 1), writes=("pool",), tolerance=Tolerance(
     k=0.0, floor=0.0, metric="bitwise",
     why="a store: each written row is rows[i] cast once to the pool dtype (round to nearest even), "
         "every other row of the pool keeps its bits"))

@@ -10,6 +10,8 @@ import importlib.util
 
 from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
 
+from .graphs import CudaGraphCapture
+
 __version__ = "0.1.0"
 
 
@@ -34,6 +36,7 @@ def dsv4core_register_backends(register):
 
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
                 priority=100, available=_available,
-                description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs")
+                description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs",
+                graph_capture=CudaGraphCapture())
     register_ops(b, "cuda")
     register(b)
