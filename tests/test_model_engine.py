@@ -1,0 +1,236 @@
+"""The engine-grade model core: pooled state (fork, truncate, release, pool exhaustion),
+exception safety, the static (graph) decode step, continuous batching, and the pure index
+builder (dsv4core/model/indexing.py). fp32 on the CPU reference backend; logits compared with a
+bound of 2e-5 x max|logit| (fp32 rounding of a 4-layer model, measured ~1e-6), or bit-identical
+where the same computation runs on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4core.model import CacheConfig, CacheError, InputError, PoolFullError
+from dsv4core.model import indexing as ix
+from dsv4core.model.api import build_model, load_model
+
+TOL = 2e-5
+
+
+@pytest.fixture()
+def tiny():
+    m = load_model("tiny", backend="reference")
+    m.configure_cache(max_requests=6, max_tokens=2048, max_request_tokens=512, max_step_tokens=512,
+                      max_rollback=8, window_block=8, block_tokens=32)
+    return m
+
+
+def _seq(n, seed=0, V=256):
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(m, st, ids):
+    n = ids.numel()
+    return m.forward_batch(ids, torch.arange(st.length, st.length + n), torch.zeros(n, dtype=torch.long), [st])
+
+
+def _decode(m, sts, toks):
+    return m.forward_batch(torch.tensor(toks), torch.tensor([s.length for s in sts]), torch.arange(len(sts)), sts)
+
+
+def _close(a, b, scale):
+    assert (a - b).abs().max().item() <= TOL * scale, (a - b).abs().max().item()
+
+
+def test_fork_continues_exactly_as_its_original(tiny):
+    ids = _seq(90)
+    ref = tiny.logits(ids)
+    a = tiny.new_state()
+    _prefill(tiny, a, ids[:45])                 # mid-block: the fork shares partial blocks
+    b = a.fork()
+    assert b.length == 45 and b.slot != a.slot
+    la = _prefill(tiny, a, ids[45:])
+    lb = _prefill(tiny, b, ids[45:])            # copy-on-write: a's blocks stay intact
+    assert torch.equal(la, lb)
+    _close(la, ref[45:], ref.abs().max())
+    # the original, after its fork wrote, still continues correctly (its blocks were not touched)
+    c = tiny.new_state()
+    _prefill(tiny, c, ids[:45])
+    d = c.fork()
+    _prefill(tiny, d, _seq(30, seed=5))         # the fork diverges
+    _close(_prefill(tiny, c, ids[45:]), ref[45:], ref.abs().max())
+
+
+def test_truncate_then_redecode_equals_never_having_decoded(tiny):
+    ids, other = _seq(70, 1), _seq(6, 2)
+    ref = tiny.logits(ids)
+    st = tiny.new_state()
+    _prefill(tiny, st, ids[:60])
+    for t in other.tolist():                    # drafts that get rejected
+        _decode(tiny, [st], [t])
+    st.truncate(60)
+    assert st.length == 60
+    out = [_decode(tiny, [st], [t]) for t in ids[60:].tolist()]
+    _close(torch.cat(out), ref[60:], ref.abs().max())
+
+
+def test_truncate_and_fork_errors_change_nothing(tiny):
+    st = tiny.new_state()
+    _prefill(tiny, st, _seq(100))
+    lo = tiny.cache.truncate_limit(st)
+    assert 0 < lo <= 100
+    for bad in (101, -1, lo - 1):
+        with pytest.raises(CacheError, match=r"slot|truncate"):
+            st.truncate(bad)
+        assert st.length == 100
+    st.release()
+    with pytest.raises(CacheError, match="released"):
+        st.fork()
+    with pytest.raises(CacheError, match="released"):
+        st.truncate(3)
+    with pytest.raises(InputError, match="released"):
+        _decode(tiny, [st], [3])
+
+
+def test_release_frees_blocks_and_slots_for_reuse(tiny):
+    c = tiny.cache
+    free0 = (len(c.win_pool.free), len(c.comp_pool.free), len(c.free_slots))
+    sts = [tiny.new_state() for _ in range(3)]
+    for i, s in enumerate(sts):
+        _prefill(tiny, s, _seq(70, i))
+    f = sts[0].fork()
+    for s in sts + [f]:
+        s.release()
+    assert (len(c.win_pool.free), len(c.comp_pool.free), len(c.free_slots)) == free0
+    g = tiny.new_state()                         # garbage collection releases too
+    _prefill(tiny, g, _seq(40))
+    del g
+    import gc
+
+    gc.collect()
+    assert (len(c.win_pool.free), len(c.comp_pool.free), len(c.free_slots)) == free0
+
+
+def test_full_pool_is_an_error_with_nothing_changed(tiny):
+    tiny.configure_cache(max_requests=2, max_tokens=64, max_request_tokens=512, max_step_tokens=512,
+                         window_block=8, block_tokens=32)
+    a, b = tiny.new_state(), tiny.new_state()
+    with pytest.raises(PoolFullError, match="request slot"):
+        tiny.new_state()
+    _prefill(tiny, a, _seq(40))                  # 2 of the 2 compressed blocks
+    snap = [t.clone() for t in tiny.cache.rows], tiny.cache.comp_table.copy(), len(tiny.cache.comp_pool.free)
+    with pytest.raises(PoolFullError, match="compressed-entry block"):
+        tiny.forward_batch(torch.cat([_seq(3), _seq(30)]), torch.tensor([40, 41, 42] + list(range(30))),
+                           torch.tensor([0] * 3 + [1] * 30), [a, b])
+    assert a.length == 40 and b.length == 0
+    assert all(torch.equal(x, y) for x, y in zip(snap[0], tiny.cache.rows))
+    assert (tiny.cache.comp_table == snap[1]).all() and len(tiny.cache.comp_pool.free) == snap[2]
+
+
+def test_failure_in_a_late_layer_then_retry_gives_clean_logits(tiny, monkeypatch):
+    ids = _seq(50, 3)
+    ref = tiny.logits(ids)
+    st = tiny.new_state()
+    _prefill(tiny, st, ids[:41])
+    layer = tiny.model.layers[3].mlp
+    real = type(layer).forward
+
+    def boom(self, x, input_ids):
+        raise RuntimeError("injected MoE failure")
+
+    for n in (1, 9):                              # a decode step and a prefill chunk
+        monkeypatch.setattr(type(layer), "forward", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            _prefill(tiny, st, ids[41:41 + n])
+        monkeypatch.setattr(type(layer), "forward", real)
+        assert st.length == 41
+    _close(_prefill(tiny, st, ids[41:]), ref[41:], ref.abs().max())
+
+
+def test_static_decode_step_equals_the_eager_one(tiny):
+    """The step a recorded graph replays (bucket padding, every token an emission candidate,
+    entry tables at full capacity) computes what the eager step computes: run here without
+    recording (the CPU), on requests crossing window, compressor and block boundaries."""
+    from dsv4core.model.graphs import DecodeGraphs
+
+    sts = [tiny.new_state() for _ in range(3)]
+    for i, s in enumerate(sts):
+        _prefill(tiny, s, _seq(13 + 9 * i, i))
+    forks = [s.fork() for s in sts]
+    g = DecodeGraphs(tiny, (4,), capture=None)
+    for step in range(20):
+        toks = [int(t) for t in _seq(3, 100 + step)]
+        eager = _decode(tiny, sts, toks)
+        c = tiny.cache
+        plan = c.prepare(forks, [1, 1, 1])
+        c.sync_tables()
+        inputs = torch.zeros(4, 4, dtype=torch.int64)
+        inputs[0, :3], inputs[1, :3] = torch.tensor(toks), torch.tensor([s.length for s in forks])
+        inputs[2, :3], inputs[3, :3] = torch.tensor([s.slot for s in forks]), 1
+        static = tiny._forward(g._step(inputs, 4))[:3]
+        plan.commit()
+        _close(static, eager, eager.abs().max())
+
+
+def test_generate_continuous_batching_equals_one_request_at_a_time(tiny):
+    prompts = [list(range(5, 60)), [3, 4], list(range(100, 141)), [7] * 20, list(range(30, 39))]
+    alone = [tiny.generate([p], 7)[0] for p in prompts]
+    tiny.configure_cache(max_requests=2, max_tokens=2048, max_request_tokens=512, max_step_tokens=64)
+    assert tiny.generate(prompts, 7) == alone            # 5 prompts through 2 slots
+    assert tiny.generate(prompts, 7, prefill_chunk=5) == alone
+    assert not tiny.cache.live and len(tiny.cache.free_slots) == 2
+
+
+# ------------------------------------------------------------------ the index builder (pure)
+
+def test_index_builder_against_a_python_model():
+    g = torch.Generator().manual_seed(0)
+    S, nb, B = 3, 6, 4
+    table = torch.randint(1, 20, (S, nb), generator=g, dtype=torch.int32)
+    slot = torch.tensor([2, 0, 1, 1])
+    pos = torch.tensor([0, 5, 13, 22])
+    valid = torch.tensor([True, True, True, False])
+    win = ix.window_reads(table, slot, pos, valid, B, 5)
+    for t in range(4):
+        for j in range(5):
+            q = int(pos[t]) - 4 + j
+            want = -1 if (q < 0 or not valid[t]) else int(table[slot[t], q // B]) * B + q % B
+            assert int(win[t, j]) == want
+    ent = ix.entry_reads(table, slot, pos, valid, 4, 2, 7, base=100)
+    for t in range(4):
+        vis = (int(pos[t]) + 1) // 4 if valid[t] else 0
+        for w in range(7):
+            want = 100 + int(table[slot[t], w // 2]) * 2 + w % 2 if w < vis else -1
+            assert int(ent[t, w]) == want
+    e, dest = ix.emissions(table, slot, pos, valid, torch.arange(4), 2, 8)
+    for t in range(4):
+        p = int(pos[t])
+        emits = (p + 1) % 2 == 0 and bool(valid[t])
+        assert int(e[t]) == (p + 1) // 2 - 1
+        assert int(dest[t]) == (int(table[slot[t], int(e[t]) // 8]) * 8 + int(e[t]) % 8 if emits else -1)
+    start = torch.tensor([0, 3, 12, 20])
+    new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e, 2, True, 5)
+    for t in range(4):
+        for s in range(4):
+            q = int(e[t]) * 2 - 2 + s
+            assert bool(masked[t, s]) == (q < 0)
+            assert bool(from_new[t, s]) == (q >= int(start[t]))
+            assert int(new[t, s]) == t + q - int(pos[t])
+            if q >= 0:
+                assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
+    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), valid, torch.arange(4), 3)
+    assert rw.tolist() == [2 * 3 + 0, 0 * 3 + 2, 1 * 3 + 1, -1]
+
+
+def test_cache_config_errors():
+    with pytest.raises(ValueError, match="max_requests"):
+        CacheConfig(max_requests=0)
+    m = build_model(load_model("tiny").config, backend="reference")
+    with pytest.raises(ValueError, match="block_tokens"):
+        m.configure_cache(block_tokens=30)
+    st = m.new_state()
+    with pytest.raises(CacheError, match="live"):
+        m.configure_cache()
+    st.release()
+    m.configure_cache(max_request_tokens=16)
+    with pytest.raises(CacheError, match="max_request_tokens"):
+        m.forward_batch(_seq(17), torch.arange(17), torch.zeros(17, dtype=torch.long), [m.new_state()])
