@@ -55,7 +55,7 @@ def _fp8_args(n=256, k=256):
 
 def _linear_backend(name: str, fp8: bool, priority: int = 500) -> Backend:
     """A cpu backend whose `linear` (the reference math) accepts act-dtype weights, and FP8 weights
-    with float32 block scales only if `fp8`."""
+    with float32 block scales only if `fp8` (then it declares reading them natively)."""
     b = Backend(name=name, device_types=("cpu",), priority=priority)
 
     def supports(x, weight, weight_scale=None, out_dtype=None):
@@ -65,7 +65,7 @@ def _linear_backend(name: str, fp8: bool, priority: int = 500) -> Backend:
             return weight.dtype == x.dtype
         return fp8 and weight.dtype == FP8 and weight_scale.dtype == torch.float32
 
-    b.add("linear", _reference_impl("linear"), supports=supports)
+    b.add("linear", _reference_impl("linear"), supports=supports, native_quantized=fp8)
     return b
 
 
@@ -135,7 +135,7 @@ def test_auto_on_reference_keeps_nothing_and_bf16_checkpoints_never_fp8(official
     m = _load(off, backend="reference")  # quantized="auto"
     rep = m.quantization_report()
     assert rep["mode"] == "auto" and rep["kept"] == [] and not _fp8_params(m)
-    assert any("reference" in d["reason"] for d in rep["decisions"])
+    assert any("'reference'" in d["reason"] and "native_quantized" in d["reason"] for d in rep["decisions"])
     # a transformers checkpoint (plain float tensors) never yields FP8 parameters, even with "keep"
     t = _load(hf, backend="reference", quantized="keep")
     assert not _fp8_params(t) and t.quantization_report()["kept"] == []

@@ -26,6 +26,9 @@ class Impl:
     #: The implementation may be recorded in a device graph: it never synchronises with the host,
     #: allocates no shape that depends on tensor values, and does the same work on replay.
     capturable: bool = False
+    #: The implementation reads quantised weights (FP8 block-scaled, ...) as they are; False means
+    #: it dequantises a copy per call (correct but slow: the model then dequantises once at load).
+    native_quantized: bool = False
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Backend:
 
     def implements(self, op_name: str, *, supports: Callable[..., bool] | None = None,
                    why_not: Callable[..., str] | None = None,
-                   capturable: bool = False) -> Callable[[Callable], Callable]:
+                   capturable: bool = False, native_quantized: bool = False) -> Callable[[Callable], Callable]:
         """Decorator registering ``fn`` as this backend's implementation of ``op_name``.
 
         ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
@@ -62,15 +65,19 @@ class Backend:
         the op and the parameter. ``capturable=True`` declares that the implementation (and its
         ``supports`` predicate) can be recorded in a device graph: no host synchronisation, no
         shape that depends on tensor values. Undeclared implementations are run eagerly.
+        ``native_quantized=True`` declares that quantised weights are read as they are (no
+        dequantised copy per call).
         """
 
         def wrap(fn: Callable) -> Callable:
-            self.add(op_name, fn, supports=supports, why_not=why_not, capturable=capturable)
+            self.add(op_name, fn, supports=supports, why_not=why_not, capturable=capturable,
+                     native_quantized=native_quantized)
             return fn
 
         return wrap
 
-    def add(self, op_name: str, fn: Callable, *, supports=None, why_not=None, capturable: bool = False) -> None:
+    def add(self, op_name: str, fn: Callable, *, supports=None, why_not=None, capturable: bool = False,
+            native_quantized: bool = False) -> None:
         specs = catalogue()
         if op_name not in specs:
             raise RegistrationError(f"backend {self.name!r}: unknown op {op_name!r} "
@@ -104,7 +111,7 @@ class Backend:
                                         f"match the op contract ({detail}; expected {want})")
         if op_name in self.impls:
             raise RegistrationError(f"backend {self.name!r}: op {op_name!r} registered twice")
-        self.impls[op_name] = Impl(op_name, fn, supports, why_not, self.name, bool(capturable))
+        self.impls[op_name] = Impl(op_name, fn, supports, why_not, self.name, bool(capturable), bool(native_quantized))
 
 
 def _same_default(a, b) -> bool:

@@ -90,6 +90,15 @@ class OpTable:
         except Exception:  # noqa: BLE001 - a probe declines, it never raises
             return False
 
+    def native_quantized(self, op_name: str) -> bool:
+        """Whether the implementation serving ``op_name`` declares that it reads quantised weights
+        as they are (``Backend.add(..., native_quantized=True)``) rather than dequantising a copy
+        per call. A hand-built binding (no implementation record) says no."""
+        b = self.bindings.get(op_name)
+        if b is None:
+            raise HALError(f"no HAL op named {op_name!r} (known: {', '.join(self.bindings)})")
+        return bool(b.impl is not None and b.impl.native_quantized)
+
     def capturable(self, op_names=None) -> dict[str, str]:
         """Ops (all, or ``op_names``) that cannot be recorded in a device graph, with the reason:
         ``{}`` means every one can. An op is capturable when every implementation its call may

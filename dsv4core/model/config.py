@@ -330,24 +330,11 @@ def _rope_spec(p: dict[str, Any], where: str, theta: float | None, d: dict[str, 
 
 
 def rope_inv_freq(spec: RopeSpec, rope_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """float32 inverse frequencies [rope_dim/2] (SPEC.md rope section; same float32 arithmetic as
-    transformers' default / YaRN initialisers, so the values are bit-identical)."""
-    dim = rope_dim
-    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    base = 1.0 / pos_freqs
+    """float32 inverse frequencies [rope_dim/2] of one rope kind (the HAL's `rope_frequencies`,
+    SPEC.md rope section: bit-identical to transformers' default / YaRN initialisers)."""
+    from dsv4core.hal.ops.rope import rope_frequencies
+
     if spec.type == "default":
-        return base.to(device)
-    s = spec.factor
-    L0 = spec.original_max_position_embeddings
-
-    def corr(r: float) -> float:
-        return dim * math.log(L0 / (r * 2 * math.pi)) / (2 * math.log(spec.theta))
-
-    lo = max(math.floor(corr(spec.beta_fast)), 0)
-    hi = min(math.ceil(corr(spec.beta_slow)), dim - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
-    extrap = 1 - ramp
-    inv = (1.0 / (s * pos_freqs)) * (1 - extrap) + base * extrap
-    return inv.to(device)
+        return rope_frequencies(rope_dim, spec.theta).to(device)
+    return rope_frequencies(rope_dim, spec.theta, spec.factor, spec.original_max_position_embeddings,
+                            spec.beta_fast, spec.beta_slow).to(device)

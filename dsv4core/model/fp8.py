@@ -6,10 +6,11 @@ projection, at build time (before any data is read), whether the model keeps the
 
 * ``"dequantize"``: never; every weight is dequantised to the model dtype at load (fp32 math).
 * ``"keep"``: always, where possible (below).
-* ``"auto"`` (default): when the backend SERVING the projection's op (``linear`` or ``wo_a``) is
-  not the reference and ``OpTable.accepts`` says its implementation takes an FP8 weight with a
-  float32 block scale for this shape. The reference takes FP8 too, but dequantises the whole
-  weight on every call (slow), so under ``auto`` a reference-served op gets dequantised weights.
+* ``"auto"`` (default): when the implementation SERVING the projection's op (``linear`` or
+  ``wo_a``) declares that it reads quantised weights natively (``OpTable.native_quantized``) and
+  ``OpTable.accepts`` says it takes an FP8 weight with a float32 block scale for this shape. The
+  reference takes FP8 too, but dequantises the whole weight on every call (slow; it does not
+  declare ``native_quantized``), so under ``auto`` a reference-served op gets dequantised weights.
 
 Possible means: the checkpoint holds this tensor as float8_e4m3fn with a block scale (official
 ``.scale`` or HF ``_scale_inv``; a bf16 checkpoint never yields FP8 parameters), the module is
@@ -17,7 +18,7 @@ routed through ``linear`` / ``wo_a`` (``Linear`` / ``GroupedLinear``), and, for 
 per group are a multiple of 128 so the scale grid splits per group. Shared and routed experts go
 through ``moe_experts``, which takes no scales: they are always dequantised.
 
-Everything is decided through the HAL; no backend is named here except the reference.
+Everything is decided through the HAL's declared capabilities; no backend is named here.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from torch import nn
 from .modules import FP8, FP32, GroupedLinear, Linear, SharedMLP
 
 MODES = ("auto", "keep", "dequantize")
-REFERENCE = "reference"
 
 
 @dataclass
@@ -130,13 +130,13 @@ def plan(model: nn.Module, ops, mode: str, fp8_in_checkpoint: set[str], act_dtyp
         if mode == "keep":
             decide(True, "quantized='keep'" + ("" if accepts else
                                                f" ({backend!r} declines FP8 here: calls fall back per call)"))
-        elif backend == REFERENCE:
-            # the reference takes FP8 but dequantises the whole weight on every call: slow
-            decide(False, "served by the reference (it would dequantise per call)")
-        elif accepts:
-            decide(True, f"{backend!r} {op} accepts FP8 + float32 block scale")
-        else:
+        elif not accepts:
             decide(False, f"{backend!r} {op} declines FP8 weights of this shape")
+        elif not (hasattr(ops, "native_quantized") and ops.native_quantized(op)):
+            # e.g. the reference: it takes FP8 but dequantises the whole weight on every call
+            decide(False, f"{backend!r} {op} would dequantise per call (not declared native_quantized)")
+        else:
+            decide(True, f"{backend!r} {op} accepts FP8 + float32 block scale")
     return out
 
 

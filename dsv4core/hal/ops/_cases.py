@@ -31,10 +31,6 @@ def randn(shape, gen: torch.Generator, dtype: torch.dtype, device, scale: float 
     return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
 
-def inv_freq_main(d_r: int = 64, theta: float = 10000.0) -> torch.Tensor:
-    return theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)
-
-
 def positions(T: int, gen: torch.Generator, device, max_pos: int = 70000) -> torch.Tensor:
     return torch.randint(0, max_pos, (T,), generator=gen).to(device)
 

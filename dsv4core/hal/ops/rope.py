@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, inv_freq_main, noncontig, positions, randn
+from ._cases import TOKENS, dims, noncontig, positions, randn
 from .norms import rms
 
 
@@ -30,25 +30,38 @@ def rotate(xf: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, in
     return torch.cat((xf[..., :xf.shape[-1] - d_r], rotated), dim=-1)
 
 
-def yarn_inv_freq(d_r: int, theta: float, factor: float, original_max_position: int,
-                  beta_fast: float, beta_slow: float) -> torch.Tensor:
-    """Compressed layers' inv_freq (SPEC.md rope): YaRN ramp between base and base/factor, no mscale."""
-    base = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)
+def rope_frequencies(d_r: int, theta: float, factor: float | None = None, original_max_position: int | None = None,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """float32 inverse frequencies [d_r/2] (SPEC.md rope): ``theta^(-2i/d_r)``, or with ``factor`` the
+    YaRN ramp between that base and base/factor (no mscale). The one definition in dsv4core: the
+    model's config and the conformance cases both call it. float32 arithmetic in the order
+    transformers' default / YaRN initialisers use, so the values are bit-identical to theirs."""
+    pos_freqs = theta ** (torch.arange(0, d_r, 2, dtype=torch.float32) / d_r)
+    base = 1.0 / pos_freqs
+    if factor is None:
+        return base
 
-    def corr(r):
-        return d_r * math.log(original_max_position / (2 * math.pi * r)) / (2 * math.log(theta))
+    def corr(r: float) -> float:
+        return d_r * math.log(original_max_position / (r * 2 * math.pi)) / (2 * math.log(theta))
 
     lo = max(math.floor(corr(beta_fast)), 0)
     hi = min(math.ceil(corr(beta_slow)), d_r - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(d_r // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
-    return (base * (1 - ramp) + base / factor * ramp).to(torch.float32)
+    ramp = torch.clamp((torch.arange(d_r // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+    extrap = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrap) + base * extrap
+
+
+def yarn_inv_freq(d_r: int, theta: float, factor: float, original_max_position: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """Compressed layers' inv_freq (SPEC.md rope): YaRN ramp between base and base/factor, no mscale."""
+    return rope_frequencies(d_r, theta, factor, original_max_position, beta_fast, beta_slow)
 
 
 def main_inv_freq(d_r: int, theta: float) -> torch.Tensor:
     """Sliding-only layers' inv_freq: ``theta^(-2i/d_r)``."""
-    return inv_freq_main(d_r, theta).to(torch.float32)
+    return rope_frequencies(d_r, theta)
 
 
 def _check_rope_args(op_name: str, d: Dims, x_arg: str, x, positions, inv_freq) -> None:

@@ -10,6 +10,10 @@ from . import OPS, predicates
 
 _mods: dict = {}
 
+#: Kernels whose launch wrapper synchronises with the host (a grid sized from device data): not
+#: recordable in a device graph. Every other kernel here launches a grid fixed by the shapes.
+HOST_SYNC = {"moe_experts"}
+
 
 def _module(name: str):
     mod = _mods.get(name)
@@ -59,4 +63,5 @@ def register_ops(backend, device_type: str, ops=None) -> None:
             continue
         pred = getattr(predicates, f"{op}_supports")
         backend.add(op, _lazy(op, modname, inspect.signature(pred)),
-                    supports=_on_device(pred, device_type))
+                    supports=_on_device(pred, device_type), capturable=op not in HOST_SYNC,
+                    native_quantized=True)  # no kernel here dequantises a weight copy
