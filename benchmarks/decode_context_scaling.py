@@ -1,7 +1,7 @@
 """Decode ms/step of the model core as the context grows (does a step cost grow with context?).
 
 A small model (sliding window 8, CSA ratio 4, HCA ratio 8, 16 indexer heads, index_topk 8) is
-prefilled to each context length (one request, chunked prefill; its state is then copied to
+prefilled to each context length (one request, chunked prefill; it is then forked into
 `--batch` requests), then `--steps` decode steps of the whole batch are timed.
 
     python benchmarks/decode_context_scaling.py                       # CPU, 1 thread
@@ -15,7 +15,6 @@ Measured, never asserted.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 
@@ -47,6 +46,8 @@ def run(context: int, batch: int, steps: int, repeats: int, chunk: int, device: 
     if no_hca:
         cfg["layer_types"] = [SW if t == HCA else t for t in cfg["layer_types"]]
     model = build_model(cfg, dtype=torch.float32, device=device, backend="reference", seed=0)
+    model.configure_cache(max_requests=batch + 1, max_request_tokens=context + steps + 1,
+                          max_tokens=(batch + 1) * (context + steps + 1), max_step_tokens=max(chunk, batch))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, CONFIG["vocab_size"], (context,), generator=g)
     st = model.new_state()
@@ -57,15 +58,18 @@ def run(context: int, batch: int, steps: int, repeats: int, chunk: int, device: 
     prefill_s = time.perf_counter() - t0
     best = float("inf")
     for _ in range(repeats):
-        states = [copy.deepcopy(st) for _ in range(batch)]
+        states = [st.fork() for _ in range(batch)]
         tok = torch.full((batch,), 5, dtype=torch.long)
         t0 = time.perf_counter()
         for s in range(steps):
             lg = model.forward_batch(tok, torch.full((batch,), context + s), torch.arange(batch), states)
             tok = lg.argmax(-1)
         best = min(best, (time.perf_counter() - t0) / steps)
+        held = states[0].nbytes()
+        for s_ in states:
+            s_.release()
     return {"context": context, "batch": batch, "steps": steps, "decode_ms_per_step": 1e3 * best,
-            "prefill_s": prefill_s, "state_MiB_per_request": states[0].nbytes() / 2**20}
+            "prefill_s": prefill_s, "state_MiB_per_request": held / 2**20}
 
 
 def main() -> None:

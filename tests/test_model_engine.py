@@ -166,7 +166,8 @@ def test_static_decode_step_equals_the_eager_one(tiny):
         inputs = torch.zeros(4, 4, dtype=torch.int64)
         inputs[0, :3], inputs[1, :3] = torch.tensor(toks), torch.tensor([s.length for s in forks])
         inputs[2, :3], inputs[3, :3] = torch.tensor([s.slot for s in forks]), 1
-        static = tiny._forward(g._step(inputs, 4))[:3]
+        ctx = g.context_bucket(int(inputs[1].max()) + 1) if step % 2 else None   # bucketed, or full width
+        static = tiny._forward(g._step(inputs, 4, ctx))[:3]
         plan.commit()
         _close(static, eager, eager.abs().max())
 

@@ -57,7 +57,7 @@ class _Progress:
             return
         self.shown = True
         rate = step / dt if dt > 0 else 0.0
-        sys.stderr.write(f"\rgenerate: {step}/{total} steps, {rate:.1f} steps/s")
+        sys.stderr.write(f"\rgenerate: {step}/{total} tokens, {rate:.1f} tokens/s")
         if step >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -85,11 +85,13 @@ def run(args) -> int:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype,
                     "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
-                    "generate_s": round(t_gen, 3)})
+                    "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
+                    "graphs": model.graph_status() or "on"})
     else:
         for i, (p, o) in enumerate(zip(args.input_ids, out)):
             print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
             print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
         n = sum(len(o) for o in out)
-        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s)", file=sys.stderr)
+        mib = model.cache.bytes_report()["total"] / 2**20
+        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)
     return 0

@@ -164,6 +164,12 @@ class RequestState:
         """Bytes of pool memory this request holds (a shared block counts for every holder)."""
         return 0 if self.released else self.cache.request_bytes(self.slot)
 
+    def __copy__(self):
+        raise CacheError("a request cannot be copied: use state.fork() (shares its blocks copy-on-write)")
+
+    def __deepcopy__(self, memo):
+        raise CacheError("a request cannot be copied: use state.fork() (shares its blocks copy-on-write)")
+
     def __repr__(self) -> str:
         return f"RequestState(slot={self.slot}, length={self.length}{', released' if self.released else ''})"
 

@@ -1,8 +1,10 @@
 """Graph decode: one recorded device graph per batch-size bucket, replayed with new inputs.
 
-A decode step (one token per request) has shapes that depend only on the bucket size and the
-cache's static capacities: the host pads the batch to the bucket, writes token ids, positions and
-slots into one static device buffer, and replays. Padding tokens are marked invalid: every pool
+A decode step (one token per request) has shapes that depend only on the bucket size and a
+context bucket: the host pads the batch to the bucket, writes token ids, positions and slots into
+one static device buffer, and replays. The context bucket (a power of two >= the longest request
+of the batch, at least 256 tokens, at most the cache's max_request_tokens) sets the width of the
+entry tables, so a step over short requests does not pay for the cache's full capacity. Padding tokens are marked invalid: every pool
 write they would make is skipped (-1), so padding never changes state. Warm-up and recording run
 with padding only, which is why recording changes no request either.
 
@@ -25,7 +27,7 @@ class DecodeGraphs:
         self.model, self.capture = model, capture
         self.cache = model.cache
         self.buckets = tuple(sorted({int(b) for b in buckets if int(b) >= 1}))
-        self.graphs: dict[int, tuple] = {}     # bucket -> (replay, static inputs, static logits)
+        self.graphs: dict[tuple, tuple] = {}   # (bucket, context) -> (replay, static inputs, static logits)
         self.replays = 0
         self.eager = 0                          # decode steps larger than the largest bucket
 
@@ -35,20 +37,25 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _step(self, inputs: torch.Tensor, b: int) -> Step:
+    def context_bucket(self, longest: int) -> int:
+        cap = self.cache.max_request_tokens
+        return min(cap, max(256, 1 << max(0, longest - 1).bit_length()))
+
+    def _step(self, inputs: torch.Tensor, b: int, ctx: int | None = None) -> Step:
         """The step of a recorded graph, built from its static input buffer [4, b]: ids, positions,
         slots, valid (decode: start = position, end = position + 1; every token is a candidate
-        for compressor emission and ring writes; entry tables at their static capacity)."""
+        for compressor emission and ring writes; entry tables `ctx // m` wide)."""
         c, m = self.cache, self.model
         ids, pos, slot, valid = inputs[0], inputs[1], inputs[2], inputs[3].bool()
         every = torch.arange(b, device=inputs.device)
         return Step(cache=c, input_ids=ids, positions=pos, slot=slot, start=pos, end=pos + 1, valid=valid,
                     emit_tok={r: every for r in c.ratios}, ring_tok=every,
-                    widths={r: c.max_request_tokens // r for r in c.ratios}, inv_freq=m._freqs(inputs.device))
+                    widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device))
 
-    def _record(self, b: int):
+    def _record(self, b: int, ctx: int):
         inputs = torch.zeros(4, b, dtype=torch.int64, device=self.model.device)   # valid = 0: padding only
-        replay, logits = self.capture.capture(lambda: self.model._forward(self._step(inputs, b)), self.model.device)
+        replay, logits = self.capture.capture(lambda: self.model._forward(self._step(inputs, b, ctx)),
+                                              self.model.device)
         return replay, inputs, logits
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
@@ -59,9 +66,10 @@ class DecodeGraphs:
         if b is None:
             self.eager += 1
             return None
-        if b not in self.graphs:
-            self.graphs[b] = self._record(b)
-        replay, inputs, logits = self.graphs[b]
+        key = (b, self.context_bucket(int(pos.max()) + 1))
+        if key not in self.graphs:
+            self.graphs[key] = self._record(*key)
+        replay, inputs, logits = self.graphs[key]
         host = torch.zeros(4, b, dtype=torch.int64)
         host[0, :B], host[1, :B], host[2, :B], host[3, :B] = ids, pos, slot, 1
         inputs.copy_(host)

@@ -289,18 +289,24 @@ class DSV4ForCausalLM(nn.Module):
         finally:
             st.release()
 
-    def _cache_for(self, request_tokens: int, requests: int) -> KVCache:
-        """The model's cache, rebuilt (when it holds no live request) if `request_tokens` exceed its
-        max_request_tokens."""
-        c = self.cache
-        if c.max_request_tokens >= request_tokens:
+    def _cache_for(self, lengths: list[int]) -> KVCache:
+        """The cache `generate` runs in: the model's own when it can hold the longest request;
+        else (or when the model has none yet, and no request is live) one sized to this call:
+        a slot per prompt (at most 64), every request's whole length, max_request_tokens the
+        next power of two of the longest."""
+        longest = max(lengths)
+        c = self._cache
+        if c is not None and c.device == self.device and c.max_request_tokens >= longest:
             return c
-        if c.live:
-            raise InputError(f"a request of {request_tokens} tokens exceeds the cache's max_request_tokens="
+        if c is not None and c.live:
+            raise InputError(f"a request of {longest} tokens exceeds the cache's max_request_tokens="
                              f"{c.max_request_tokens}, and live requests prevent rebuilding it")
-        cap = 1 << (request_tokens - 1).bit_length()
-        cc = dataclasses.replace(c.cc, max_request_tokens=min(cap, self.config.max_position_embeddings),
-                                 max_tokens=max(c.cc.max_tokens, cap * min(requests, c.cc.max_requests)))
+        base = c.cc if c is not None else CacheConfig()
+        cap = min(1 << (longest - 1).bit_length(), self.config.max_position_embeddings)
+        slots = min(len(lengths), base.max_requests) if c is None else base.max_requests
+        total = sum(sorted(lengths, reverse=True)[:slots])
+        cc = dataclasses.replace(base, max_requests=slots, max_request_tokens=cap,
+                                 max_tokens=max(total, cap) if c is None else max(base.max_tokens, total, cap))
         return self.configure_cache(cc)
 
     @torch.no_grad()
@@ -333,7 +339,7 @@ class DSV4ForCausalLM(nn.Module):
             return out
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
-        cache = self._cache_for(max(len(p) for p in prompts) + max_new_tokens, len(prompts))
+        cache = self._cache_for([len(p) + max_new_tokens for p in prompts])
         sched = _Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
                            min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress)
         try:

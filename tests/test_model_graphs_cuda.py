@@ -1,0 +1,43 @@
+"""Device-graph decode on a CUDA device: the replayed step equals the eager one on the same
+backend (fp32 tiny model; bound 2e-5 x max|logit|: the two differ only in shapes — bucket padding,
+every token an emission candidate, wider entry tables — hence in summation order, measured ~1e-7).
+Needs a CUDA device and the `cuda` plugin; skipped (reported as skipped) elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4core
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _run(model, prompts, steps):
+    sts = [model.new_state() for _ in prompts]
+    for st, p in zip(sts, prompts):
+        model.forward_batch(torch.tensor(p), torch.arange(len(p)), torch.zeros(len(p), dtype=torch.long), [st])
+    out, tok = [], torch.tensor([p[-1] for p in prompts])
+    for _ in range(steps):
+        lg = model.forward_batch(tok, torch.tensor([s.length for s in sts]), torch.arange(len(sts)), sts)
+        out.append(lg)
+        tok = lg.argmax(-1).cpu()
+    for s in sts:
+        s.release()
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_graph_replayed_decode_equals_eager(backend):
+    model = dsv4core.load_model("tiny", backend=backend, device="cuda")
+    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024)
+    status = model.graph_status()
+    if status:
+        pytest.skip(f"graphs off for backend {backend!r}: {status}")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    graph = _run(model, prompts, 40)
+    assert model._graphs.replays == 40
+    model.use_graphs = False
+    eager = _run(model, prompts, 40)
+    scale = eager.abs().max()
+    assert (graph - eager).abs().max() <= 2e-5 * scale
