@@ -290,24 +290,20 @@ class DSV4ForCausalLM(nn.Module):
             st.release()
 
     def _cache_for(self, lengths: list[int]) -> KVCache:
-        """The cache `generate` runs in: the model's own when it can hold the longest request;
-        else (or when the model has none yet, and no request is live) one sized to this call:
-        a slot per prompt (at most 64), every request's whole length, max_request_tokens the
-        next power of two of the longest."""
+        """The cache `generate` runs in: the model's (`CacheConfig()` defaults unless configured),
+        rebuilt with a larger max_request_tokens (the next power of two, and room for the
+        requests) when the longest request does not fit and no request is live."""
         longest = max(lengths)
-        c = self._cache
-        if c is not None and c.device == self.device and c.max_request_tokens >= longest:
+        c = self.cache
+        if c.max_request_tokens >= longest:
             return c
-        if c is not None and c.live:
+        if c.live:
             raise InputError(f"a request of {longest} tokens exceeds the cache's max_request_tokens="
                              f"{c.max_request_tokens}, and live requests prevent rebuilding it")
-        base = c.cc if c is not None else CacheConfig()
         cap = min(1 << (longest - 1).bit_length(), self.config.max_position_embeddings)
-        slots = min(len(lengths), base.max_requests) if c is None else base.max_requests
-        total = sum(sorted(lengths, reverse=True)[:slots])
-        cc = dataclasses.replace(base, max_requests=slots, max_request_tokens=cap,
-                                 max_tokens=max(total, cap) if c is None else max(base.max_tokens, total, cap))
-        return self.configure_cache(cc)
+        total = sum(sorted(lengths, reverse=True)[:c.cc.max_requests])
+        return self.configure_cache(dataclasses.replace(c.cc, max_request_tokens=cap,
+                                                        max_tokens=max(c.cc.max_tokens, total, cap)))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
