@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
-               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "wo_a", "moe_experts")
+               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
+               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_experts", "moe_experts_fp8", "moe_experts_fp4")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -41,6 +42,12 @@ def _dims(shapes):
     from dsv4core.hal.ops._cases import dims
 
     return dims(shapes)
+
+
+def _fp8(w):
+    from dsv4core.hal.ops.projections import quantize_block_fp8
+
+    return quantize_block_fp8(w, torch.float32)
 
 
 def _inv_freq(d_r=64, theta=10000.0, device="cpu"):
@@ -108,12 +115,32 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
             kw.update(prev_kv=rn(m, d), prev_score=rn(m, d))
         return BenchCase("compress_pool", label, kw, 2 * Wn * m * cc * d * es + Wn * d * es + m * cc * d * 4,
                          Wn * m * cc * d * 5, f"{'CSA m=4 overlap' if cc == 2 else 'HCA m=128'}, Wn=T/m")
-    if label == "wo_a":
+    if label in ("linear", "linear_fp8", "linear_lm_head"):
+        # wq_b (q_lora -> heads * d), the largest attention projection; lm_head: vocab x H, fp32 out
+        N, K = (129280, H) if label == "linear_lm_head" else (h * d, D["q_lora"])
+        out_dt = torch.float32 if label == "linear_lm_head" else dtype
+        w = rn(N, K, s=K ** -0.5)
+        if label == "linear_fp8":
+            w, sc = _fp8(w)
+            wb = N * K + sc.numel() * 4
+        else:
+            sc, wb = None, N * K * es
+        kw = dict(x=rn(T, K), weight=w, weight_scale=sc, out_dtype=out_dt)
+        what = "fp8 e4m3, fp32 128x128 scales" if label == "linear_fp8" else "bf16"
+        return BenchCase("linear", label, kw, wb + T * K * es + T * N * torch.tensor([], dtype=out_dt).element_size(),
+                         2 * T * N * K, f"{what} [{N},{K}]" + (", fp32 out" if label == "linear_lm_head" else ""))
+    if label in ("wo_a", "wo_a_fp8"):
         G, R = D["G"], D["R"]
         Din = h * d // G
-        kw = dict(o=rn(T, G, Din), weight=rn(G, R, Din, s=0.02))
-        return BenchCase("wo_a", label, kw, G * R * Din * es + T * G * (Din + R) * es, 2 * T * G * R * Din,
-                         f"bf16 [T,{G},{Din}] x [{G},{R},{Din}]")
+        w = rn(G, R, Din, s=0.02)
+        if label == "wo_a_fp8":
+            w, sc = _fp8(w)
+            wb = G * R * Din + sc.numel() * 4
+        else:
+            sc, wb = None, G * R * Din * es
+        kw = dict(o=rn(T, G, Din), weight=w, weight_scale=sc)
+        return BenchCase("wo_a", label, kw, wb + T * G * (Din + R) * es, 2 * T * G * R * Din,
+                         f"{'fp8' if sc is not None else 'bf16'} [T,{G},{Din}] x [{G},{R},{Din}]")
     if label == "moe_experts":
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them

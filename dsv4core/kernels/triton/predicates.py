@@ -164,3 +164,26 @@ def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit) -> bool:
     if ids.shape[0] != T or weights.shape != ids.shape or weights.dtype != torch.float32:
         return False
     return ids.dtype in (torch.int32, torch.int64)
+
+
+# ---- linear.py
+def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
+    """weight_scale None with an act-dtype weight, or an fp8 e4m3 weight with its block grid."""
+    if weight_scale is None:
+        return weight.dtype in ACT_DTYPES
+    if not _FP8 or weight.dtype not in _FP8 or weight_scale.device != weight.device:
+        return False
+    grid = lead + (cdiv(weight.shape[-2], 128), cdiv(weight.shape[-1], 128))
+    if tuple(weight_scale.shape) != grid:
+        return False
+    return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
+
+
+def linear_supports(x, weight, weight_scale=None, out_dtype=None) -> bool:
+    if x.dim() < 1 or x.dtype not in ACT_DTYPES or weight.dim() != 2 or weight.device != x.device:
+        return False
+    if weight.shape[1] != x.shape[-1]:
+        return False
+    if out_dtype is not None and out_dtype not in ACT_DTYPES:
+        return False
+    return _block_scale_ok(weight, weight_scale, ())
