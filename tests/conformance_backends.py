@@ -238,10 +238,26 @@ def _swiglu(gu, limit, clamp=True):
     return g * torch.sigmoid(g) * u
 
 
-def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
+def _dequant_experts(w, scale, ct, fp4_high_first=False):
+    """Whole-tensor dequantisation through the checkpoint formats module (the reference dequantises
+    per expert in its own code); ``fp4_high_first`` is the broken variant's nibble order."""
+    if scale is None:
+        return w
+    from dsv4core.hal import quant
+
+    if fp4_high_first and quant.is_fp4_packed(w.dtype):
+        u = w.view(torch.uint8)
+        w = ((u >> 4) | (u << 4)).view(w.dtype)
+    return quant.dequantize(w, scale, torch.float64 if ct == torch.float64 else torch.float32)
+
+
+def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None, w2_scale=None,
+             fp4_high_first=False):
     """Slot-major (the reference is expert-major with index_add), split-K GEMMs, per-slot partial
     sums added in slot order."""
     ct = _ct(x)
+    w13 = _dequant_experts(w13, w13_scale, ct, fp4_high_first)
+    w2 = _dequant_experts(w2, w2_scale, ct, fp4_high_first)
     out = torch.zeros(x.shape, dtype=ct)
     xf = x.to(ct)
     for i in range(ids.shape[1]):
@@ -254,8 +270,8 @@ def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
     return out.to(x.dtype)
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit)
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale)
 
 
 def all_reduce(x, group=None):
@@ -364,8 +380,13 @@ def indexer_topk_off_by_one(scores, k_lengths, topk):
     return _topk(scores, k_lengths, topk, off_by_one=True)
 
 
-def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False)
+def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
+                    fp4_high_first=True)
 
 
 #: name -> (broken op, implementation)
@@ -381,6 +402,7 @@ BROKEN = {
     "moe-route-no-renorm-eps": ("moe_route", moe_route_no_renorm_eps),
     "indexer-topk-off-by-one": ("indexer_topk", indexer_topk_off_by_one),
     "swiglu-clamp-missing": ("moe_experts", moe_experts_no_clamp),
+    "fp4-high-nibble-first": ("moe_experts", moe_experts_fp4_high_nibble_first),
 }
 
 
