@@ -141,18 +141,29 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
         kw = dict(o=rn(T, G, Din), weight=w, weight_scale=sc)
         return BenchCase("wo_a", label, kw, wb + T * G * (Din + R) * es, 2 * T * G * R * Din,
                          f"{'fp8' if sc is not None else 'bf16'} [T,{G},{Din}] x [{G},{R},{Din}]")
-    if label == "moe_experts":
+    if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4"):
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them
         w13 = rn(Eu, 2 * I, H, s=H ** -0.5)
         w2 = rn(Eu, H, I, s=I ** -0.5)
+        s13 = s2 = None
+        per_expert = 3 * I * H * es
+        if label == "moe_experts_fp8":
+            (w13, s13), (w2, s2) = _fp8(w13), _fp8(w2)
+            per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
+        elif label == "moe_experts_fp4":
+            from dsv4core.hal.quant import quantize_fp4
+
+            (w13, s13), (w2, s2) = quantize_fp4(w13), quantize_fp4(w2)
+            per_expert = 3 * I * H // 2 + 3 * I * H // 32
         ids = torch.stack([torch.randperm(Eu, device=device)[:k] for _ in range(T)]) if T <= 64 else \
             torch.randint(0, Eu, (T, k), device=device)
-        kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0)
+        kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0,
+                  w13_scale=s13, w2_scale=s2)
         touched = int(torch.unique(ids).numel())   # experts actually read (ids repeat across tokens)
-        return BenchCase("moe_experts", label, kw, touched * 3 * I * H * es + 2 * T * H * es,
-                         T * k * 6 * H * I, f"{Eu} experts allocated, k={k}, I={I}; bytes = experts touched",
-                         graphable=False)
+        fmt = {"moe_experts": "bf16", "moe_experts_fp8": "fp8 128x128", "moe_experts_fp4": "fp4 e2m1 + ue8m0/32"}[label]
+        return BenchCase("moe_experts", label, kw, touched * per_expert + 2 * T * H * es,
+                         T * k * 6 * H * I, f"{fmt}; {Eu} experts allocated, k={k}, I={I}; bytes = experts touched")
     raise KeyError(f"no bench case for {label!r}")
 
 
@@ -377,8 +388,8 @@ def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
              f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB written before each call), median of "
-             f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op syncs "
-             f"with the host: moe_experts); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
+             f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op "
+             f"cannot be captured); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
              f"from Python, host overhead included, and the × columns compare those eager times "
              f"(like for like). GB/s, TFLOP/s and % use `µs`. Ceilings measured "
              f"in the same run: copy **{c['copy_GBps'] / 1e3:.2f} TB/s**, bf16 matmul **{c['bf16_mm_TFLOPs']:.0f} "
