@@ -29,7 +29,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                 SPLIT: tl.constexpr, RNE: tl.constexpr):
+                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -45,30 +45,34 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     k_lo = sp * KPS
     k_hi = tl.minimum(k_lo + KPS, K)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    # KSUB sub-blocks summed into `part` before the running sum: two-level fp32 accumulation
+    # one step = KSUB sub-blocks of BK summed into `blk` (with scales: exactly one 128-column block
+    # of K, whose multiplier is applied once to the block's sum; fp32 products: a two-level sum)
     for k1 in range(k_lo, k_hi, BK * KSUB):
-        part = tl.zeros([BM, BN], dtype=tl.float32)
+        blk = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
-            k0 = k1 + kin * BK
-            ks = k0 + kk
-            km = ks < k_hi
-            a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
-            w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
+            ks = k1 + kin * BK + kk
+            if EVEN_K:
+                a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None], other=0.0)
+                w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None], other=0.0)
+            else:
+                km = ks < k_hi
+                a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
+                w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
             if IEEE:
-                d = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                blk += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif SCALE:
+                blk = tl.dot(a, tl.trans(w.to(a.dtype)), blk)
             else:
-                d = tl.dot(a, tl.trans(w.to(a.dtype)))
-            if SCALE:
-                # one multiplier per (128 rows of W, 128 columns of K); BK divides 128
-                sidx = g * ss_g + (cols // 128) * KB + k0 // 128
-                if E8M0:
-                    sv = tl.exp2(tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32) - 127.0)
-                else:
-                    sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
-                part += d * sv[None, :]
+                acc = tl.dot(a, tl.trans(w), acc)
+        if SCALE:
+            sidx = g * ss_g + (cols // 128) * KB + k1 // 128
+            if E8M0:
+                sv = tl.exp2(tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32) - 127.0)
             else:
-                part += d
-        acc += part
+                sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
+            acc += blk * sv[None, :]
+        elif IEEE:
+            acc += blk
     if SPLIT:
         # partials [S, M, G, N] in fp32; _reduce_kernel sums them in split order
         off = ((sp * M + rows.to(tl.int64))[:, None] * G + g) * N + cols[None, :]
@@ -90,19 +94,21 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, RNE: tl.constex
 
 
 def _config(M: int, ieee: bool, scaled: bool):
-    """(BM, BN, BK, num_warps, num_stages, KSUB) for a row count M."""
+    """(BM, BN, BK, num_warps, num_stages, KSUB) for a row count M (H200 sweep:
+    benchmarks/results/tune-issue10-h200-flash-*.json). With block scales BK * KSUB = 128."""
     if ieee:
         # fp32 products (fp32 activations / the interpreter): small tiles, two-level sums
         return min(64, max(16, triton.next_power_of_2(M))), 64, 32, 4, 2, 4
     if M <= 16:
-        cfg = (16, 64, 128, 4, 4, 1)
+        cfg = (16, 64, 128, 4, 3) if scaled else (16, 128, 128, 4, 3)
     elif M <= 64:
-        cfg = (64, 64, 128, 4, 4, 1)
+        cfg = (64, 64, 64, 4, 3) if scaled else (64, 128, 128, 4, 3)
     else:
-        cfg = (128, 128, 64, 8, 3, 1)
+        cfg = (128, 128, 64, 8, 3)
     if TUNE:
-        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BN", "BK", "num_warps", "num_stages", "KSUB"), cfg))
-    return cfg
+        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BN", "BK", "num_warps", "num_stages"), cfg))
+    BK = cfg[2]
+    return cfg + ((128 // BK if 128 % BK == 0 else 0) if scaled else 1,)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +124,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     scaled = scale is not None
     ieee = a.dtype == torch.float32 or w.dtype == torch.float32 or interp(a)
     BM, BN, BK, nw, ns, KSUB = _config(M, ieee, scaled)
-    if scaled and 128 % BK:
+    if scaled and BK * KSUB != 128:
         raise ValueError(f"linear: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
@@ -127,7 +133,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     NB, KB = cdiv(N, 128), cdiv(K, 128)
     mt, nt = cdiv(M, BM), cdiv(N, BN)
     # split K when the (M, N, G) tiles alone leave the GPU idle; a split is whole 128-blocks
-    step = max(BK * KSUB, 128)
+    step = max(BK * KSUB, 128)  # a multiple of BK * KSUB (128 or 256 here)
     kblocks = cdiv(K, step)
     S = max(1, min(kblocks, TUNE.get("target", target_programs(a.device)) // (mt * nt * G)))
     if TUNE.get("S"):
@@ -139,7 +145,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB,
-                       SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns)
+                       EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns)
     if S > 1:
         R = M * G * N
         BLOCK = 1024

@@ -51,27 +51,47 @@ def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _w_tile(w_ptr, s_ptr, e, rows, rmask, ks, kmask, R, C, FMT: tl.constexpr, IEEE: tl.constexpr):
-    """Rows ``rows`` (int64, within expert e) x columns ``ks`` of a [E, R, C] expert weight, as the
-    dot operand dtype (fp32 under IEEE, else bf16). FP4: codes decoded and scaled here (exact);
-    FP8: converted only (its block scale multiplies the partial dot product, see _fp8_scale)."""
-    m = rmask[:, None] & kmask[None, :]
+def _fp4_values(b, sb):
+    """e2m1 codes ``b`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as fp32, built from
+    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal)."""
+    idx = b & 7
+    ex = idx >> 1
+    mant = idx & 1
+    bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
+    scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+    return bits.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
+            FMT: tl.constexpr, IEEE: tl.constexpr):
+    """Rows ``rows`` (int64, within expert e) x columns [k0, k0 + BK) of a [E, R, C] expert weight,
+    as the dot operand dtype (fp32 under IEEE, else bf16). FP4: the packed bytes are read as a
+    [rows, BK/2] tile, both nibbles decoded and scaled (exact), then interleaved (low nibble =
+    even column); FP8: converted only (its block scale multiplies the block's partial sum)."""
     r = e * R + rows
     if FMT == 2:
-        b = tl.load(w_ptr + r[:, None] * (C // 2) + (ks // 2)[None, :], mask=m, other=0).to(tl.int32) & 0xFF
-        code = (b >> ((ks % 2) * 4)[None, :]) & 0xF
-        idx = code & 7
-        ex = idx >> 1
-        mant = (idx & 1).to(tl.float32)
-        mag = tl.where(ex == 0, mant * 0.5, (1.0 + 0.5 * mant) * tl.exp2((ex - 1).to(tl.float32)))
-        val = tl.where((code & 8) != 0, -mag, mag)
-        sb = tl.load(s_ptr + r[:, None] * (C // 32) + (ks // 32)[None, :], mask=m, other=127).to(tl.float32)
-        w = val * tl.exp2(sb - 127.0)
+        jj = k0 // 2 + tl.arange(0, BK // 2)
+        m = rmask[:, None] & (jj < C // 2)[None, :]
+        if EVEN:
+            m = rmask[:, None]
+        b = tl.load(w_ptr + r[:, None] * (C // 2) + jj[None, :], mask=m, other=0).to(tl.int32) & 0xFF
+        gg = k0 // 32 + tl.arange(0, BK // 32)
+        sm = rmask[:, None] & (gg < C // 32)[None, :]
+        sb = tl.load(s_ptr + r[:, None] * (C // 32) + gg[None, :], mask=sm, other=127).to(tl.int32) & 0xFF
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (rows.shape[0], BK // 32, 16)), (rows.shape[0], BK // 2))
+        w = tl.reshape(tl.join(_fp4_values(b & 0xF, sb), _fp4_values(b >> 4, sb)), (rows.shape[0], BK))
     else:
+        ks = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (ks < C)[None, :]
+        if EVEN:
+            m = rmask[:, None]
         w = tl.load(w_ptr + r[:, None] * C + ks[None, :], mask=m, other=0.0)
     if IEEE:
-        return w.to(tl.float32)
-    return w.to(tl.bfloat16)
+        w = w.to(tl.float32)
+    else:
+        w = w.to(tl.bfloat16)
+    return w
 
 
 @triton.jit
@@ -81,14 +101,17 @@ def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
     CB = (C + 127) // 128
     idx = (e * RB + rows // 128) * CB + k0 // 128
     if E8M0:
-        return tl.exp2(tl.load(s_ptr + idx, mask=rmask, other=127).to(tl.float32) - 127.0)
-    return tl.load(s_ptr + idx, mask=rmask, other=0.0)
+        sv = tl.exp2(tl.load(s_ptr + idx, mask=rmask, other=127).to(tl.float32) - 127.0)
+    else:
+        sv = tl.load(s_ptr + idx, mask=rmask, other=0.0)
+    return sv
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr):
+                   FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
+                   EVEN: tl.constexpr):
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -102,32 +125,37 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     k_end = tl.where(valid, H, 0)  # tiles past the real count read nothing
+    # a step = KSUB sub-blocks summed into blk_*; FP8: exactly one 128-column scale block
     for k1 in range(0, k_end, BK * KSUB):
-        pg = tl.zeros([BM, BN], dtype=tl.float32)
-        pu = tl.zeros([BM, BN], dtype=tl.float32)
+        blk_g = tl.zeros([BM, BN], dtype=tl.float32)
+        blk_u = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
             ks = k0 + kk
-            km = ks < H
-            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, ks, km, 2 * I, H, FMT, IEEE)
-            wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, ks, km, 2 * I, H, FMT, IEEE)
+            xm = rm[:, None] & (ks < H)[None, :]
+            if EVEN:
+                xm = rm[:, None]
+            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
+            wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
+            wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
             if IEEE:
                 xa = xa.to(tl.float32)
-                dg = tl.dot(xa, tl.trans(wg), input_precision="ieee")
-                du = tl.dot(xa, tl.trans(wu), input_precision="ieee")
+                blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
+                blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
+            elif FMT == 1:
+                xa = xa.to(tl.bfloat16)
+                blk_g = tl.dot(xa, tl.trans(wg), blk_g)
+                blk_u = tl.dot(xa, tl.trans(wu), blk_u)
             else:
                 xa = xa.to(tl.bfloat16)
-                dg = tl.dot(xa, tl.trans(wg))
-                du = tl.dot(xa, tl.trans(wu))
-            if FMT == 1:
-                pg += dg * _fp8_scale(s13_ptr, e, n64, nm, k0, 2 * I, H, E8M0)[None, :]
-                pu += du * _fp8_scale(s13_ptr, e, n64 + I, nm, k0, 2 * I, H, E8M0)[None, :]
-            else:
-                pg += dg
-                pu += du
-        acc_g += pg  # two-level fp32 accumulation (KSUB blocks, then the running sum)
-        acc_u += pu
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+        if FMT == 1:
+            acc_g += blk_g * _fp8_scale(s13_ptr, e, n64, nm, k1, 2 * I, H, E8M0)[None, :]
+            acc_u += blk_u * _fp8_scale(s13_ptr, e, n64 + I, nm, k1, 2 * I, H, E8M0)[None, :]
+        elif IEEE:
+            acc_g += blk_g  # two-level fp32 accumulation (KSUB blocks, then the running sum)
+            acc_u += blk_u
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     a = g * tl.sigmoid(g) * u
@@ -137,7 +165,8 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
 @triton.jit
 def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I,
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr):
+                     FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
+                     EVEN: tl.constexpr):
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -151,25 +180,30 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_end = tl.where(valid, I, 0)
     for k1 in range(0, k_end, BK * KSUB):
-        part = tl.zeros([BM, BN], dtype=tl.float32)
+        blk = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
             ks = k0 + kk
-            km = ks < I
-            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, ks, km, H, I, FMT, IEEE)
+            am = rm[:, None] & (ks < I)[None, :]
+            if EVEN:
+                am = rm[:, None]
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE)
             if IEEE:
-                d = tl.dot(a, tl.trans(w), input_precision="ieee")
+                blk += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
                 a_hi = a.to(tl.bfloat16)
                 a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-                d = tl.dot(a_hi, tl.trans(w))
-                d = tl.dot(a_lo, tl.trans(w), d)
-            if FMT == 1:
-                part += d * _fp8_scale(s2_ptr, e, hc64, hm, k0, H, I, E8M0)[None, :]
-            else:
-                part += d
-        acc += part
+                if FMT == 1:
+                    blk = tl.dot(a_hi, tl.trans(w), blk)
+                    blk = tl.dot(a_lo, tl.trans(w), blk)
+                else:
+                    acc = tl.dot(a_hi, tl.trans(w), acc)
+                    acc = tl.dot(a_lo, tl.trans(w), acc)
+        if FMT == 1:
+            acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
+        elif IEEE:
+            acc += blk
     tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
 
@@ -222,21 +256,24 @@ def _arange(n: int, device) -> torch.Tensor:
     return t
 
 
-def _config(P: int, E: int, ieee: bool, f32: bool):
-    """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB)."""
+def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
+    """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
+    benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
-        BM = 16 if P <= 4 * E else 32
-        cfg = (BM, 32, 32, 32, 4, 2, 4 if f32 else 1)
+        cfg = (16 if P <= 4 * E else 32, 32, 32, 32, 4, 2)
     elif P <= 4 * E:
-        cfg = (16, 32, 64, 64, 4, 4, 1)
+        cfg = (16, 64, 64, 64, 4, 4)
+    elif P <= 64 * E:
+        cfg = (64, 64, 64, 64, 4, 3)
     else:
-        cfg = (64, 64, 64, 64, 4, 3, 1)
+        cfg = (128, 64, 128, 64, 8, 3)
     if TUNE:
-        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "KSUB"),
-                                                      cfg))
-    return cfg
+        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
+    BK = cfg[3]
+    ksub = (128 // BK if 128 % BK == 0 else 0) if fp8 else (4 if ieee and f32 else 1)
+    return cfg + (ksub,)
 
 
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
@@ -256,9 +293,10 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f2, _, e2 = _format(w2, w2_scale)
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
-    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32)
-    if (f13 == FP8_BLOCK or f2 == FP8_BLOCK) and 128 % BK:
-        raise ValueError(f"moe_experts: BK={BK} must divide 128 with FP8 block-scaled weights (TUNE override?)")
+    fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
+    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8)
+    if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
+        raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     flat = ids.reshape(-1).to(torch.int64)
@@ -276,10 +314,12 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
     _moe_up_kernel[(ntiles, cdiv(I, BNu))](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
-        LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, num_warps=nw, num_stages=ns)
+        LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
+        num_warps=nw, num_stages=ns)
     _moe_down_kernel[(ntiles, cdiv(H, BNd))](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
-        LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, num_warps=nw, num_stages=ns)
+        LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
+        num_warps=nw, num_stages=ns)
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4)
     return out
