@@ -100,9 +100,9 @@ def _config(M: int, ieee: bool, scaled: bool):
         # fp32 products (fp32 activations / the interpreter): small tiles, two-level sums
         return min(64, max(16, triton.next_power_of_2(M))), 64, 32, 4, 2, 4
     if M <= 16:
-        cfg = (16, 64, 128, 4, 3) if scaled else (16, 128, 128, 4, 3)
+        cfg = (16, 64, 128, 4, 3)
     elif M <= 64:
-        cfg = (64, 64, 64, 4, 3) if scaled else (64, 128, 128, 4, 3)
+        cfg = (64, 128, 64, 4, 3) if scaled else (64, 64, 128, 4, 3)
     else:
         cfg = (128, 128, 64, 8, 3)
     if TUNE:

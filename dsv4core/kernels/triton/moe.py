@@ -264,11 +264,11 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
         cfg = (16 if P <= 4 * E else 32, 32, 32, 32, 4, 2)
     elif P <= 4 * E:
-        cfg = (16, 64, 64, 64, 4, 4)
+        cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
     elif P <= 64 * E:
-        cfg = (64, 64, 64, 64, 4, 3)
+        cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
     else:
-        cfg = (128, 64, 128, 64, 8, 3)
+        cfg = (128, 64, 128, 128 if fp8 else 64, 8, 3)
     if TUNE:
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]
