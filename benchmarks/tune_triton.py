@@ -13,15 +13,15 @@ import json
 import torch
 
 from dsv4core.bench import Timer, get_backend, make_case
-from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope
+from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
     ("sparse_mqa_attention", attention, (1, 8, 64, 256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
     ("linear", linear, (1, 64), [{}, {"S": 2}, {"S": 4}, {"BN": 64}]),
     ("linear_fp8", linear, (1, 64, 4096), [{}, {"BK": 128}, {"BN": 128}]),
     ("linear_lm_head", linear, (1,), [{}, {"BN": 64}]),
-    ("wo_a", linear, (1, 64), [{}, {"BN": 64}, {"S": 1}, {"S": 4}]),
-    ("wo_a_fp8", linear, (1, 64), [{}, {"BK": 128}, {"S": 1}]),
+    ("wo_a", wo_a, (1, 4), [{}, {"gemv": True}, {"gemv": True, "gBN": 16, "gBK": 512},
+                            {"gemv": True, "gBN": 64, "gBK": 128, "num_warps": 8}, {"gemv": True, "num_warps": 8}]),
     ("hc_pre", mhc, (1, 64, 4096), [{}, {"target": 64}, {"target": 132}]),
     ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
                                {"post_BLOCK": 128, "post_num_warps": 4}]),
