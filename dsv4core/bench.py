@@ -23,7 +23,7 @@ import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
                "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
-               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_experts", "moe_experts_fp8", "moe_experts_fp4")
+               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -141,6 +141,12 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
         kw = dict(o=rn(T, G, Din), weight=w, weight_scale=sc)
         return BenchCase("wo_a", label, kw, wb + T * G * (Din + R) * es, 2 * T * G * R * Din,
                          f"{'fp8' if sc is not None else 'bf16'} [T,{G},{Din}] x [{G},{R},{Din}]")
+    if label == "moe_route":
+        E, k = D["E"], D["k"]
+        kw = dict(logits=rn(T, E, dt=torch.float32, s=2.0), topk=k, scaling=1.5,
+                  correction_bias=rn(E, dt=torch.float32, s=0.1))
+        return BenchCase("moe_route", label, kw, T * E * 4 + E * 4 + T * k * 8, T * E * (10 + 2 * k),
+                         f"sqrtsoftplus top-{k} of {E} with a selection bias")
     if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4"):
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them

@@ -9,34 +9,11 @@ fp32 values once at load, and both then run the same formula.
 
 from __future__ import annotations
 
-import pytest
 import torch
-from checkpoint_fixtures import build_pair
+from test_fp8_weights import IDS, inject, official  # noqa: F401  (shared fixtures: checkpoint pair, backend injection)
 
 import dsv4core
-from dsv4core.hal import Backend, discover, reset
-from dsv4core.hal.discovery import _status_for
-
-IDS = list(range(3, 43))
-EXPERTS = ("gate_up_proj", "down_proj")
-
-
-@pytest.fixture(scope="module")
-def official(tmp_path_factory):
-    _, off, hf, _ = build_pair(tmp_path_factory.mktemp("packed"), mtp=False)
-    return off, hf
-
-
-@pytest.fixture
-def inject():
-    reset()
-    status = discover()
-
-    def add(b: Backend) -> None:
-        status[b.name] = _status_for(b, "test")
-
-    yield add
-    reset()
+from dsv4core.hal import Backend, discover
 
 
 def _experts_backend(name: str, fp4: bool) -> Backend:

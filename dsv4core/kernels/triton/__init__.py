@@ -19,5 +19,6 @@ OPS = {
     "compress_pool": "compress",
     "linear": "linear",
     "wo_a": "wo_a",
+    "moe_route": "route",
     "moe_experts": "moe",
 }

@@ -151,6 +151,20 @@ def wo_a_supports(o, weight, weight_scale=None) -> bool:
     return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
 
 
+# ---- route.py
+def moe_route_supports(logits, topk, scaling, correction_bias=None, hash_ids=None) -> bool:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not isinstance(topk, int):
+        return False
+    T, E = logits.shape
+    if not (1 <= topk <= min(E, 32)) or E > 8192:
+        return False
+    if correction_bias is not None and (correction_bias.shape != (E,) or correction_bias.dtype != torch.float32):
+        return False
+    if hash_ids is not None and (hash_ids.shape != (T, topk) or hash_ids.dtype not in (torch.int32, torch.int64)):
+        return False
+    return True
+
+
 # ---- moe.py
 _FP4_BYTES = (torch.int8, torch.uint8)
 _UE8M0 = tuple(d for d in (_E8M0, torch.uint8) if d is not None)
