@@ -136,6 +136,11 @@ x, w = torch.randn(5, 256, generator=g), torch.randn(256, 96, generator=g)
 got = linear.linear(x, w.t())
 ref = specs["linear"].reference(x, w.t())
 assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), (got - ref).abs().max()
+# the grouped form (G = 3 groups, the wo_a layout) against the wo_a reference
+o, wg = torch.randn(4, 3, 256, generator=g), torch.randn(3, 40, 256, generator=g)
+got = linear.grouped_gemm(o, wg, None, torch.float32)
+ref = specs["wo_a"].reference(o, wg)
+assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), (got - ref).abs().max()
 # an expert id >= E (which the HAL input check rejects) poisons that token instead of being dropped
 E, I, H = 4, 32, 64
 w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
