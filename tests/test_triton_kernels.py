@@ -155,3 +155,17 @@ def test_kernels_read_strided_weights_and_poison_out_of_range_experts():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _DIRECT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_cuda_plugin_reports_optional_providers_without_importing_them(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "plugins", "cuda"))
+    from dsv4core_cuda import providers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "deep_gemm" else real(n, *a))
+    st = providers.status()
+    assert set(st) == {"flashinfer", "deep_gemm"}
+    assert st["deep_gemm"].startswith("importable, not wired")
+    assert "deep_gemm" not in sys.modules  # found, never imported
