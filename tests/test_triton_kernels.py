@@ -51,9 +51,12 @@ def test_kernel_passes_conformance_in_interpreter(conformance, op):
     assert res["implemented"], f"{op} not registered"
     bad = [c for c in res.get("cases", []) if c["status"] not in ("passed", "declined")]
     assert not bad and res["failed"] == 0, "\n".join(f"{c['id']}: {c['message']}" for c in bad) or res
-    # the kernel must actually run (not just decline) for both activation dtypes
+    # the kernel must actually run (not just decline) for every dtype the suite ran the op in
+    # (both activation dtypes; fp32-input ops such as moe_route run once, in float32)
     ran = {c["dtype"] for c in res.get("cases", []) if c["status"] == "passed"}
-    assert ran == {"float32", "bfloat16"}, res
+    assert ran == {c["dtype"] for c in res.get("cases", [])} and "float32" in ran, res
+    if op != "moe_route":
+        assert "bfloat16" in ran, res
 
 
 def _backend(device_type):
