@@ -13,10 +13,13 @@ import json
 import torch
 
 from dsv4core.bench import Timer, get_backend, make_case
-from dsv4core.kernels.triton import attention, compress, mhc, moe, norm, rope, wo_a
+from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
     ("sparse_mqa_attention", attention, (1, 8, 64, 256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
+    ("linear", linear, (1, 64), [{}, {"S": 2}, {"S": 4}, {"BN": 64}]),
+    ("linear_fp8", linear, (1, 64, 4096), [{}, {"BK": 128}, {"BN": 128}]),
+    ("linear_lm_head", linear, (1,), [{}, {"BN": 64}]),
     ("wo_a", wo_a, (1, 4), [{}, {"gemv": True}, {"gemv": True, "gBN": 16, "gBK": 512},
                             {"gemv": True, "gBN": 64, "gBK": 128, "num_warps": 8}, {"gemv": True, "num_warps": 8}]),
     ("hc_pre", mhc, (1, 64, 4096), [{}, {"target": 64}, {"target": 132}]),
@@ -30,7 +33,10 @@ SWEEPS = [
     ("rope", rope, (4096,), [{}, {"HB": 4}, {"HB": 16, "num_warps": 8}]),
     ("compress_pool", compress, (4096,), [{}, {"BD": 128}, {"BD": 64}, {"BD": 256, "num_warps": 8}]),
     ("compress_pool_hca", compress, (4096,), [{}, {"BD": 32}, {"BD": 8}, {"BD": 64, "num_warps": 8}]),
-    ("moe_experts", moe, (1, 64, 4096), [{}, {"BN": 128}, {"num_stages": 4}]),
+    ("moe_experts", moe, (1, 64), [{}, {"BNu": 32}, {"BNd": 128}]),
+    ("moe_experts", moe, (4096,), [{}, {"BM": 64, "BNd": 64, "num_warps": 4}]),
+    ("moe_experts_fp8", moe, (1, 4096), [{}, {"BK": 128}]),
+    ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
 ]
 
 
@@ -52,13 +58,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="flash")
+    ap.add_argument("--ops", default=None, help="comma list of sweep labels (default: all)")
     a = ap.parse_args(argv)
+    want = set(a.ops.split(",")) if a.ops else None
     b = get_backend("cuda")
     timer = Timer("cuda")
     rows = []
-    _parts(timer, a.shapes, rows)
+    if want is None or "hc_pre" in want:
+        _parts(timer, a.shapes, rows)
     for label, mod, toks, variants in SWEEPS:
-        if True:
+        if want is None or label in want:
             for T in toks:
                 case = make_case(label, a.shapes, T, "cuda")
                 op = label
@@ -74,11 +83,14 @@ def main(argv=None):
                         out = impl.fn(**case.kwargs)
                         out = out[0] if isinstance(out, tuple) else out
                         diff = float((out.float() - base.float()).abs().max() / base.float().abs().max())
-                        r = dict(op=op, T=T, cfg=v, us=t * 1e6, GBps=case.bytes / t / 1e9, diff=diff)
+                        r = dict(op=op, T=T, cfg=v, us=t * 1e6, GBps=case.bytes / t / 1e9,
+                                 TFLOPs=case.flops / t / 1e12, graphed=timer.last_graphed, diff=diff)
                     except Exception as e:  # noqa: BLE001
                         r = dict(op=op, T=T, cfg=v, error=f"{type(e).__name__}: {str(e)[:160]}")
                     rows.append(r)
                     print(json.dumps(r), flush=True)
+                    if a.json:  # keep what was measured if the run is cut short
+                        json.dump(rows, open(a.json, "w"), indent=1)
                 mod.TUNE.clear()
                 del case
     if a.json:

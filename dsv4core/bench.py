@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
-               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "wo_a", "moe_experts")
+               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
+               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -41,6 +42,12 @@ def _dims(shapes):
     from dsv4core.hal.ops._cases import dims
 
     return dims(shapes)
+
+
+def _fp8(w):
+    from dsv4core.hal.ops.projections import quantize_block_fp8
+
+    return quantize_block_fp8(w, torch.float32)
 
 
 def _inv_freq(d_r=64, theta=10000.0, device="cpu"):
@@ -108,24 +115,61 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
             kw.update(prev_kv=rn(m, d), prev_score=rn(m, d))
         return BenchCase("compress_pool", label, kw, 2 * Wn * m * cc * d * es + Wn * d * es + m * cc * d * 4,
                          Wn * m * cc * d * 5, f"{'CSA m=4 overlap' if cc == 2 else 'HCA m=128'}, Wn=T/m")
-    if label == "wo_a":
+    if label in ("linear", "linear_fp8", "linear_lm_head"):
+        # wq_b (q_lora -> heads * d), the largest attention projection; lm_head: vocab x H, fp32 out
+        N, K = (129280, H) if label == "linear_lm_head" else (h * d, D["q_lora"])
+        out_dt = torch.float32 if label == "linear_lm_head" else dtype
+        w = rn(N, K, s=K ** -0.5)
+        if label == "linear_fp8":
+            w, sc = _fp8(w)
+            wb = N * K + sc.numel() * 4
+        else:
+            sc, wb = None, N * K * es
+        kw = dict(x=rn(T, K), weight=w, weight_scale=sc, out_dtype=out_dt)
+        what = "fp8 e4m3, fp32 128x128 scales" if label == "linear_fp8" else "bf16"
+        return BenchCase("linear", label, kw, wb + T * K * es + T * N * torch.tensor([], dtype=out_dt).element_size(),
+                         2 * T * N * K, f"{what} [{N},{K}]" + (", fp32 out" if label == "linear_lm_head" else ""))
+    if label in ("wo_a", "wo_a_fp8"):
         G, R = D["G"], D["R"]
         Din = h * d // G
-        kw = dict(o=rn(T, G, Din), weight=rn(G, R, Din, s=0.02))
-        return BenchCase("wo_a", label, kw, G * R * Din * es + T * G * (Din + R) * es, 2 * T * G * R * Din,
-                         f"bf16 [T,{G},{Din}] x [{G},{R},{Din}]")
-    if label == "moe_experts":
+        w = rn(G, R, Din, s=0.02)
+        if label == "wo_a_fp8":
+            w, sc = _fp8(w)
+            wb = G * R * Din + sc.numel() * 4
+        else:
+            sc, wb = None, G * R * Din * es
+        kw = dict(o=rn(T, G, Din), weight=w, weight_scale=sc)
+        return BenchCase("wo_a", label, kw, wb + T * G * (Din + R) * es, 2 * T * G * R * Din,
+                         f"{'fp8' if sc is not None else 'bf16'} [T,{G},{Din}] x [{G},{R},{Din}]")
+    if label == "moe_route":
+        E, k = D["E"], D["k"]
+        kw = dict(logits=rn(T, E, dt=torch.float32, s=2.0), topk=k, scaling=1.5,
+                  correction_bias=rn(E, dt=torch.float32, s=0.1))
+        return BenchCase("moe_route", label, kw, T * E * 4 + E * 4 + T * k * 8, T * E * (10 + 2 * k),
+                         f"sqrtsoftplus top-{k} of {E} with a selection bias")
+    if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4"):
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them
         w13 = rn(Eu, 2 * I, H, s=H ** -0.5)
         w2 = rn(Eu, H, I, s=I ** -0.5)
+        s13 = s2 = None
+        per_expert = 3 * I * H * es
+        if label == "moe_experts_fp8":
+            (w13, s13), (w2, s2) = _fp8(w13), _fp8(w2)
+            per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
+        elif label == "moe_experts_fp4":
+            from dsv4core.hal.quant import quantize_fp4
+
+            (w13, s13), (w2, s2) = quantize_fp4(w13), quantize_fp4(w2)
+            per_expert = 3 * I * H // 2 + 3 * I * H // 32
         ids = torch.stack([torch.randperm(Eu, device=device)[:k] for _ in range(T)]) if T <= 64 else \
             torch.randint(0, Eu, (T, k), device=device)
-        kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0)
+        kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0,
+                  w13_scale=s13, w2_scale=s2)
         touched = int(torch.unique(ids).numel())   # experts actually read (ids repeat across tokens)
-        return BenchCase("moe_experts", label, kw, touched * 3 * I * H * es + 2 * T * H * es,
-                         T * k * 6 * H * I, f"{Eu} experts allocated, k={k}, I={I}; bytes = experts touched",
-                         graphable=False)
+        fmt = {"moe_experts": "bf16", "moe_experts_fp8": "fp8 128x128", "moe_experts_fp4": "fp4 e2m1 + ue8m0/32"}[label]
+        return BenchCase("moe_experts", label, kw, touched * per_expert + 2 * T * H * es,
+                         T * k * 6 * H * I, f"{fmt}; {Eu} experts allocated, k={k}, I={I}; bytes = experts touched")
     raise KeyError(f"no bench case for {label!r}")
 
 
@@ -350,8 +394,8 @@ def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
              f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB written before each call), median of "
-             f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op syncs "
-             f"with the host: moe_experts); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
+             f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op "
+             f"cannot be captured); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
              f"from Python, host overhead included, and the × columns compare those eager times "
              f"(like for like). GB/s, TFLOP/s and % use `µs`. Ceilings measured "
              f"in the same run: copy **{c['copy_GBps'] / 1e3:.2f} TB/s**, bf16 matmul **{c['bf16_mm_TFLOPs']:.0f} "

@@ -281,10 +281,26 @@ def _swiglu(gu, limit, clamp=True):
     return g * torch.sigmoid(g) * u
 
 
-def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
+def _dequant_experts(w, scale, ct, fp4_high_first=False):
+    """Whole-tensor dequantisation through the checkpoint formats module (the reference dequantises
+    per expert in its own code); ``fp4_high_first`` is the broken variant's nibble order."""
+    if scale is None:
+        return w
+    from dsv4core.hal import quant
+
+    if fp4_high_first and quant.is_fp4_packed(w.dtype):
+        u = w.view(torch.uint8)
+        w = ((u >> 4) | (u << 4)).view(w.dtype)
+    return quant.dequantize(w, scale, torch.float64 if ct == torch.float64 else torch.float32)
+
+
+def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None, w2_scale=None,
+             fp4_high_first=False):
     """Slot-major (the reference is expert-major with index_add), split-K GEMMs, per-slot partial
     sums added in slot order."""
     ct = _ct(x)
+    w13 = _dequant_experts(w13, w13_scale, ct, fp4_high_first)
+    w2 = _dequant_experts(w2, w2_scale, ct, fp4_high_first)
     out = torch.zeros(x.shape, dtype=ct)
     xf = x.to(ct)
     for i in range(ids.shape[1]):
@@ -297,8 +313,8 @@ def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True):
     return out.to(x.dtype)
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit)
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale)
 
 
 def all_reduce(x, group=None):
@@ -430,8 +446,13 @@ def cache_store_skips_to_row0(pool, index, rows):
     pool.index_copy_(0, index.long().clamp_min(0), rows.to(pool.dtype))
 
 
-def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False)
+def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
+                    fp4_high_first=True)
 
 
 #: name -> (broken op, implementation)
@@ -450,6 +471,7 @@ BROKEN = {
     "compress-windows-prev-b-half": ("compress_windows", compress_windows_prev_b_half),
     "indexer-scores-rows-no-relu": ("indexer_scores_rows", indexer_scores_rows_no_relu),
     "cache-store-skips-to-row0": ("cache_store", cache_store_skips_to_row0),
+    "fp4-high-nibble-first": ("moe_experts", moe_experts_fp4_high_nibble_first),
 }
 
 

@@ -26,8 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--quantized", default="auto", choices=["auto", "keep", "dequantize"],
-                   help="FP8 checkpoint weights: keep them FP8 where the serving backend accepts FP8 "
-                        "(auto), always keep, or dequantise (default: auto)")
+                   help="quantised checkpoint weights (FP8 projections, packed FP4 / FP8 routed experts): "
+                        "keep them quantised where the serving backend computes with them (auto), "
+                        "always keep, or dequantise (default: auto)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",

@@ -91,9 +91,11 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     "auto" keeps a projection FP8 (+ float32 `weight_scale_inv`) when the non-reference backend
     serving its `linear` / `wo_a` accepts FP8 weights (asked through `OpTable.accepts`), else
     dequantises; "keep" keeps every FP8 projection that can be; "dequantize" never keeps.
-    Experts (routed and shared) are always dequantised. `model.quantization_report()` lists them.
+    Routed experts stored packed (FP4 / FP8 + scales) follow the same rule through `moe_experts`
+    (see `dsv4core.model.experts_quant`); shared experts are dequantised.
+    `model.quantization_report()` lists every decision.
     """
-    from . import fp8
+    from . import experts_quant, fp8
 
     fp8.check_mode(quantized)
     dev = torch.device(device if device is not None else "cpu")
@@ -116,6 +118,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
         model = DSV4ForCausalLM(cfg, ops, dtype=dt)
     decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)
     fp8.apply(model, decisions)  # kept projections get FP8 (+ scale) parameters: the loader fills them raw
+    formats = experts_quant.checkpoint_expert_formats(ckpt)
+    expert_decisions = experts_quant.plan(model, ops, quantized, formats, dt, dev, ckpt.format == "official")
+    experts_quant.apply(model, expert_decisions, formats)  # kept experts: packed bytes + scales, filled raw
+    decisions = decisions + expert_decisions
     ckpt.load_into(model, device=dev, strict=True)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend

@@ -15,8 +15,9 @@ projection, at build time (before any data is read), whether the model keeps the
 Possible means: the checkpoint holds this tensor as float8_e4m3fn with a block scale (official
 ``.scale`` or HF ``_scale_inv``; a bf16 checkpoint never yields FP8 parameters), the module is
 routed through ``linear`` / ``wo_a`` (``Linear`` / ``GroupedLinear``), and, for ``wo_a``, the rows
-per group are a multiple of 128 so the scale grid splits per group. Shared and routed experts go
-through ``moe_experts``, which takes no scales: they are always dequantised.
+per group are a multiple of 128 so the scale grid splits per group. Routed experts are decided in
+``dsv4core.model.experts_quant`` (``moe_experts`` takes FP4 / FP8 scales since HAL 1.1); the shared
+experts (run as one packed expert) are dequantised.
 
 Everything is decided through the HAL's declared capabilities; no backend is named here.
 """
@@ -54,7 +55,7 @@ def check_mode(quantized) -> str:
 def candidates(model: nn.Module):
     """(weight name, module, op) of every projection that could hold FP8: the `Linear` modules
     routed through `linear` and the grouped `wo_a` projection; not the shared experts (their
-    Linears are packed for `moe_experts`, which takes no scales)."""
+    Linears are concatenated for `moe_experts` and stay dequantised)."""
     skip: list[str] = []
     for name, mod in model.named_modules():
         if isinstance(mod, SharedMLP):

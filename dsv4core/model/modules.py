@@ -426,11 +426,16 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Routed experts in the model dtype, or kept packed (FP4 / FP8) with their `moe_experts`
+    scales in `*_scale_inv` (None otherwise; set by `dsv4core.model.experts_quant`)."""
+
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype) -> None:
         super().__init__()
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = _param((E, 2 * I, H), dtype)
         self.down_proj = _param((E, H, I), dtype)
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
 
 
 class SharedMLP(nn.Module):
@@ -484,7 +489,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        routed = self._ops.t.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, self.limit)
+        ex = self.experts
+        routed = self._ops.t.moe_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, self.limit,
+                                         ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
         return routed + self.shared_experts(x)
 
 

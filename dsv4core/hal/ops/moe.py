@@ -6,8 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant import E8M0, FP4_GROUP, FP4_PACKED_DTYPES, quantize_fp4, scale_to_float32, unpack_fp4
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
+from .projections import BLOCK as FP8_BLOCK, FP8, SCALE_DTYPES as FP8_SCALE_DTYPES, dequant_block_fp8, \
+    quantize_block_fp8
+
+#: scale dtypes of packed FP4 weights: UE8M0 (float8_e8m0fnu, or its raw bytes as uint8)
+FP4_SCALE_DTYPES = tuple(d for d in (E8M0, torch.uint8) if d is not None)
 
 RENORM_EPS = 1e-20
 
@@ -77,41 +83,83 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, ct: torch.dtype) -> torch.Tensor:
+    """Expert ``e`` of a [E, rows, cols] weight as ``ct`` values: exact dequantisation (an e4m3 or
+    e2m1 code times its scale, computed in ``ct``) of the FP8 / packed FP4 formats, else a cast."""
+    if scale is None:
+        return w[e].to(ct)
+    if w.dtype == FP8:
+        return dequant_block_fp8(w[e], scale[e], ct)
+    vals = unpack_fp4(w[e]).to(ct)  # e2m1 values, low nibble = even column
+    return vals * scale_to_float32(scale[e]).to(ct).repeat_interleave(FP4_GROUP, -1)
+
+
 # capturable=False: the reference loops over the experts present (torch.unique + nonzero: host
 # syncs, data-dependent shapes); a gathered formulation would read T*k expert weights per call.
 @op(family="moe", capturable=False, tolerance=Tolerance(
     k=4.0, floor=1e-6,
     why="two chained fp32 GEMMs (length H then I) and a k-term weighted sum: more roundings "
-        "than linear, ordered freely by grouped kernels"))
+        "than linear, ordered freely by grouped kernels; quantised weights are dequantised exactly"))
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+                w2: torch.Tensor, swiglu_limit: float, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_i weights[t, i] * expert_{ids[t, i]}(x[t])`` with SwiGLU experts
     ``(silu(min(x W1^T, L)) * clamp(x W3^T, -L, L)) W2^T``; w13 [E, 2I, H] holds W1 rows then W3
-    rows; w2 [E, H, I]; negative ids are skipped. fp32 math and accumulation, result in x.dtype."""
+    rows; w2 [E, H, I]; negative ids are skipped. fp32 math and accumulation, result in x.dtype.
+    Each expert weight is an act dtype (scale None), or quantised with its scale: float8_e4m3fn
+    with 128x128 block multipliers [E, ceil(rows/128), ceil(cols/128)] (fp32 or e8m0), or packed
+    FP4 e2m1 (int8/uint8 [E, rows, cols/2], column 2j in the low nibble of byte j, 2j+1 in the
+    high one) with one UE8M0 scale per 32 columns [E, rows, cols/32] (e8m0 or raw uint8 bytes).
+    Quantised weights are dequantised exactly, then the same formula."""
     ct = compute_dtype(x)
     xf = x.to(ct)
     out = torch.zeros(x.shape, dtype=ct, device=x.device)
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = swiglu(xf[tok] @ w13[e].to(ct).T, swiglu_limit)
-        y = h @ w2[e].to(ct).T
+        h = swiglu(xf[tok] @ _expert_weight(w13, w13_scale, e, ct).T, swiglu_limit)
+        y = h @ _expert_weight(w2, w2_scale, e, ct).T
         out.index_add_(0, tok, y * weights[tok, slot].to(ct)[:, None])
     return out.to(x.dtype)
 
 
+def _check_expert(d: Dims, arg: str, w, scale, rows: str, cols: str) -> tuple:
+    """Check one expert weight (and its scale); returns its logical shape (E, rows, cols)."""
+    sarg = arg + "_scale"
+    if scale is None:
+        expect("moe_experts", sarg, w is None or not isinstance(w, torch.Tensor) or (
+            w.dtype != FP8 and w.dtype not in FP4_PACKED_DTYPES),
+               f"a scale tensor for a quantised {arg} (float8_e4m3fn or packed FP4)", None)
+        d.tensor(arg, w, ("E", rows, cols), ACT_DTYPES + (torch.float64,))
+        return tuple(w.shape)
+    if isinstance(w, torch.Tensor) and w.dtype == FP8:
+        d.tensor(arg, w, ("E", rows, cols), (FP8,))
+        E, R, C = w.shape
+        d.tensor(sarg, scale, (E, -(-R // FP8_BLOCK), -(-C // FP8_BLOCK)), FP8_SCALE_DTYPES)
+        return (E, R, C)
+    d.tensor(arg, w, ("E", rows, None), FP4_PACKED_DTYPES)
+    E, R, Cp = w.shape
+    C = 2 * Cp
+    expect("moe_experts", arg, C % FP4_GROUP == 0,
+           f"packed FP4 columns (2 * dim 2) a multiple of {FP4_GROUP}", f"shape {tuple(w.shape)} ({C} columns)")
+    if cols in d.sizes:
+        expect("moe_experts", arg, d.sizes[cols] == C,
+               f"2 * dim 2 ({cols}) = {d.sizes[cols]} to match the other arguments", f"shape {tuple(w.shape)}")
+    d.sizes[cols] = C
+    d.tensor(sarg, scale, (E, R, C // FP4_GROUP), FP4_SCALE_DTYPES)
+    return (E, R, C)
+
+
 @moe_experts.check
-def _(x, ids, weights, w13, w2, swiglu_limit):
+def _(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     d = Dims("moe_experts").tensor("x", x, ("T", "H"), ACT_DTYPES + (torch.float64,))
     d.tensor("ids", ids, ("T", "k"), INT_DTYPES)
     d.tensor("weights", weights, ("T", "k"), F32)
-    d.tensor("w13", w13, ("E", "2I", "H"), ACT_DTYPES + (torch.float64,))
-    d.tensor("w2", w2, ("E", "H", "I"), ACT_DTYPES + (torch.float64,))
-    expect("moe_experts", "w13", w13.shape[1] == 2 * w2.shape[2], f"dim 1 = 2 * w2.shape[2] = {2 * w2.shape[2]}",
+    s13 = _check_expert(d, "w13", w13, w13_scale, "2I", "H")
+    s2 = _check_expert(d, "w2", w2, w2_scale, "H", "I")
+    expect("moe_experts", "w13", s13[1] == 2 * s2[2], f"dim 1 = 2 * I = {2 * s2[2]} (I from w2)",
            f"shape {tuple(w13.shape)}")
     if ids.numel():
-        expect("moe_experts", "ids", int(ids.max()) < w13.shape[0], f"expert ids < {w13.shape[0]}", int(ids.max()))
-
-
+        expect("moe_experts", "ids", int(ids.max()) < s13[0], f"expert ids < {s13[0]}", int(ids.max()))
 @moe_experts.cases
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
@@ -136,3 +184,18 @@ def _(shapes, dtype, device, gen):
     yield Case("clamp-heavy", dict(x=noncontig(randn((5, H), gen, dtype, device, 6.0)), ids=ids.to(device),
                                    weights=torch.rand((5, k), generator=gen).to(device), w13=w13, w2=w2,
                                    swiglu_limit=2.0), ("extreme", "noncontig"))
+    # quantised experts: FP8 e4m3 with 128x128 block scales (fp32 and e8m0), packed FP4 e2m1 with
+    # one UE8M0 scale per 32 columns; mixed formats (FP4 w13 with an FP8 w2) and a skipped slot
+    wf13 = randn((E, 2 * I, H), gen, torch.float32, device, H ** -0.5 * 4)
+    wf2 = randn((E, H, I), gen, torch.float32, device, I ** -0.5)
+    q8 = {sd: (quantize_block_fp8(wf13, sd), quantize_block_fp8(wf2, sd)) for sd in FP8_SCALE_DTYPES}
+    q4 = (quantize_fp4(wf13, FP4_GROUP, E8M0), quantize_fp4(wf2, FP4_GROUP, E8M0))
+    quantised = [("fp8-e8m0", q8[E8M0]), ("fp8-f32scale", q8[torch.float32]), ("fp4", q4),
+                 ("fp4-w13-fp8-w2", (q4[0], q8[torch.float32][1]))]
+    for T, (name, ((a13, s13), (a2, s2))) in zip((1, 6, TOKENS[shapes][-1], 3), quantised):
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).long()
+        ids[0, -1] = -1
+        yield Case(f"{name}-T{T}", dict(x=randn((T, H), gen, dtype, device, 3.0), ids=ids.to(device),
+                                        weights=torch.rand((T, k), generator=gen).to(device), w13=a13, w2=a2,
+                                        swiglu_limit=10.0, w13_scale=s13, w2_scale=s2),
+                   ("fp8",) if name.startswith("fp8") else ("fp4",))

@@ -62,7 +62,7 @@ def _(x, weight, weight_scale=None, out_dtype=None):
 
 def quantize_block_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
     """Case helper: [.., N, K] -> float8_e4m3fn + 128x128 block scales (the checkpoint writer's quantiser)."""
-    from dsv4core.checkpoint.quant import quantize_fp8_block
+    from ..quant import quantize_fp8_block
 
     return quantize_fp8_block(w, scale_dtype, BLOCK, pow2=True)
 

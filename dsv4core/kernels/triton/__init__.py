@@ -17,6 +17,8 @@ OPS = {
     "kv_norm_rope": "rope",
     "sparse_mqa_attention": "attention",
     "compress_pool": "compress",
+    "linear": "linear",
     "wo_a": "wo_a",
+    "moe_route": "route",
     "moe_experts": "moe",
 }

@@ -16,6 +16,24 @@ def c(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+_PROGRAMS: dict = {}
+
+
+def target_programs(device: torch.device, cpu: int = 16) -> int:
+    """Programs that fill the device: 2 per SM of a GPU (from its properties, not a constant);
+    ``cpu`` under the interpreter (small keeps it fast and still exercises the split paths)."""
+    if device.type == "cpu":
+        return cpu
+    key = (device.type, device.index)
+    n = _PROGRAMS.get(key)
+    if n is None:
+        # torch.cuda also fronts ROCm builds; XPU reports subslices (its compute-unit groups)
+        props = getattr(torch, device.type).get_device_properties(device)
+        units = getattr(props, "multi_processor_count", None) or getattr(props, "gpu_subslice_count", None) or 132
+        n = _PROGRAMS[key] = 2 * int(units)
+    return n
+
+
 def same_device(device_type: str, *ts) -> bool:
     return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == device_type) for t in ts)
 

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, cdiv, interp, rne, to_out
+from ._util import c, cdiv, interp, rne, target_programs, to_out
 
-_TARGET_PROGRAMS = 264
+_CPU_PROGRAMS = 264  # under the interpreter; on a GPU: 2 per SM of the device
 #: launch-config overrides for tuning scripts (benchmarks/tune_triton.py); empty in normal use
 TUNE: dict = {}
 
@@ -127,7 +127,7 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     ns = TUNE.get("num_stages", 2)
     nhb = cdiv(NH, BH)
     nkb = cdiv(K, BK)
-    S = max(1, min(nkb, TUNE.get("target", _TARGET_PROGRAMS) // (T * nhb)))
+    S = max(1, min(nkb, TUNE.get("target", target_programs(q.device, _CPU_PROGRAMS)) // (T * nhb)))
     KPS = cdiv(nkb, S) * BK
     S = cdiv(K, KPS)
     if S == 1:

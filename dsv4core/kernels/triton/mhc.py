@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, np2, cdiv, interp, rne, to_out
+from ._util import c, np2, cdiv, interp, rne, target_programs, to_out
 
-_TARGET_PROGRAMS = 264  # ~2 per SM on an H200
+#: programs wanted under the interpreter (CPU); on a GPU: 2 per SM of the device
+_CPU_PROGRAMS = 264
 #: launch-config overrides for tuning scripts; empty in normal use
 TUNE: dict = {}
 
@@ -50,7 +51,7 @@ def hc_post(o, residual, post, comb):
         return out
     o, residual, post, comb = c(o), c(residual), c(post), c(comb)
     BLOCK = min(1024, np2(H))
-    while BLOCK > 128 and T * cdiv(H, BLOCK) < _TARGET_PROGRAMS:
+    while BLOCK > 128 and T * cdiv(H, BLOCK) < target_programs(o.device, _CPU_PROGRAMS):
         BLOCK //= 2
     BLOCK = TUNE.get("post_BLOCK", BLOCK)
     nw = TUNE.get("post_num_warps", 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1))
@@ -108,7 +109,7 @@ def _mix(x2, fn, M):
     BK = TUNE.get("BK", 128 if MP <= 32 else 64)
     ntb = cdiv(T, BT)
     nkb = cdiv(K, BK)
-    S = max(1, min(nkb, TUNE.get("target", _TARGET_PROGRAMS) // ntb))
+    S = max(1, min(nkb, TUNE.get("target", target_programs(x2.device, _CPU_PROGRAMS)) // ntb))
     KSPLIT = cdiv(nkb, S) * BK
     S = cdiv(K, KSPLIT)
     zp = torch.empty((S, T, MP), dtype=torch.float32, device=x2.device)
@@ -182,12 +183,12 @@ def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
     _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
 
 
-def _epi_block(T, H):
+def _epi_block(T, H, device):
     """(BH, HCH, programs along H): one warp per program (the n x n Sinkhorn reductions stay inside
     a warp: no shared-memory barriers), computed once per (token, H-chunk of HCH columns); enough
     H-chunks that small T still spreads over the SMs; the chunk is collapsed BH columns at a time."""
     BH = min(256, np2(H))
-    nch = max(1, min(cdiv(H, BH), cdiv(_TARGET_PROGRAMS, T)))
+    nch = max(1, min(cdiv(H, BH), cdiv(target_programs(device, _CPU_PROGRAMS), T)))
     nch = TUNE.get("epi_chunks", nch)
     HCH = cdiv(cdiv(H, nch), BH) * BH
     return BH, HCH, cdiv(H, HCH)
@@ -203,7 +204,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
         return y, post, comb
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
-    BH, HCH, nhb = _epi_block(T, H)
+    BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
                                          T, H, S, float(rms_eps), float(hc_eps), int(iters),
                                          float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
@@ -241,7 +242,7 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
         return y
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
-    BH, HCH, nhb = _epi_block(T, H)
+    BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
                                           float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
                                           BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,

@@ -1,13 +1,20 @@
-"""moe_experts: routed SwiGLU experts (gate/up GEMM + clamp + SiLU fused, down GEMM + weighted
-combine fused), as two grouped GEMMs over (token, slot) pairs sorted by expert.
+"""moe_experts: routed SwiGLU experts as two grouped GEMMs over (token, slot) pairs sorted by expert,
+then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
+(fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
+place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values).
 
-Host side (torch ops): drop negative ids, sort pairs by expert, build a tile list (expert, first
-row, end row) of BM pairs each. Kernel 1 gathers x rows, computes g/u blocks for a tile, applies
-``silu(min(g, L)) * clamp(u, -L, L)`` and stores the activation in fp32. Kernel 2 multiplies by W2
-(the fp32 activation split into two bf16 halves for bf16 weights, ~16 mantissa bits), scales by the
-routing weight and atomically adds into an fp32 [T, H] output (k experts per token), cast once.
-Building the tile list syncs with the host (``torch.nonzero``, ``torch.bincount`` on CUDA, and the
-tile count that sizes the grid), so this op is not CUDA-graph capturable.
+No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
+(``torch.sort``, stable; dropped slots sort last), ``searchsorted`` gives each expert's first
+row and a cumulative tile count. The grid is sized from shapes only, by the upper bound
+``ceil(P / BM) + min(E, P)`` on the tile count; a program finds its (expert, tile) by binary
+search over the cumulative counts and programs past the real count do no work.
+
+Kernels: (1) gate/up GEMM over the H columns, ``silu(min(g, L)) * clamp(u, -L, L)`` in the
+epilogue, fp32 activation stored per pair; (2) down GEMM (the fp32 activation split into two bf16
+halves for the tensor cores, ~16 mantissa bits), fp32 result per pair; (3) combine: per token,
+``sum_i weights[t, i] * y[pair(t, i)]`` in slot order. No atomics: the result does not depend
+on scheduling. Expert ids >= E (which the HAL input check rejects) make that token's output NaN
+rather than silently dropping the slot.
 """
 from __future__ import annotations
 
@@ -15,50 +22,140 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, cdiv, interp
+from ._util import c, cdiv, interp, rne, to_out
+from .predicates import _E8M0, _FP8
 
 #: launch-config overrides for tuning scripts; empty in normal use
 TUNE: dict = {}
 
+PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
+
 
 @triton.jit
-def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, a_ptr, te_ptr, tr_ptr, tend_ptr, H, I, limit,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                   KSUB: tl.constexpr):
-    tile = tl.program_id(0)
+def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
+    """(expert, first row, end row, valid) of tile ``j``: the first e with tcum[e] > j."""
+    lo = j * 0
+    hi = lo + E
+    for _ in tl.static_range(LOGE):
+        mid = (lo + hi) // 2
+        v = tl.load(tcum_ptr + tl.minimum(mid, E - 1))
+        left = v > j
+        hi = tl.where(left, mid, hi)
+        lo = tl.where(left, lo, mid + 1)
+    valid = j < tl.load(tcum_ptr + E - 1)
+    e = tl.minimum(lo, E - 1)
+    t0 = tl.where(e > 0, tl.load(tcum_ptr + tl.maximum(e - 1, 0)), 0)
+    r0 = tl.load(starts_ptr + e) + (j - t0) * BM
+    r_end = tl.where(valid, tl.load(starts_ptr + e + 1), r0)  # an empty row range past the count
+    return e.to(tl.int64), r0, r_end, valid
+
+
+@triton.jit
+def _fp4_values(b, sb):
+    """e2m1 codes ``b`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as fp32, built from
+    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal)."""
+    idx = b & 7
+    ex = idx >> 1
+    mant = idx & 1
+    bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
+    scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+    return bits.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
+            FMT: tl.constexpr, IEEE: tl.constexpr):
+    """Rows ``rows`` (int64, within expert e) x columns [k0, k0 + BK) of a [E, R, C] expert weight,
+    as the dot operand dtype (fp32 under IEEE, else bf16). FP4: the packed bytes are read as a
+    [rows, BK/2] tile, both nibbles decoded and scaled (exact), then interleaved (low nibble =
+    even column); FP8: converted only (its block scale multiplies the block's partial sum)."""
+    r = e * R + rows
+    if FMT == 2:
+        jj = k0 // 2 + tl.arange(0, BK // 2)
+        m = rmask[:, None] & (jj < C // 2)[None, :]
+        if EVEN:
+            m = rmask[:, None]
+        b = tl.load(w_ptr + r[:, None] * (C // 2) + jj[None, :], mask=m, other=0).to(tl.int32) & 0xFF
+        gg = k0 // 32 + tl.arange(0, BK // 32)
+        sm = rmask[:, None] & (gg < C // 32)[None, :]
+        sb = tl.load(s_ptr + r[:, None] * (C // 32) + gg[None, :], mask=sm, other=127).to(tl.int32) & 0xFF
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (rows.shape[0], BK // 32, 16)), (rows.shape[0], BK // 2))
+        w = tl.reshape(tl.join(_fp4_values(b & 0xF, sb), _fp4_values(b >> 4, sb)), (rows.shape[0], BK))
+    else:
+        ks = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (ks < C)[None, :]
+        if EVEN:
+            m = rmask[:, None]
+        w = tl.load(w_ptr + r[:, None] * C + ks[None, :], mask=m, other=0.0)
+    if IEEE:
+        w = w.to(tl.float32)
+    else:
+        w = w.to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
+    """Block multipliers [len(rows)] for rows ``rows`` and the 128-column block holding ``k0``."""
+    RB = (R + 127) // 128
+    CB = (C + 127) // 128
+    idx = (e * RB + rows // 128) * CB + k0 // 128
+    if E8M0:
+        sv = tl.exp2(tl.load(s_ptr + idx, mask=rmask, other=127).to(tl.float32) - 127.0)
+    else:
+        sv = tl.load(s_ptr + idx, mask=rmask, other=0.0)
+    return sv
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
+                   LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
+                   EVEN: tl.constexpr):
+    j = tl.program_id(0)
     nb = tl.program_id(1)
-    e = tl.load(te_ptr + tile).to(tl.int64)
-    r0 = tl.load(tr_ptr + tile)
-    r_end = tl.load(tend_ptr + tile)
+    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
     rows = r0 + tl.arange(0, BM)
     rm = rows < r_end
     tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)
     n = nb * BN + tl.arange(0, BN)
     nm = n < I
+    n64 = n.to(tl.int64)
     kk = tl.arange(0, BK)
-    g_rows = (e * 2 * I + n).to(tl.int64)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k1 in range(0, H, BK * KSUB):
-        pg = tl.zeros([BM, BN], dtype=tl.float32)
-        pu = tl.zeros([BM, BN], dtype=tl.float32)
+    k_end = tl.where(valid, H, 0)  # tiles past the real count read nothing
+    # a step = KSUB sub-blocks summed into blk_*; FP8: exactly one 128-column scale block
+    for k1 in range(0, k_end, BK * KSUB):
+        blk_g = tl.zeros([BM, BN], dtype=tl.float32)
+        blk_u = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
-            ks = k1 + kin * BK + kk
-            km = ks < H
-            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            wg = tl.load(w13_ptr + g_rows[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :],
-                         other=0.0)
-            wu = tl.load(w13_ptr + (g_rows + I)[:, None] * H + ks[None, :], mask=nm[:, None] & km[None, :],
-                         other=0.0)
+            k0 = k1 + kin * BK
+            ks = k0 + kk
+            xm = rm[:, None] & (ks < H)[None, :]
+            if EVEN:
+                xm = rm[:, None]
+            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
+            wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
+            wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
             if IEEE:
                 xa = xa.to(tl.float32)
-                pg += tl.dot(xa, tl.trans(wg.to(tl.float32)), input_precision="ieee")
-                pu += tl.dot(xa, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+                blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
+                blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
+            elif FMT == 1:
+                xa = xa.to(tl.bfloat16)
+                blk_g = tl.dot(xa, tl.trans(wg), blk_g)
+                blk_u = tl.dot(xa, tl.trans(wu), blk_u)
             else:
-                pg = tl.dot(xa, tl.trans(wg), pg)
-                pu = tl.dot(xa, tl.trans(wu), pu)
-        acc_g += pg  # two-level fp32 accumulation (KSUB blocks, then the running sum)
-        acc_u += pu
+                xa = xa.to(tl.bfloat16)
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+        if FMT == 1:
+            acc_g += blk_g * _fp8_scale(s13_ptr, e, n64, nm, k1, 2 * I, H, E8M0)[None, :]
+            acc_u += blk_u * _fp8_scale(s13_ptr, e, n64 + I, nm, k1, 2 * I, H, E8M0)[None, :]
+        elif IEEE:
+            acc_g += blk_g  # two-level fp32 accumulation (KSUB blocks, then the running sum)
+            acc_u += blk_u
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     a = g * tl.sigmoid(g) * u
@@ -66,86 +163,163 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, a_ptr, te_ptr, tr_ptr, tend_ptr, H, 
 
 
 @triton.jit
-def _moe_down_kernel(a_ptr, tok_ptr, wt_ptr, w2_ptr, out_ptr, te_ptr, tr_ptr, tend_ptr, H, I,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                     KSUB: tl.constexpr):
-    tile = tl.program_id(0)
+def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I,
+                     LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
+                     EVEN: tl.constexpr):
+    j = tl.program_id(0)
     nb = tl.program_id(1)
-    e = tl.load(te_ptr + tile).to(tl.int64)
-    r0 = tl.load(tr_ptr + tile)
-    r_end = tl.load(tend_ptr + tile)
+    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
     rows = r0 + tl.arange(0, BM)
     rm = rows < r_end
     rows64 = rows.to(tl.int64)
-    tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)
-    wts = tl.load(wt_ptr + rows, mask=rm, other=0.0)
     hc = nb * BN + tl.arange(0, BN)
     hm = hc < H
-    w_rows = (e * H + hc).to(tl.int64)
+    hc64 = hc.to(tl.int64)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k1 in range(0, I, BK * KSUB):
-        part = tl.zeros([BM, BN], dtype=tl.float32)
+    k_end = tl.where(valid, I, 0)
+    for k1 in range(0, k_end, BK * KSUB):
+        blk = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
-            ks = k1 + kin * BK + kk
-            km = ks < I
-            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            w = tl.load(w2_ptr + w_rows[:, None] * I + ks[None, :], mask=hm[:, None] & km[None, :], other=0.0)
+            k0 = k1 + kin * BK
+            ks = k0 + kk
+            am = rm[:, None] & (ks < I)[None, :]
+            if EVEN:
+                am = rm[:, None]
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE)
             if IEEE:
-                part += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                blk += tl.dot(a, tl.trans(w), input_precision="ieee")
             else:
-                a_hi = a.to(w.dtype)
-                a_lo = (a - a_hi.to(tl.float32)).to(w.dtype)
-                part = tl.dot(a_hi, tl.trans(w), part)
-                part = tl.dot(a_lo, tl.trans(w), part)
-        acc += part
-    acc = acc * wts[:, None]
-    tl.atomic_add(out_ptr + tok[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
+                a_hi = a.to(tl.bfloat16)
+                a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+                if FMT == 1:
+                    blk = tl.dot(a_hi, tl.trans(w), blk)
+                    blk = tl.dot(a_lo, tl.trans(w), blk)
+                else:
+                    acc = tl.dot(a_hi, tl.trans(w), acc)
+                    acc = tl.dot(a_lo, tl.trans(w), acc)
+        if FMT == 1:
+            acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
+        elif IEEE:
+            acc += blk
+    tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
+@triton.jit
+def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
+                        BH: tl.constexpr, RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    hc = hb * BH + tl.arange(0, BH)
+    hm = hc < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    bad = t < 0
+    for i in range(K):
+        eid = tl.load(ids_ptr + t * K + i)
+        ok = (eid >= 0) & (eid < E)
+        bad = bad | (eid >= E)
+        wi = tl.load(wts_ptr + t * K + i)
+        row = tl.load(inv_ptr + t * K + i).to(tl.int64)
+        # a dropped slot's row (sorted last) holds no result: it is read, then never used
+        yv = tl.load(y_ptr + row * H + hc, mask=hm, other=0.0)
+        acc += tl.where(ok, wi * yv, 0.0)
+    acc = tl.where(bad, float("nan"), acc)
+    tl.store(out_ptr + t * H + hc, to_out(acc, out_ptr, RNE), mask=hm)
+
+
+def _format(w, scale):
+    if scale is None:
+        return PLAIN, w.shape[2], False
+    if _FP8 and w.dtype in _FP8:
+        return FP8_BLOCK, w.shape[2], _E8M0 is not None and scale.dtype == _E8M0
+    return FP4, 2 * w.shape[2], True
+
+
+def _scale_arg(scale, fmt, e8, fallback):
+    if scale is None:
+        return fallback
+    if e8 and scale.dtype != torch.uint8:
+        return scale.view(torch.uint8)
+    return scale
+
+
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device) -> torch.Tensor:
+    key = (n, device)
+    t = _ARANGE.get(key)
+    if t is None:
+        t = _ARANGE[key] = torch.arange(n, device=device)
+    return t
+
+
+def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
+    """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
+    benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128."""
+    if ieee:
+        # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
+        # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
+        cfg = (16 if P <= 4 * E else 32, 32, 32, 32, 4, 2)
+    elif P <= 4 * E:
+        cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
+    elif P <= 64 * E:
+        cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
+    else:
+        cfg = (128, 64, 128, 128 if fp8 else 64, 8, 3)
+    if TUNE:
+        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
+    BK = cfg[3]
+    ksub = (128 // BK if 128 % BK == 0 else 0) if fp8 else (4 if ieee and f32 else 1)
+    return cfg + (ksub,)
+
+
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     T, H = x.shape
-    E, I2, _ = w13.shape
-    I = I2 // 2
+    E = w13.shape[0]
+    I = w13.shape[1] // 2
     dev = x.device
-    out = torch.zeros((T, H), dtype=torch.float32, device=dev)
-    if T == 0 or ids.numel() == 0:
-        return out.to(x.dtype)
-    x, w13, w2 = c(x), c(w13), c(w2)
-    k = ids.shape[1]
+    out = torch.empty((T, H), dtype=x.dtype, device=dev)
+    K = ids.shape[1]
+    P = T * K
+    if T == 0:
+        return out
+    if P == 0 or E == 0 or I == 0:
+        return out.zero_()
+    x, ids, weights = c(x), c(ids), c(weights)
+    f13, _, e13 = _format(w13, w13_scale)
+    f2, _, e2 = _format(w2, w2_scale)
+    f32 = x.dtype == torch.float32
+    ieee = f32 or interp(x)
+    fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
+    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8)
+    if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
+        raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
+
+    # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     flat = ids.reshape(-1).to(torch.int64)
-    pair = torch.nonzero((flat >= 0) & (flat < E)).squeeze(1)
-    if pair.numel() == 0:
-        return out.to(x.dtype)
-    eid = flat[pair]
-    order = torch.argsort(eid, stable=True)
-    pair, eid = pair[order], eid[order]
-    tok = (pair // k).to(torch.int32)
-    wts = weights.reshape(-1)[pair].to(torch.float32).contiguous()
-    P = pair.numel()
-    ieee = x.dtype == torch.float32 or interp(x)
-    BM = TUNE.get("BM", 16 if P <= 4 * E else 64)
-    counts = torch.bincount(eid, minlength=E)
-    starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + BM - 1) // BM
-    tcum = torch.cumsum(tiles, 0)
-    ntiles = int(tcum[-1])  # host sync: the grid size
-    te = torch.repeat_interleave(torch.arange(E, device=dev), tiles, output_size=ntiles)
-    local = torch.arange(ntiles, device=dev) - (tcum - tiles)[te]
-    tr = (starts[te] + local * BM).to(torch.int32)
-    tend = (starts[te] + counts[te]).to(torch.int32)
-    te = te.to(torch.int32)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    skey, order = torch.sort(key, stable=True)
+    starts = torch.searchsorted(skey, _arange(E + 1, dev)).to(torch.int32)
+    counts = starts[1:] - starts[:-1]
+    tcum = torch.cumsum(torch.div(counts + (BM - 1), BM, rounding_mode="floor"), 0).to(torch.int32)
+    tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
+    inv = torch.empty(P, dtype=torch.int32, device=dev).scatter_(0, order, _arange(P, dev).to(torch.int32))
+
+    ntiles = cdiv(P, BM) + min(E, P)  # upper bound on sum_e ceil(count_e / BM)
+    LOGE = max(1, int(E).bit_length())
     a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    # fp32 (ieee) tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
-    # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
-    BN = TUNE.get("BN", 32 if ieee else 64)
-    BK = TUNE.get("BK", 32 if ieee else 64)
-    nw = TUNE.get("num_warps", 4)
-    ns = TUNE.get("num_stages", 2 if ieee else 3)
-    _moe_up_kernel[(ntiles, cdiv(I, BN))](x, tok, w13, a, te, tr, tend, H, I, float(swiglu_limit),
-                                          BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
-                                          num_warps=nw, num_stages=ns)
-    _moe_down_kernel[(ntiles, cdiv(H, BN))](a, tok, wts, w2, out, te, tr, tend, H, I,
-                                            BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
-                                          num_warps=nw, num_stages=ns)
-    return out.to(x.dtype)
+    y = torch.empty((P, H), dtype=torch.float32, device=dev)
+    _moe_up_kernel[(ntiles, cdiv(I, BNu))](
+        x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
+        LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
+        num_warps=nw, num_stages=ns)
+    _moe_down_kernel[(ntiles, cdiv(H, BNd))](
+        a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
+        LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
+        num_warps=nw, num_stages=ns)
+    BH = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4)
+    return out

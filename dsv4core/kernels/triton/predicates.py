@@ -151,16 +151,78 @@ def wo_a_supports(o, weight, weight_scale=None) -> bool:
     return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
 
 
+# ---- route.py
+def moe_route_supports(logits, topk, scaling, correction_bias=None, hash_ids=None) -> bool:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not isinstance(topk, int):
+        return False
+    T, E = logits.shape
+    if not (1 <= topk <= min(E, 32)) or E > 8192:
+        return False
+    if correction_bias is not None and (correction_bias.shape != (E,) or correction_bias.dtype != torch.float32):
+        return False
+    if hash_ids is not None and (hash_ids.shape != (T, topk) or hash_ids.dtype not in (torch.int32, torch.int64)):
+        return False
+    return True
+
+
 # ---- moe.py
-def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit) -> bool:
-    if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+_FP4_BYTES = (torch.int8, torch.uint8)
+_UE8M0 = tuple(d for d in (_E8M0, torch.uint8) if d is not None)
+
+
+def _expert_shape(w, scale, dev):
+    """Logical [E, rows, cols] of a contiguous expert weight in a format the kernels read, or None."""
+    if w.dim() != 3 or w.device != dev or not w.is_contiguous():
+        return None
+    E, R, C = w.shape
+    if scale is None:
+        return (E, R, C) if w.dtype in ACT_DTYPES else None
+    if scale.device != dev or not scale.is_contiguous():
+        return None
+    if _FP8 and w.dtype in _FP8:
+        if tuple(scale.shape) != (E, cdiv(R, 128), cdiv(C, 128)):
+            return None
+        ok = scale.dtype == torch.float32 or (_E8M0 is not None and scale.dtype == _E8M0)
+        return (E, R, C) if ok else None
+    if w.dtype in _FP4_BYTES and (2 * C) % 32 == 0 and tuple(scale.shape) == (E, R, 2 * C // 32):
+        return (E, R, 2 * C) if scale.dtype in _UE8M0 else None
+    return None
+
+
+def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None) -> bool:
+    if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
     T, H = x.shape
-    E, I2, H2 = w13.shape
-    if x.dtype not in ACT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    s13 = _expert_shape(w13, w13_scale, x.device)
+    s2 = _expert_shape(w2, w2_scale, x.device)
+    if s13 is None or s2 is None:
         return False
-    if H2 != H or I2 % 2 or w2.shape != (E, H, I2 // 2):
+    E, I2, H2 = s13
+    if H2 != H or I2 % 2 or s2 != (E, H, I2 // 2) or E < 1:
         return False
     if ids.shape[0] != T or weights.shape != ids.shape or weights.dtype != torch.float32:
         return False
     return ids.dtype in (torch.int32, torch.int64)
+
+
+# ---- linear.py
+def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
+    """weight_scale None with an act-dtype weight, or an fp8 e4m3 weight with its block grid."""
+    if weight_scale is None:
+        return weight.dtype in ACT_DTYPES
+    if not _FP8 or weight.dtype not in _FP8 or weight_scale.device != weight.device:
+        return False
+    grid = lead + (cdiv(weight.shape[-2], 128), cdiv(weight.shape[-1], 128))
+    if tuple(weight_scale.shape) != grid:
+        return False
+    return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
+
+
+def linear_supports(x, weight, weight_scale=None, out_dtype=None) -> bool:
+    if x.dim() < 1 or x.dtype not in ACT_DTYPES or weight.dim() != 2 or weight.device != x.device:
+        return False
+    if weight.shape[1] != x.shape[-1]:
+        return False
+    if out_dtype is not None and out_dtype not in ACT_DTYPES:
+        return False
+    return _block_scale_ok(weight, weight_scale, ())

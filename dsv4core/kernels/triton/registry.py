@@ -11,8 +11,9 @@ from . import OPS, predicates
 _mods: dict = {}
 
 #: Kernels whose launch wrapper synchronises with the host (a grid sized from device data): not
-#: recordable in a device graph. Every other kernel here launches a grid fixed by the shapes.
-HOST_SYNC = {"moe_experts"}
+#: recordable in a device graph. None since the MoE kernel sorts on the device; every kernel here
+#: launches a grid fixed by the shapes.
+HOST_SYNC: frozenset[str] = frozenset()
 
 
 def _module(name: str):
@@ -22,14 +23,31 @@ def _module(name: str):
     return mod
 
 
-def _lazy(op: str, modname: str, sig: inspect.Signature):
+def _first_device(args, kwargs):
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return None
+
+
+def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str):
     """A wrapper with the op's exact signature that imports the kernel module on first use and then
-    rebinds itself to the kernel function (one extra Python call on the hot path)."""
+    rebinds itself to the kernel function (one extra Python call on the hot path).
+
+    Device guard: Triton launches on the CURRENT device, so a call whose tensors live on another
+    device of the same type (``cuda:1`` while ``cuda:0`` is current) runs with that device made
+    current for the call (``supports`` already declined calls mixing devices)."""
     target = []
+    accel = getattr(torch, device_type, None) if device_type != "cpu" else None
 
     def impl(*args, **kwargs):
         if not target:
             target.append(getattr(_module(modname), op))
+        if accel is not None:
+            dev = _first_device(args, kwargs)
+            if dev is not None and dev.index is not None and dev.index != accel.current_device():
+                with accel.device(dev):
+                    return target[0](*args, **kwargs)
         return target[0](*args, **kwargs)
 
     impl.__signature__ = sig
@@ -39,14 +57,17 @@ def _lazy(op: str, modname: str, sig: inspect.Signature):
 
 
 def _on_device(pred, device_type: str):
-    """pred plus: every tensor argument lives on ``device_type``; any exception declines."""
+    """pred plus: every tensor argument lives on ONE device of ``device_type``; any exception declines."""
     sig = inspect.signature(pred)
 
     def supports(*args, **kwargs):
         try:
+            dev = None
             for v in (*args, *kwargs.values()):
-                if isinstance(v, torch.Tensor) and v.device.type != device_type:
-                    return False
+                if isinstance(v, torch.Tensor):
+                    if v.device.type != device_type or (dev is not None and v.device != dev):
+                        return False
+                    dev = v.device
             return bool(pred(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a predicate declines, it never raises
             return False
@@ -62,6 +83,6 @@ def register_ops(backend, device_type: str, ops=None) -> None:
         if ops is not None and op not in ops:
             continue
         pred = getattr(predicates, f"{op}_supports")
-        backend.add(op, _lazy(op, modname, inspect.signature(pred)),
+        backend.add(op, _lazy(op, modname, inspect.signature(pred), device_type),
                     supports=_on_device(pred, device_type), capturable=op not in HOST_SYNC,
                     native_quantized=True)  # no kernel here dequantises a weight copy
