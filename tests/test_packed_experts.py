@@ -26,7 +26,8 @@ def _experts_backend(name: str, fp4: bool) -> Backend:
             return w13.dtype == x.dtype
         return fp4 and w13.dtype == torch.int8 and w2.dtype == torch.int8
 
-    b.add("moe_experts", discover()["reference"].backend.impls["moe_experts"].fn, supports=supports)
+    b.add("moe_experts", discover()["reference"].backend.impls["moe_experts"].fn, supports=supports,
+          native_quantized=True)
     return b
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8 import REFERENCE, FP8Decision
+from .fp8 import FP8Decision
 
 FP8 = torch.float8_e4m3fn
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -123,12 +123,13 @@ def plan(model: nn.Module, ops, mode: str, formats: dict, act_dtype: torch.dtype
         if mode == "keep":
             decide(True, "quantized='keep'" + ("" if accepts else
                                                f"; {backend!r} declines them: calls fall back per call"), fmt)
-        elif backend == REFERENCE:
-            decide(False, "served by the reference (it would dequantise per call)", fmt)
-        elif accepts:
-            decide(True, f"{backend!r} moe_experts accepts these packed experts", fmt)
-        else:
+        elif not accepts:
             decide(False, f"{backend!r} moe_experts declines these packed experts", fmt)
+        elif not (hasattr(ops, "native_quantized") and ops.native_quantized("moe_experts")):
+            # e.g. the reference: it takes them but dequantises every expert on every call
+            decide(False, f"{backend!r} moe_experts would dequantise per call (not declared native_quantized)", fmt)
+        else:
+            decide(True, f"{backend!r} moe_experts accepts these packed experts", fmt)
     return out
 
 
