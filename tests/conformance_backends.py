@@ -336,6 +336,20 @@ def attention_sink_scaled(q, kv, indices, sink, scale):
     return _attention(q, kv, indices, sink * scale, scale)
 
 
+def attention_scale_ignored(q, kv, indices, sink, scale):
+    """Hard-codes the model's softmax scale d^-0.5 (found by an outside test: every case used to pass
+    exactly that value)."""
+    return _attention(q, kv, indices, sink, q.shape[-1] ** -0.5)
+
+
+def linear_fp8_scale_per_row(x, weight, weight_scale=None, out_dtype=None):
+    """Applies each row of blocks' FIRST scale to the whole row (found by an outside test: every
+    linear case used to have one scale value for all blocks)."""
+    if weight_scale is not None:
+        weight_scale = weight_scale[:, :1].expand_as(weight_scale)
+    return linear(x, weight, weight_scale, out_dtype)
+
+
 def compress_pool_ape_halves_swapped(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     """CSA: the A slots get ape's B half and the B slots its A half."""
     if overlap:
@@ -381,6 +395,8 @@ BROKEN = {
     "moe-route-no-renorm-eps": ("moe_route", moe_route_no_renorm_eps),
     "indexer-topk-off-by-one": ("indexer_topk", indexer_topk_off_by_one),
     "swiglu-clamp-missing": ("moe_experts", moe_experts_no_clamp),
+    "attention-scale-ignored": ("sparse_mqa_attention", attention_scale_ignored),
+    "linear-fp8-scale-per-row": ("linear", linear_fp8_scale_per_row),
 }
 
 
