@@ -106,3 +106,63 @@ def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
            "dsv4core.conformance", "--dsv4core-backend", "no-such-backend", "-q", "-p", "no:cacheprovider"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "unknown backend" in p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit status and the result line agree (issue 13: a run that verified nothing was "PASSED")
+# ---------------------------------------------------------------------------------------------
+
+def _cli(monkeypatch, capsys, backend, argv):
+    from dsv4core.conformance import runner
+    import dsv4core.conformance as pkg
+
+    monkeypatch.setattr(runner, "load_backend", lambda name, device="cpu": backend)
+    monkeypatch.setattr(pkg, "load_backend", lambda name, device="cpu": backend)
+    rc = main(["--backend", "x", "--no-model", "-q", *argv])
+    out = capsys.readouterr().out
+    return rc, out.split("result: ", 1)[1].strip()
+
+
+def test_cli_nothing_verified_has_its_own_exit_code(monkeypatch, capsys):
+    """A backend whose only op declines every call verified nothing: exit 3, never 'PASSED'."""
+    from conformance_backends import ALT_IMPLS, make_backend
+
+    be = make_backend("declines", {"rms_norm": ALT_IMPLS["rms_norm"]},
+                      supports={"rms_norm": lambda x, weight, eps: False})
+    for extra in ([], ["--require-all"], ["--ops", "rms_norm"]):
+        rc, result = _cli(monkeypatch, capsys, be, ["--dtype", "float32", *extra])
+        assert rc == 3 and result.startswith("NOTHING VERIFIED") and "PASSED" not in result, (extra, result)
+
+
+def test_cli_require_all_partial_is_incomplete_not_passed(monkeypatch, capsys):
+    from conformance_backends import ALT_IMPLS, make_backend
+
+    be = make_backend("partial", {"rms_norm": ALT_IMPLS["rms_norm"]})
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm,hc_post", "--dtype", "float32"])
+    assert rc == 0 and result.startswith("PASSED for the implemented ops") and "hc_post" in result
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm,hc_post", "--dtype", "float32", "--require-all"])
+    assert rc == 1 and result.startswith("INCOMPLETE") and "PASSED" not in result and "hc_post" in result
+    # --ops X --require-all: complete for the selected op only, and it says so
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm", "--dtype", "float32", "--require-all"])
+    assert rc == 0 and "complete for the 1 selected op(s)" in result and "every op" not in result
+
+
+@pytest.mark.parametrize("kind,fn", [
+    ("modified input", lambda x, weight, eps: x.mul_(1.0 + 2 ** -10)),
+    ("dtype", lambda x, weight, eps: x.double()),
+])
+def test_cli_structural_failure_shows_its_reason_not_a_ratio(monkeypatch, capsys, kind, fn, tmp_path):
+    from conformance_backends import make_backend
+
+    j = tmp_path / "r.json"
+    rc, result = _cli(monkeypatch, capsys, make_backend("s", {"rms_norm": fn}),
+                      ["--ops", "rms_norm", "--dtype", "float32", "--json", str(j)])
+    assert rc == 1 and result.startswith("FAILED")
+    data = json.loads(j.read_text())
+    op = data["ops"][0]
+    assert op["status"] == FAILED and op["failure_kinds"] == [kind]
+    failed = [c for c in op["cases"] if c["status"] == FAILED]
+    assert failed and all(c["failure"] == kind and c["worst_ratio"] is None for c in failed)
+    main(["--backend", "x", "--no-model", "-q", "--ops", "rms_norm", "--dtype", "float32"])
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rms_norm")][0]
+    assert row.rstrip().endswith(f"failed: {kind}"), row

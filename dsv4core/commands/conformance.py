@@ -1,8 +1,10 @@
 """``dsv4core conformance``: prove (or refute) a backend's numerical parity with the HAL spec.
 
 Exit codes: 0 every implemented op (and the model check) passes; 1 any case fails (or, with
-``--require-all``, an op is not implemented or a case was declined); 2 the backend cannot be
-loaded or the arguments are wrong. See docs/conformance.md.
+``--require-all``, a selected op is not implemented, a case was declined, or the model check
+handed a call to the reference); 2 the backend cannot be loaded or the arguments are wrong; 3
+nothing was verified (every selected op not implemented or every case declined: not a pass).
+See docs/conformance.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ def add_parser(subparsers) -> None:
         description="Run every HAL op's conformance cases on a backend (strict: no fallback to the reference) "
                     "and compare against an fp64 evaluation of the spec; then compare the tiny model's logits "
                     "and greedy tokens with the reference backend. Exit 0 all implemented ops pass, 1 a case "
-                    "fails, 2 the backend cannot be loaded or the arguments are wrong.")
+                    "fails (or --require-all and the run is incomplete), 2 the backend cannot be loaded or the "
+                    "arguments are wrong, 3 nothing was verified (no case passed).")
     p.add_argument("--backend", required=True, help="backend name (see `dsv4core backends`)")
     p.add_argument("--ops", default=None, help="comma-separated op or family names (default: all ops)")
     p.add_argument("--shapes", default="small",
@@ -32,7 +35,8 @@ def add_parser(subparsers) -> None:
                    help="model for the model-level check: 'tiny' (built in, default) or a checkpoint directory")
     p.add_argument("--no-model", action="store_true", help="skip the model-level check")
     p.add_argument("--require-all", action="store_true",
-                   help="also exit 1 when an op is not implemented or a case is declined (a full-conformance claim)")
+                   help="a full-conformance claim: also exit 1 when a selected op is not implemented, a case is "
+                        "declined, or the model check hands a call to the reference")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
     p.set_defaults(func=run)
 
@@ -69,6 +73,7 @@ def run(args) -> int:
                             seed=args.seed, progress=progress)
     except ConformanceError as e:
         return err(str(e))
+    report.require_all = args.require_all
     if not args.no_model:
         from dsv4core.conformance.model_check import check_model
 

@@ -58,12 +58,19 @@ class Check:
                 "bound": _num(self.bound), "ratio": _num(self.ratio), "ok": self.ok, "detail": self.detail}
 
 
-def _num(x: float):
-    return x if math.isfinite(x) else str(x)
+def _num(x: float) -> float | None:
+    """A JSON number, or null for a non-finite one (an exact comparison with bound 0 that differs:
+    the case's ``failure`` and ``message`` say what differs)."""
+    return x if math.isfinite(x) else None
 
 
 class Mismatch(Exception):
-    """A structural failure (type, device, shape, dtype, non-finite values): no error number."""
+    """A structural failure (type, device, shape, dtype, non-finite values): no error number.
+    ``kind`` is the CaseResult failure kind ("structure", "shape", "dtype", "device", "non-finite")."""
+
+    def __init__(self, message: str, kind: str = "structure"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -105,12 +112,12 @@ def _describe_like(like: Outputs) -> str:
 def check_structure(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Device, shape and dtype of a backend output must equal the reference's."""
     if got.device != want.device:
-        raise Mismatch(f"{name}: device expected {want.device}, got {got.device}")
+        raise Mismatch(f"{name}: device expected {want.device}, got {got.device}", "device")
     if tuple(got.shape) != tuple(want.shape):
         zero = " (zero-token case: the output must be empty with the right shape)" if want.numel() == 0 else ""
-        raise Mismatch(f"{name}: shape expected {tuple(want.shape)}, got {tuple(got.shape)}{zero}")
+        raise Mismatch(f"{name}: shape expected {tuple(want.shape)}, got {tuple(got.shape)}{zero}", "shape")
     if got.dtype != want.dtype:
-        raise Mismatch(f"{name}: dtype expected {dtype_name(want.dtype)}, got {dtype_name(got.dtype)}")
+        raise Mismatch(f"{name}: dtype expected {dtype_name(want.dtype)}, got {dtype_name(got.dtype)}", "dtype")
 
 
 def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:

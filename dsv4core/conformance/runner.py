@@ -17,6 +17,7 @@ Nothing here imports a backend's module other than through :func:`dsv4core.hal.d
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 import traceback
@@ -42,6 +43,18 @@ PASSED, FAILED, DECLINED, NOT_IMPLEMENTED = "passed", "failed", "declined", "not
 NO_CASES = "no cases"
 
 
+#: Exit codes of a run (``Report.exit_code``; the CLI's exit status).
+EXIT_PASSED, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_VERIFIED = 0, 1, 2, 3
+
+#: ``CaseResult.failure`` values: why a failed case failed. ``numeric`` failures have an
+#: err/bound ratio; the others have none (their ``message`` says what was wrong).
+FAILURE_KINDS = ("numeric", "discrete", "structure", "dtype", "shape", "device", "non-finite",
+                 "modified input", "raised", "supports", "harness")
+
+#: The JSON report's schema (docs/conformance.md, "JSON report"); ``merge`` refuses other versions.
+REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "dsv4core.conformance.report", 2
+
+
 class ConformanceError(Exception):
     """Bad arguments or a backend that cannot be loaded (exit code 2)."""
 
@@ -57,6 +70,7 @@ class CaseResult:
     checks: list[Check] = field(default_factory=list)
     message: str = ""
     seconds: float = 0.0
+    failure: str = ""           # one of FAILURE_KINDS when status is failed
 
     @property
     def id(self) -> str:
@@ -66,11 +80,16 @@ class CaseResult:
     def worst(self) -> Check | None:
         return max(self.checks, key=lambda c: c.ratio, default=None)
 
+    def fail(self, kind: str, message: str) -> "CaseResult":
+        self.status, self.failure, self.message = FAILED, kind, message
+        return self
+
     def as_dict(self) -> dict:
         w = self.worst
         return {"id": self.id, "op": self.op, "dtype": self.dtype, "shapes": self.shapes, "case": self.case,
-                "tags": list(self.tags), "status": self.status, "message": self.message,
-                "seconds": round(self.seconds, 4), "worst_ratio": None if w is None else compare._num(w.ratio),
+                "tags": list(self.tags), "status": self.status, "failure": self.failure or None,
+                "message": self.message, "seconds": round(self.seconds, 4),
+                "worst_ratio": None if w is None else compare._num(w.ratio),
                 "checks": [c.as_dict() for c in self.checks]}
 
 
@@ -101,12 +120,29 @@ class OpResult:
         ratios = [c.worst.ratio for c in self.cases if c.worst is not None]
         return max(ratios) if ratios else None
 
+    @property
+    def failure_kinds(self) -> list[str]:
+        """The kinds of this op's failures that carry no err/bound ratio (a wrong dtype, an
+        input modified in place, an exception...), in first-seen order."""
+        return list(dict.fromkeys(c.failure for c in self.cases
+                                  if c.status == FAILED and c.failure not in ("", "numeric")))
+
+    @property
+    def worst(self) -> str:
+        """What the report's 'worst err/bound' column shows: the ratio, or the reason of a failure
+        that has no ratio ('-' when nothing was measured)."""
+        kinds = self.failure_kinds
+        if kinds:
+            return "failed: " + ", ".join(kinds)
+        wr = self.worst_ratio
+        return "-" if wr is None else ("inf" if not math.isfinite(wr) else f"{wr:.3g}")
+
     def as_dict(self) -> dict:
         t = self.tolerance
         wr = self.worst_ratio
         return {"op": self.op, "status": self.status, "implemented": self.implemented,
                 "passed": self.count(PASSED), "failed": self.count(FAILED), "declined": self.count(DECLINED),
-                "worst_ratio": None if wr is None else compare._num(wr),
+                "worst_ratio": None if wr is None else compare._num(wr), "failure_kinds": self.failure_kinds,
                 "tolerance": {"k": t.k, "floor": t.floor, "floors": dict(t.floors),
                               "metric": t.metric, "why": t.why},
                 "cases": [c.as_dict() for c in self.cases]}
@@ -123,20 +159,73 @@ class Report:
     ops: list[OpResult] = field(default_factory=list)
     model: dict | None = None
     seconds: float = 0.0
+    #: ops of the catalogue this run selected (``--ops``); all of them by default
+    all_ops: bool = True
+    #: when the run started (UTC, ISO 8601)
+    date: str = ""
+    #: judge completeness (``--require-all``): an incomplete run fails
+    require_all: bool = False
 
     @property
     def failed(self) -> bool:
         return any(o.status == FAILED for o in self.ops) or bool(self.model and self.model.get("status") == FAILED)
 
     @property
-    def complete(self) -> bool:
-        """Every op implemented and checked, no case declined (a "full" run; a partial run earns nothing)."""
-        return all(o.implemented and o.cases and o.count(DECLINED) == 0 for o in self.ops)
+    def verified(self) -> int:
+        """Cases that ran to a verdict of passed (0: the run proved nothing)."""
+        return sum(o.count(PASSED) for o in self.ops)
 
-    def exit_code(self, require_all: bool = False) -> int:
+    @property
+    def complete(self) -> bool:
+        """Every SELECTED op implemented and checked, no case declined, and (when the model check
+        ran) no model-check call handed to the reference: what ``--require-all`` requires."""
+        return not self.gaps()
+
+    def gaps(self) -> list[str]:
+        """Why the run is not complete, one phrase per reason ([] when complete)."""
+        out = []
+        missing = [o.op for o in self.ops if not o.implemented]
+        if missing:
+            out.append(f"{len(missing)} op(s) not implemented ({', '.join(missing)})")
+        empty = [o.op for o in self.ops if o.implemented and not o.cases]
+        if empty:
+            out.append(f"{len(empty)} op(s) with no case in this run ({', '.join(empty)})")
+        n_dec = sum(o.count(DECLINED) for o in self.ops)
+        if n_dec:
+            out.append(f"{n_dec} case(s) declined")
+        fb = (self.model or {}).get("fallbacks") or {}
+        if fb:
+            out.append(f"model check: {sum(fb.values())} call(s) served by the reference "
+                       f"({', '.join(f'{k} {v}' for k, v in fb.items())})")
+        return out
+
+    def exit_code(self, require_all: bool | None = None) -> int:
+        """0 passed; 1 a case (or the model check) failed, or ``require_all`` and the run is not
+        complete; 3 nothing was verified (every selected op not implemented / declined)."""
+        require_all = self.require_all if require_all is None else require_all
         if self.failed:
-            return 1
-        return 1 if require_all and not self.complete else 0
+            return EXIT_FAILED
+        if not self.verified:
+            return EXIT_NOTHING_VERIFIED
+        return EXIT_FAILED if require_all and not self.complete else EXIT_PASSED
+
+    def verdict(self, require_all: bool | None = None) -> str:
+        """The one-line result, consistent with :meth:`exit_code`."""
+        require_all = self.require_all if require_all is None else require_all
+        scope = "every op" if self.all_ops else f"the {len(self.ops)} selected op(s)"
+        if self.failed:
+            n = len(self.failures())
+            return f"FAILED ({n} failing case(s)" + (", model check failed)" if (self.model or {}).get(
+                "status") == FAILED else ")")
+        if not self.verified:
+            return ("NOTHING VERIFIED: no case passed (" + "; ".join(self.gaps() or ["no cases"]) +
+                    f"); exit status {EXIT_NOTHING_VERIFIED}")
+        if self.complete:
+            return f"PASSED (complete for {scope}: implemented, nothing declined)"
+        if require_all:
+            return "INCOMPLETE under --require-all: " + "; ".join(self.gaps())
+        return (f"PASSED for the implemented ops ({self.verified} case(s) verified); partial: "
+                + "; ".join(self.gaps()))
 
     def failures(self) -> list[CaseResult]:
         return [c for o in self.ops for c in o.cases if c.status == FAILED]
@@ -144,10 +233,13 @@ class Report:
     def as_dict(self) -> dict:
         import dsv4core
 
-        return {"backend": self.backend, "backend_version": self.backend_version, "device": self.device,
+        return {"schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION,
+                "backend": self.backend, "backend_version": self.backend_version, "device": self.device,
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
-                "failed": self.failed, "complete": self.complete, "seconds": round(self.seconds, 2),
+                "date": self.date, "failed": self.failed, "complete": self.complete, "verified": self.verified,
+                "all_ops": self.all_ops, "require_all": self.require_all, "verdict": self.verdict(),
+                "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),
                 "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
                                    "declined": o.count(DECLINED)} for o in self.ops},
                 "model": self.model, "ops": [o.as_dict() for o in self.ops]}
@@ -283,18 +375,15 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
         try:
             spec.validate(**kw)
         except Exception as e:  # pragma: no cover - a suite bug
-            res.status, res.message = FAILED, f"invalid conformance case (suite bug, please report): {_exc(e)}"
-            return res
+            return res.fail("harness", f"invalid conformance case (suite bug, please report): {_exc(e)}")
         # 2. supports predicate
         if impl.supports is not None:
             try:
                 ok = impl.supports(**kw)
             except Exception as e:
-                res.status, res.message = FAILED, f"supports() raised {_exc(e)}"
-                return res
+                return res.fail("supports", f"supports() raised {_exc(e)}")
             if not isinstance(ok, bool):
-                res.status, res.message = FAILED, f"supports() must return a plain bool, returned {type(ok).__name__}"
-                return res
+                return res.fail("supports", f"supports() must return a plain bool, returned {type(ok).__name__}")
             if not ok:
                 reason = ""
                 if impl.why_not is not None:
@@ -314,18 +403,16 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
             if torch.device(_device_of(kw)).type == "cuda":
                 torch.cuda.synchronize()          # asynchronous kernel errors belong to this case
         except Exception as e:
-            res.status, res.message = FAILED, f"the op raised {_exc(e)}"
-            return res
+            return res.fail("raised", f"the op raised {_exc(e)}")
         changed = _modified(kw, snap)
         if changed:
-            res.status, res.message = FAILED, f"modified its input(s) {', '.join(changed)} in place"
-            return res
+            return res.fail("modified input", f"modified its input(s) {', '.join(changed)} in place")
         got = compare.split_outputs(spec.name, raw, like=ref)
         for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
             compare.check_structure(name, g, r)
             msg = compare.nonfinite_problem(name, g, e)
             if msg:
-                raise Mismatch(msg)
+                raise Mismatch(msg, "non-finite")
         # 5. numbers
         if tol.metric == "index_set":
             res.checks += compare.index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
@@ -344,12 +431,12 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
         res.checks += compare.invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
         bad = [c for c in res.checks if not c.ok]
         if bad:
-            res.status = FAILED
-            res.message = "; ".join(_describe_check(c, tol.k, floor) for c in bad)
+            discrete = all(c.metric.startswith(("index_set", "route", "exact")) for c in bad)
+            res.fail("discrete" if discrete else "numeric", "; ".join(_describe_check(c, tol.k, floor) for c in bad))
     except Mismatch as e:
-        res.status, res.message = FAILED, str(e)
+        res.fail(e.kind, str(e))
     except Exception as e:  # a failure of the fp64/reference evaluation on a legal case: suite bug
-        res.status, res.message = FAILED, f"conformance harness error (please report): {_exc(e)}"
+        res.fail("harness", f"conformance harness error (please report): {_exc(e)}")
     finally:
         res.seconds = time.perf_counter() - t0
     return res
@@ -407,7 +494,9 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     except Exception as e:
         raise ConformanceError(f"bad --device {device!r}: {e}") from None
     specs = catalogue()
-    report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed)
+    report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed,
+                    all_ops=set(op_names) == set(specs),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t_all = time.perf_counter()
     for name in op_names:
         spec = specs[name]
@@ -424,7 +513,8 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
                             opres.cases.append(run_case(spec, impl, case, dt, sh))
                     except Exception as e:  # the case generator itself failed
                         opres.cases.append(CaseResult(name, dtype_name(dt), sh, "<generate cases>", FAILED,
-                                                      message=f"conformance harness error: {_exc(e)}"))
+                                                      message=f"conformance harness error: {_exc(e)}",
+                                                      failure="harness"))
         if progress:
             progress(_progress_line(opres, time.perf_counter() - t0))
     report.seconds = time.perf_counter() - t_all
@@ -434,8 +524,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
 def _progress_line(o: OpResult, secs: float) -> str:
     if not o.implemented:
         return f"{o.op:<22} not implemented"
-    wr = o.worst_ratio
-    worst = "" if wr is None else f"  worst err/bound {wr:.3g}"
+    worst = "" if o.worst == "-" else f"  worst err/bound {o.worst}"
     s = (f"{o.op:<22} {o.status.upper():<8} {o.count(PASSED)} passed, {o.count(FAILED)} failed, "
          f"{o.count(DECLINED)} declined{worst}  ({secs:.1f}s)")
     for c in o.cases:
