@@ -30,7 +30,10 @@ class Backend:
     """A backend: ``name``, device types, HAL API version, availability probe, op implementations.
 
     ``available()`` returns ``(ok, reason)``; it is a static platform probe (no device init).
-    ``priority``: higher wins under ``auto`` selection; the reference backend has priority 0.
+    ``priority``: higher wins under ``auto`` selection (equal priorities: by backend name); the
+    reference backend has priority 0 and always comes last. A negative priority means "by name
+    only": ``auto`` never picks the backend, ``backend=NAME`` / ``DSV4CORE_BACKEND`` / a per-op
+    override do.
     """
 
     name: str

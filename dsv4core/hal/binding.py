@@ -1,7 +1,13 @@
 """Selection and binding: resolve each op once to a plain callable.
 
 Per op, an ordered candidate list is built (per-op override, then the explicit backend or the
-available backends for the device by priority, then ``reference``). The first candidate that
+available backends for the device by priority, then ``reference``).
+
+Selection under ``auto`` (see :func:`auto_order`): every available backend serving the device type
+with priority >= 0, highest priority first; equal priorities in backend-name order (so the result
+does not depend on installation or entry-point order). A backend with a NEGATIVE priority is never
+chosen by ``auto``: it is used only when named (``backend=``, ``DSV4CORE_BACKEND``, a per-op
+override) - the way to ship a backend that must be opted into. The first candidate that
 implements the op serves it; the others that were skipped are recorded with their reason. If the
 serving implementation has a ``supports`` predicate, the bound callable checks it and hands
 unsupported calls down the chain (one warning per op under ``warn``; an error under ``strict``).
@@ -171,13 +177,21 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
     return _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
 
 
+def auto_order(statuses: dict[str, PluginStatus], device_type: str) -> list[str]:
+    """The backends ``auto`` tries for ``device_type``, best first: available, serving the device
+    type, priority >= 0 (negative = by name only), by descending priority, then by name."""
+    usable = [st for n, st in statuses.items()
+              if n != REFERENCE and st.available and st.backend and st.backend.serves(device_type)
+              and st.priority >= 0]
+    return [st.name for st in sorted(usable, key=lambda st: (-st.priority, st.name))]
+
+
 @functools.lru_cache(maxsize=64)
 def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, check: bool) -> OpTable:
     statuses = discover()
     specs = catalogue()
     if backend == "auto":
-        main = [n for n, st in sorted(statuses.items(), key=lambda kv: -kv[1].priority)
-                if n != REFERENCE and st.available and st.backend and st.backend.serves(device_type)]
+        main = auto_order(statuses, device_type)
     else:
         main = [_usable(backend, statuses, device_type, "requested explicitly").name]
     override_map = dict(overrides)
