@@ -53,9 +53,18 @@ def format_model(m: dict) -> str:
         return f"{m['status']}: {m.get('reason', '')}"
     parts = [m.get("status", "?")]
     for run in m.get("runs", []):
-        s = (f"{run['model']} {run['dtype']}: logits max_rel {run['logits_max_rel']:.3g}"
-             f" (bound {run['logits_bound']:.3g}), greedy agreement {run['greedy_agreement']:.0%} "
-             f"over {run['steps']} steps")
+        err, bound = run.get("logits_error"), run.get("logits_bound")
+        s = f"{run['model']} {run['dtype']}: logits error " + ("-" if err is None else f"{err:.3g}")
+        if bound is not None:
+            s += f" (bound {bound:.3g}" + (f" = {run['bound_k']:g} x the reference's own bf16 error"
+                                           if "bound_k" in run else "") + ")"
+        s += f", greedy agreement {run.get('greedy_agreement', 0):.0%}"
+        if "reference_greedy_agreement" in run:
+            s += f" (reference bf16 {run['reference_greedy_agreement']:.0%}; {run['prompts']} prompts)"
+        else:
+            s += f" over {run['steps']} steps"
+        if run.get("fallbacks"):
+            s += " [calls served by the reference: " + ", ".join(f"{k} {v}" for k, v in run["fallbacks"].items()) + "]"
         if run.get("message"):
             s += f" — {run['message']}"
         parts.append(s)
