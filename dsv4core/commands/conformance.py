@@ -37,6 +37,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--require-all", action="store_true",
                    help="a full-conformance claim: also exit 1 when a selected op is not implemented, a case is "
                         "declined, or the model check hands a call to the reference")
+    p.add_argument("--world-sizes", default="2,4", metavar="N,N",
+                   help="check the collectives over this many spawned ranks each (default 2,4; 'none' = one "
+                        "process only, listed as a gap)")
+    p.add_argument("--dist-backend", default="gloo",
+                   help="torch.distributed backend of the spawned ranks (default gloo; e.g. nccl with "
+                        "--dist-device cuda to check the backend's own transport on its device)")
+    p.add_argument("--dist-device", default="cpu", help="device of the collectives' inputs in the spawned ranks "
+                                                        "(default cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
     p.set_defaults(func=run)
 
@@ -61,6 +69,7 @@ def run(args) -> int:
         except Exception as e:
             return err(f"device {args.device!r} is not usable: {e}")
         backend = load_backend(args.backend, args.device)
+        world_sizes = runner.parse_world_sizes(args.world_sizes)
     except ConformanceError as e:
         return err(str(e))
 
@@ -70,7 +79,8 @@ def run(args) -> int:
                  f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
     try:
         report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
-                            seed=args.seed, progress=progress)
+                            seed=args.seed, progress=progress, world_sizes=world_sizes,
+                            dist_backend=args.dist_backend, dist_device=args.dist_device, dist_ref=args.backend)
     except ConformanceError as e:
         return err(str(e))
     report.require_all = args.require_all

@@ -165,6 +165,10 @@ class Report:
     date: str = ""
     #: judge completeness (``--require-all``): an incomplete run fails
     require_all: bool = False
+    #: world sizes the collectives were checked with over spawned ranks (() = not)
+    world_sizes: tuple[int, ...] = ()
+    #: implemented collectives checked in one process only (identities: a gap)
+    single_process_collectives: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -193,6 +197,9 @@ class Report:
         n_dec = sum(o.count(DECLINED) for o in self.ops)
         if n_dec:
             out.append(f"{n_dec} case(s) declined")
+        if self.single_process_collectives:
+            out.append(f"collectives checked in one process only ({', '.join(self.single_process_collectives)}; "
+                       f"--world-sizes spawns real ranks)")
         fb = (self.model or {}).get("fallbacks") or {}
         if fb:
             out.append(f"model check: {sum(fb.values())} call(s) served by the reference "
@@ -238,7 +245,7 @@ class Report:
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
                 "date": self.date, "failed": self.failed, "complete": self.complete, "verified": self.verified,
-                "all_ops": self.all_ops, "require_all": self.require_all, "verdict": self.verdict(),
+                "all_ops": self.all_ops, "require_all": self.require_all, "world_sizes": list(self.world_sizes), "verdict": self.verdict(),
                 "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),
                 "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
                                    "declined": o.count(DECLINED)} for o in self.ops},
@@ -312,6 +319,19 @@ def parse_dtypes(text: str | Sequence[str]) -> tuple[torch.dtype, ...]:
     if not out:
         raise ConformanceError("no dtype given")
     return tuple(dict.fromkeys(out))
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``"2,4"`` -> (2, 4); ``"none"`` / ``"0"`` -> () (collectives in one process only)."""
+    if text.strip().lower() in ("none", "0", ""):
+        return ()
+    try:
+        sizes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise ConformanceError(f"--world-sizes: expected comma-separated ints >= 2 or 'none', got {text!r}") from None
+    if any(n < 2 for n in sizes):
+        raise ConformanceError(f"--world-sizes: every size must be >= 2 (got {text!r}); 'none' disables the spawned run")
+    return sizes
 
 
 def case_seed(seed: int, op: str, shapes: str, dtype: torch.dtype) -> int:
@@ -475,9 +495,16 @@ def _device_of(kw: dict) -> str:
 
 def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shapes: str | Sequence[str] = "small",
         dtypes: str | Sequence[Any] = ("float32", "bfloat16"), device: str = "cpu", seed: int = 0,
-        progress: Callable[[str], None] | None = None) -> Report:
+        progress: Callable[[str], None] | None = None, world_sizes: Sequence[int] = (),
+        dist_backend: str = "gloo", dist_device: str = "cpu", dist_ref: str | None = None) -> Report:
     """Run the op conformance suite for ``backend`` (a discovered backend name or a
     :class:`~dsv4core.hal.Backend` object, e.g. one built in a test) and return the Report.
+
+    ``world_sizes`` (the CLI's default: 2, 4): also check the backend's collectives over that many
+    spawned ranks (``dist_backend`` on ``dist_device``; see :mod:`.distributed`). The spawned
+    ranks find the backend by name, or through ``dist_ref`` (``"module:function"``) for an
+    in-process Backend. Without it the collectives are checked in one process only, which the
+    report lists as a gap (not complete).
 
     Raises ConformanceError for an unknown/unloadable backend or bad arguments.
     """
@@ -485,6 +512,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         be = backend
     else:
         be = load_backend(backend, device)
+        dist_ref = dist_ref or backend
     op_names = parse_ops(ops)
     shape_sets = parse_shapes(shapes)
     dts = parse_dtypes([d if isinstance(d, str) else dtype_name(d) for d in dtypes] if not isinstance(dtypes, str)
@@ -517,6 +545,20 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
                                                       failure="harness"))
         if progress:
             progress(_progress_line(opres, time.perf_counter() - t0))
+    dist_ops = [o for o in report.ops if o.implemented and catalogue()[o.op].family == "collectives"]
+    if dist_ops and world_sizes:
+        if dist_ref is None:
+            raise ConformanceError("world_sizes given for an in-process Backend: pass dist_ref='module:function' "
+                                   "so the spawned ranks can build it")
+        from .distributed import run_distributed
+
+        found = run_distributed(dist_ref, world_sizes=tuple(world_sizes), ops=[o.op for o in dist_ops], dtypes=dts,
+                                seed=seed, device=dist_device, dist_backend=dist_backend, progress=progress)
+        for o in dist_ops:
+            o.cases += found.get(o.op, [])
+        report.world_sizes = tuple(world_sizes)
+    elif dist_ops:
+        report.single_process_collectives = [o.op for o in dist_ops]
     report.seconds = time.perf_counter() - t_all
     return report
 

@@ -11,7 +11,7 @@ from .spec import catalogue
 
 #: The HAL API version (major, minor). Majors are incompatible; minors only add (new optional ops,
 #: new arguments with defaults). See dsv4core/hal/CHANGELOG.md.
-HAL_API_VERSION = (1, 0)
+HAL_API_VERSION = (1, 1)
 
 
 @dataclass(frozen=True)
