@@ -300,7 +300,7 @@ def _realize(kw: dict, groups: dict, rank: int, device: str) -> dict:
 def _judge_rank(spec, impl, case: DistCase, rank: int, groups: dict, flags: _Flags, device: str,
                 dtype: torch.dtype) -> tuple[dict, bool]:
     """One case on this rank (every rank calls this in lockstep). Returns (result dict, stop)."""
-    from .runner import DECLINED, FAILED, PASSED, CaseResult, _exc, _describe_check, _modified, _snapshot
+    from .runner import DECLINED, PASSED, CaseResult, _exc, _modified, _snapshot
 
     res = CaseResult(spec.name, dtype_name(dtype), f"ws{case.world}", case.name, PASSED, case.tags)
     kw = _realize(case.kwargs[rank], groups, rank, device)
@@ -349,7 +349,7 @@ def _judge_rank(spec, impl, case: DistCase, rank: int, groups: dict, flags: _Fla
         bound = tol.k * e_r + floor + (compare.output_rounding(tol.metric, got.dtype, exact) if tol.floor else 0.0)
         res.checks.append(Check(f"rank {rank} output", tol.metric, e_b, e_r, bound, e_b <= bound))
         if e_b > bound:
-            res.fail("numeric", _describe_check(res.checks[-1], tol.k, floor))
+            res.fail("numeric", compare.describe_check(res.checks[-1], tol.k, floor))
     except Mismatch as e:
         res.fail(e.kind, str(e))
     res.seconds = time.perf_counter() - t0

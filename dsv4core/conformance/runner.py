@@ -414,45 +414,25 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
                 res.status, res.message = DECLINED, reason or "supports() returned False"
                 return res
         # 3. fp64 evaluation and the reference in the case dtype
-        exact = compare.split_outputs(spec.name, _eval64(spec, kw))
+        exact = compare.split_outputs(spec.name, compare.eval64(spec, kw))
         ref = compare.split_outputs(spec.name, spec.reference(**kw))
         # 4. the backend
         snap = _snapshot(kw)
         try:
             raw = impl.fn(**kw)
-            if torch.device(_device_of(kw)).type == "cuda":
+            if torch.device(compare.device_of(kw)).type == "cuda":
                 torch.cuda.synchronize()          # asynchronous kernel errors belong to this case
         except Exception as e:
             return res.fail("raised", f"the op raised {_exc(e)}")
         changed = _modified(kw, snap)
         if changed:
             return res.fail("modified input", f"modified its input(s) {', '.join(changed)} in place")
-        got = compare.split_outputs(spec.name, raw, like=ref)
-        for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
-            compare.check_structure(name, g, r)
-            msg = compare.nonfinite_problem(name, g, e)
-            if msg:
-                raise Mismatch(msg, "non-finite")
-        # 5. numbers
-        if tol.metric == "index_set":
-            res.checks += compare.index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
-        elif tol.metric == "route":
-            res.checks += compare.route_check(kw, got, ref, tol.k, floor)
-        else:
-            for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
-                if not g.is_floating_point():
-                    ok = torch.equal(g, r)
-                    res.checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
-                                            "" if ok else "integer output differs from the reference"))
-                    continue
-                e_b, e_r = compare.error(tol.metric, g, e), compare.error(tol.metric, r, e)
-                bound = tol.k * e_r + floor + (compare.output_rounding(tol.metric, g.dtype, e) if tol.floor else 0.0)
-                res.checks.append(Check(name, tol.metric, e_b, e_r, bound, e_b <= bound))
-        res.checks += compare.invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
+        # 5. structure and numbers
+        res.checks += compare.judge(spec, kw, raw, ref, exact, dtype)
         bad = [c for c in res.checks if not c.ok]
         if bad:
             discrete = all(c.metric.startswith(("index_set", "route", "exact")) for c in bad)
-            res.fail("discrete" if discrete else "numeric", "; ".join(_describe_check(c, tol.k, floor) for c in bad))
+            res.fail("discrete" if discrete else "numeric", "; ".join(compare.describe_check(c, tol.k, floor) for c in bad))
     except Mismatch as e:
         res.fail(e.kind, str(e))
     except Exception as e:  # a failure of the fp64/reference evaluation on a legal case: suite bug
@@ -460,33 +440,6 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
     finally:
         res.seconds = time.perf_counter() - t0
     return res
-
-
-def _eval64(spec: OpSpec, kw: dict):
-    """The fp64 evaluation, on the inputs' device; on the CPU if that device has no float64."""
-    try:
-        return spec.reference(**{k: compare.upcast(v) for k, v in kw.items()})
-    except Exception:
-        if _device_of(kw).startswith("cpu"):
-            raise
-        cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        return spec.reference(**{k: compare.upcast(v) for k, v in cpu.items()})
-
-
-def _describe_check(c: Check, k: float, floor: float) -> str:
-    if c.metric.startswith(("index_set", "route", "exact")):
-        return f"{c.what}: {c.detail or c.metric}"
-    return (f"{c.what}: {c.metric} error {c.err:.3g} > bound {c.bound:.3g} "
-            f"(k {k:g} x reference error {c.err_ref:.3g} + floor {floor:g} + output rounding; "
-            f"{c.ratio:.3g}x the bound)"
-            + (f" [{c.detail}]" if c.detail else ""))
-
-
-def _device_of(kw: dict) -> str:
-    for v in kw.values():
-        if isinstance(v, torch.Tensor):
-            return str(v.device)
-    return "cpu"
 
 
 # ---------------------------------------------------------------------------------------------

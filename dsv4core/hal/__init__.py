@@ -15,6 +15,7 @@ from .discovery import ENTRY_POINT_GROUP, PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError, OpInputError, RegistrationError
 from .hookspecs import hookimpl
 from .spec import Case, OpSpec, Tolerance, catalogue
+from .verify import VerifyError
 
 
 def call(op_name: str, *args, **kwargs):
@@ -37,4 +38,5 @@ __all__ = [
     "HAL_API_VERSION", "Backend", "Impl", "POLICIES", "OpBinding", "OpTable", "bind", "parse_ops_override",
     "ENTRY_POINT_GROUP", "PluginStatus", "discover", "BackendNotFoundError", "FallbackError", "HALError",
     "OpInputError", "RegistrationError", "hookimpl", "Case", "OpSpec", "Tolerance", "catalogue", "call", "reset",
+    "VerifyError",
 ]

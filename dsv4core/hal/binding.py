@@ -12,10 +12,13 @@ implements the op serves it; the others that were skipped are recorded with thei
 serving implementation has a ``supports`` predicate, the bound callable checks it and hands
 unsupported calls down the chain (one warning per op under ``warn``; an error under ``strict``).
 The result is an :class:`OpTable`: attribute access + call, no registry lookups on the hot path.
+With the verify mode on (``verify=`` / ``DSV4CORE_VERIFY``, :mod:`dsv4core.hal.verify`) each
+callable also re-checks a fraction of its calls against the reference; off, nothing is added.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -28,6 +31,8 @@ from .backend import Impl
 from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
+from .verify import VerifyStats, parse_fraction, parse_strict
+from .verify import wrap as verify_wrap
 
 log = logging.getLogger("dsv4core.hal")
 POLICIES = ("strict", "warn", "allow")
@@ -45,15 +50,19 @@ class OpBinding:
     call: Callable = field(repr=False)
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
     impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
+    verify: VerifyStats | None = None   # verify-mode counts (None: verify mode off)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend != self.candidates[0]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
-                "candidates": list(self.candidates), "declined": dict(self.declined),
-                "runtime_fallbacks": self.runtime_fallbacks}
+        d = {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
+             "candidates": list(self.candidates), "declined": dict(self.declined),
+             "runtime_fallbacks": self.runtime_fallbacks}
+        if self.verify is not None:
+            d["verify"] = self.verify.as_dict()
+        return d
 
 
 class OpTable:
@@ -96,8 +105,19 @@ class OpTable:
             return False
 
     def report(self) -> list[dict[str, Any]]:
-        """The binding table: per op, the serving backend, the candidates and declined reasons."""
+        """The binding table: per op, the serving backend, the candidates and declined reasons
+        (and the verify-mode counts when it is on)."""
         return [b.as_dict() for b in self.bindings.values()]
+
+    def verify_summary(self) -> dict[str, Any] | None:
+        """Verify-mode totals and the ops that diverged (None when the verify mode is off)."""
+        stats = {n: b.verify for n, b in self.bindings.items() if b.verify is not None}
+        if not stats:
+            return None
+        return {"fraction": next(iter(stats.values())).fraction,
+                "calls": sum(v.calls for v in stats.values()), "checked": sum(v.checked for v in stats.values()),
+                "divergences": sum(v.divergences for v in stats.values()),
+                "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences}}
 
     def __repr__(self) -> str:
         served = {}
@@ -155,7 +175,8 @@ def _usable(name: str, statuses: dict[str, PluginStatus], device_type: str, why:
 
 
 def bind(device: str | torch.device = "cpu", backend: str | None = None, policy: str | None = None,
-         ops: dict[str, str] | str | None = None, check: bool | None = None) -> OpTable:
+         ops: dict[str, str] | str | None = None, check: bool | None = None,
+         verify: float | str | None = None, verify_strict: bool | None = None) -> OpTable:
     """Resolve every op for ``device`` and return the frozen :class:`OpTable`.
 
     backend: a backend name or ``"auto"``; default: env ``DSV4CORE_BACKEND``, else ``"auto"``.
@@ -163,6 +184,10 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
              or ``allow``; default: env ``DSV4CORE_FALLBACK``, else ``"warn"``.
     ops:     per-op (or per-family) backend overrides; default: env ``DSV4CORE_OPS``.
     check:   validate inputs on every call (default: on under ``strict`` or env ``DSV4CORE_CHECK=1``).
+    verify:  fraction of op calls re-run on the reference and compared (0 = off, the default; env
+             ``DSV4CORE_VERIFY``); ``verify_strict`` (env ``DSV4CORE_VERIFY_STRICT=1``) raises
+             VerifyError at the first divergence. See :mod:`dsv4core.hal.verify`. A table with
+             the verify mode on is built afresh (its counts are its own), never cached.
     """
     device_type = torch.device(device).type
     backend = backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
@@ -174,7 +199,24 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
     overrides = parse_ops_override(ops)
     if check is None:
         check = policy == "strict" or os.environ.get("DSV4CORE_CHECK", "") not in ("", "0")
-    return _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
+    fraction = parse_fraction(os.environ.get("DSV4CORE_VERIFY") if verify is None else verify,
+                              "DSV4CORE_VERIFY" if verify is None else "verify")
+    strict = parse_strict(verify_strict)
+    table = _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
+    if fraction == 0:
+        return table
+    return _with_verify(table, fraction, strict)
+
+
+def _with_verify(table: OpTable, fraction: float, strict: bool) -> OpTable:
+    specs = catalogue()
+    bindings = {}
+    for name, b in table.bindings.items():
+        stats = VerifyStats(fraction)
+        nb = dataclasses.replace(b, verify=stats)
+        nb.call = verify_wrap(specs[name], b.call, stats, strict, b.backend)
+        bindings[name] = nb
+    return OpTable(table.device_type, table.policy, bindings)
 
 
 def auto_order(statuses: dict[str, PluginStatus], device_type: str) -> list[str]:
