@@ -166,3 +166,43 @@ def test_cli_structural_failure_shows_its_reason_not_a_ratio(monkeypatch, capsys
     main(["--backend", "x", "--no-model", "-q", "--ops", "rms_norm", "--dtype", "float32"])
     row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rms_norm")][0]
     assert row.rstrip().endswith(f"failed: {kind}"), row
+
+
+# ---------------------------------------------------------------------------------------------
+# dsv4core conformance merge: the compatibility matrix
+# ---------------------------------------------------------------------------------------------
+
+def test_merge_renders_the_matrix_from_two_real_reports(tmp_path, capsys):
+    a, b = tmp_path / "ref.json", tmp_path / "example.json"
+    assert main(["--backend", "reference", "--ops", "rms_norm,hc_post", "--dtype", "float32", "--no-model", "-q",
+                 "--json", str(a)]) == 0
+    assert main(["--backend", "example", "--ops", "rms_norm,hc_post,hc_pre", "--dtype", "float32", "--no-model",
+                 "-q", "--json", str(b)]) in (0, 1)
+    md, page, svg = tmp_path / "m.md", tmp_path / "m.html", tmp_path / "m.svg"
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "--markdown", str(md), "--html", str(page), "--svg", str(svg)]) == 0
+    text = md.read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in text.splitlines()
+            if ln.startswith("| ") and ln.count("|") == 4}
+    ex = json.loads(b.read_text())["summary"]
+    assert rows["rms_norm"][0].startswith("passed") and rows["hc_pre"][0] == "not run"
+    assert rows["hc_pre"][1] == ex["hc_pre"]["status"] and rows["*device*"] == ["cpu", "cpu"]
+    assert "`reference`" in text and "`example`" in text
+    assert "<table>" in page.read_text() and "<svg" in page.read_text()
+    assert svg.read_text().startswith("<svg") and "rms_norm" in svg.read_text()
+
+
+def test_merge_rejects_what_is_not_a_report_naming_the_file(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    assert main(["--backend", "reference", "--ops", "rms_norm", "--dtype", "float32", "--no-model", "-q",
+                 "--json", str(good)]) == 0
+    old = json.loads(good.read_text())
+    old["schema_version"] = 1
+    cases = {"junk.json": "not json", "other.json": json.dumps({"a": 1}), "old.json": json.dumps(old)}
+    for name, content in cases.items():
+        (tmp_path / name).write_text(content)
+        capsys.readouterr()
+        assert main(["merge", str(good), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and ("schema version 1" in err if name == "old.json" else "report" in err), err
+    assert main(["merge"]) == 2 and "at least one" in capsys.readouterr().err

@@ -20,7 +20,13 @@ def add_parser(subparsers) -> None:
                     "and greedy tokens with the reference backend. Exit 0 all implemented ops pass, 1 a case "
                     "fails (or --require-all and the run is incomplete), 2 the backend cannot be loaded or the "
                     "arguments are wrong, 3 nothing was verified (no case passed).")
-    p.add_argument("--backend", required=True, help="backend name (see `dsv4core backends`)")
+    p.add_argument("action", nargs="?", choices=["merge"],
+                   help="merge: combine JSON reports into a compatibility matrix (dsv4core conformance merge "
+                        "A.json B.json --markdown matrix.md --html matrix.html --svg heatmap.svg)")
+    p.add_argument("reports", nargs="*", metavar="REPORT.json", help="(merge) conformance JSON reports")
+    p.add_argument("--backend", help="backend name (see `dsv4core backends`); required unless merging")
+    p.add_argument("--html", metavar="FILE", help="(merge) write the matrix as a self-contained HTML page")
+    p.add_argument("--svg", metavar="FILE", help="(merge) write the err/bound heat map as an SVG image")
     p.add_argument("--ops", default=None, help="comma-separated op or family names (default: all ops)")
     p.add_argument("--shapes", default="small",
                    help="shape set(s): small (CPU-sized), flash, pro (DSV4-Flash / DSV4-Pro dims), all; comma-separated")
@@ -30,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="case seed; the same seed gives the same inputs (default 0)")
     p.add_argument("--json", metavar="FILE", help="write the full JSON report")
     p.add_argument("--junit", metavar="FILE", help="write JUnit XML (one testcase per op x case)")
-    p.add_argument("--markdown", metavar="FILE", help="write a Markdown summary")
+    p.add_argument("--markdown", metavar="FILE", help="write a Markdown summary (merge: the matrix)")
     p.add_argument("--model", default="tiny", metavar="PATH|tiny",
                    help="model for the model-level check: 'tiny' (built in, default) or a checkpoint directory")
     p.add_argument("--no-model", action="store_true", help="skip the model-level check")
@@ -58,6 +64,17 @@ def run(args) -> int:
         print(f"dsv4core conformance: error: {msg}", file=sys.stderr)
         return 2
 
+    if args.action == "merge":
+        try:
+            return _merge(args)
+        except ConformanceError as e:
+            return err(str(e))
+    if args.reports:
+        return err(f"unexpected arguments {' '.join(args.reports)} (only `merge` takes report files)")
+    if not args.backend:
+        return err("--backend NAME is required (or `dsv4core conformance merge REPORT.json...`)")
+    if args.html or args.svg:
+        return err("--html / --svg apply to `merge` only")
     try:
         parse_ops(args.ops)
         parse_shapes(args.shapes)
@@ -98,6 +115,22 @@ def run(args) -> int:
         if path:
             writer(report, path)
     return report.exit_code(require_all=args.require_all)
+
+
+def _merge(args) -> int:
+    from dsv4core.conformance import matrix
+
+    cols = matrix.load_reports(args.reports)
+    md = matrix.markdown(cols)
+    outputs = ((args.markdown, md), (args.html, args.html and matrix.html_page(cols)),
+               (args.svg, args.svg and matrix.svg_heatmap(cols)))
+    for path, text in outputs:
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
+    if not any(path for path, _ in outputs):
+        sys.stdout.write(md)
+    return 0
 
 
 def main(argv=None) -> int:
