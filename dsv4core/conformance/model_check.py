@@ -222,6 +222,16 @@ def check_model(backend: Backend, model: str = "tiny", dtypes=("float32", "bfloa
     except Exception as e:
         return {"status": "unavailable", "reason": f"model check unavailable: the model core cannot be imported "
                                                     f"({type(e).__name__}: {e})"}
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)     # tiny tensors: intra-op threads only add overhead (and stall a shared CPU)
+    try:
+        return _check(backend, model, dtypes, device, seed, steps, fp8)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(backend, model, dtypes, device, seed, steps, fp8) -> dict[str, Any]:
     counter = _Counter()
     table = backend_table(backend, device, counter)
     plan = [d for d in dtypes if d in ("float32", "bfloat16")]

@@ -408,9 +408,12 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
                 reason = ""
                 if impl.why_not is not None:
                     try:
-                        reason = str(impl.why_not(**kw))
+                        reason = impl.why_not(**kw)
                     except Exception as e:
                         reason = f"why_not() raised {_exc(e)}"
+                    if not isinstance(reason, str):
+                        return res.fail("supports", f"why_not() must return a str (the reason), returned "
+                                                    f"{type(reason).__name__} {reason!r}")
                 res.status, res.message = DECLINED, reason or "supports() returned False"
                 return res
         # 3. fp64 evaluation and the reference in the case dtype

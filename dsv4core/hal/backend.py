@@ -55,7 +55,10 @@ class Backend:
 
         ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
         kinds, and the op's defaults where it has them); a mismatch raises RegistrationError naming
-        the op and the parameter.
+        the op and the parameter. ``supports(...) -> bool`` (a plain bool) says whether this
+        implementation takes the call (declined calls go to the next backend);
+        ``why_not(...) -> str`` gives the reason for a decline (called only after ``supports``
+        said no; shown in warnings and conformance reports).
         """
 
         def wrap(fn: Callable) -> Callable:
