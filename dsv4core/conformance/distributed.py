@@ -31,7 +31,7 @@ import tempfile
 import time
 import traceback
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch

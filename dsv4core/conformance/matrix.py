@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +154,3 @@ def html_page(cols: list[Column]) -> str:
             "<h1>dsv4core compatibility matrix</h1>\n<p>Each cell: the op's status and its worst err/bound over "
             "all cases (&le; 1 passes).</p>\n<table>\n" + "\n".join(rows) + "\n</table>\n" + svg_heatmap(cols) +
             "</body></html>\n")
-
-
-def ratio_or_nan(cell) -> float:
-    return math.nan if cell is None or cell[1] is None else float(cell[1])
