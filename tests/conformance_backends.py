@@ -317,20 +317,71 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale)
 
 
+def _gather_padded(x, dim, group, sizes):
+    """Every rank's ``x`` (extents ``sizes`` along ``dim``; None = equal), through one broadcast per
+    source rank (not torch's all_gather: another transport pattern)."""
+    import torch.distributed as dist
+
+    from dsv4core.hal.ops.collectives import rank_in, world_size
+
+    ws, me = world_size(group), rank_in(group)
+    sizes = sizes if sizes is not None else [x.shape[dim]] * ws
+    pad = list(x.shape)
+    pad[dim] = max(sizes) if sizes else 0
+    parts = []
+    for src in range(ws):
+        buf = x.new_zeros(pad)
+        if src == me:
+            buf.narrow(dim, 0, x.shape[dim]).copy_(x)
+        dist.broadcast(buf, dist.get_global_rank(group, src) if group is not None else src, group=group)
+        parts.append(buf.narrow(dim, 0, sizes[src]))
+    return parts
+
+
 def all_reduce(x, group=None):
-    return x.clone()
+    from dsv4core.hal.ops.collectives import world_size
+
+    if world_size(group) == 1:
+        return x.clone()
+    parts = _gather_padded(x, 0, group, None)
+    acc = parts[0].to(torch.float32)
+    for p in parts[1:]:                         # fp32 sum in rank order, one rounding to x.dtype
+        acc = acc + p.to(torch.float32)
+    return acc.to(x.dtype)
 
 
-def all_gather(x, dim=0, group=None):
-    return torch.cat([x], dim=dim)
+def all_gather(x, dim=0, group=None, sizes=None):
+    from dsv4core.hal.ops.collectives import world_size
+
+    if world_size(group) == 1:
+        return torch.cat([x], dim=dim)
+    return torch.cat(_gather_padded(x, dim, group, sizes), dim=dim)
 
 
-def reduce_scatter(x, dim=0, group=None):
-    return x.clone()
+def reduce_scatter(x, dim=0, group=None, sizes=None):
+    from dsv4core.hal.ops.collectives import rank_in, world_size
+
+    ws = world_size(group)
+    if ws == 1:
+        return x.clone()
+    sizes = sizes if sizes is not None else [x.shape[dim] // ws] * ws
+    me = rank_in(group)
+    return all_reduce(x, group).narrow(dim, sum(sizes[:me]), sizes[me]).contiguous()
 
 
 def all_to_all(x, output_split_sizes=None, input_split_sizes=None, group=None):
-    return x.clone()
+    from dsv4core.hal.ops.collectives import rank_in, world_size
+
+    ws = world_size(group)
+    if ws == 1:
+        return x.clone()
+    me = rank_in(group)
+    ins = input_split_sizes if input_split_sizes is not None else [x.shape[0] // ws] * ws
+    all_ins = _gather_padded(torch.tensor(ins, dtype=torch.int64), 0, group, None)
+    rows = [int(t.sum()) for t in all_ins]
+    everyone = _gather_padded(x, 0, group, rows)
+    out = [everyone[s].narrow(0, int(all_ins[s][:me].sum()), int(all_ins[s][me])) for s in range(ws)]
+    return torch.cat(out, 0)
 
 
 ALT_IMPLS = {name: globals()[name] for name in catalogue()}
@@ -395,6 +446,20 @@ def attention_sink_scaled(q, kv, indices, sink, scale):
     return _attention(q, kv, indices, sink * scale, scale)
 
 
+def attention_scale_ignored(q, kv, indices, sink, scale):
+    """Hard-codes the model's softmax scale d^-0.5 (found by an outside test: every case used to pass
+    exactly that value)."""
+    return _attention(q, kv, indices, sink, q.shape[-1] ** -0.5)
+
+
+def linear_fp8_scale_per_row(x, weight, weight_scale=None, out_dtype=None):
+    """Applies each row of blocks' FIRST scale to the whole row (found by an outside test: every
+    linear case used to have one scale value for all blocks)."""
+    if weight_scale is not None:
+        weight_scale = weight_scale[:, :1].expand_as(weight_scale)
+    return linear(x, weight, weight_scale, out_dtype)
+
+
 def compress_pool_ape_halves_swapped(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     """CSA: the A slots get ape's B half and the B slots its A half."""
     if overlap:
@@ -456,6 +521,42 @@ def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w1
 
 
 #: name -> (broken op, implementation)
+def all_reduce_ignores_group(x, group=None):
+    """Sums over the whole world whatever group it is given."""
+    return all_reduce(x, None)
+
+
+def all_gather_wrong_order(x, dim=0, group=None, sizes=None):
+    """Concatenates the ranks in reverse order."""
+    from dsv4core.hal.ops.collectives import world_size
+
+    if world_size(group) == 1:
+        return torch.cat([x], dim=dim)
+    return torch.cat(_gather_padded(x, dim, group, sizes)[::-1], dim=dim)
+
+
+def reduce_scatter_equal_chunks(x, dim=0, group=None, sizes=None):
+    """Ignores ``sizes`` whenever the extent divides by the world size (keeps the equal chunk)."""
+    from dsv4core.hal.ops.collectives import world_size
+
+    if sizes is not None and x.shape[dim] % world_size(group) == 0:
+        sizes = None
+    return reduce_scatter(x, dim, group, sizes)
+
+
+#: Broken collectives: caught only over real process groups (tests/test_conformance_distributed.py).
+DIST_BROKEN = {
+    "all-reduce-ignores-group": ("all_reduce", all_reduce_ignores_group),
+    "all-gather-wrong-order": ("all_gather", all_gather_wrong_order),
+    "reduce-scatter-equal-chunks": ("reduce_scatter", reduce_scatter_equal_chunks),
+}
+
+
+def make_dist_broken_backend(kind: str) -> Backend:
+    op, fn = DIST_BROKEN[kind]
+    return make_backend(f"broken-{kind}", dict(ALT_IMPLS, **{op: fn}))
+
+
 BROKEN = {
     "sinkhorn-one-short": ("hc_pre", hc_pre_sinkhorn_short),
     "hc-pre-bf16-accumulation": ("hc_pre", hc_pre_bf16_accum),
@@ -472,9 +573,21 @@ BROKEN = {
     "indexer-scores-rows-no-relu": ("indexer_scores_rows", indexer_scores_rows_no_relu),
     "cache-store-skips-to-row0": ("cache_store", cache_store_skips_to_row0),
     "fp4-high-nibble-first": ("moe_experts", moe_experts_fp4_high_nibble_first),
+    "attention-scale-ignored": ("sparse_mqa_attention", attention_scale_ignored),
+    "linear-fp8-scale-per-row": ("linear", linear_fp8_scale_per_row),
 }
 
 
 def make_broken_backend(kind: str) -> Backend:
     op, fn = BROKEN[kind]
     return make_backend(f"broken-{kind}", dict(ALT_IMPLS, **{op: fn}))
+
+
+# Factories for the spawned ranks of the distributed run ("conformance_backends:<name>").
+def dist_alt():
+    return make_alt_backend("alt")
+
+
+def dist_broken():
+    """Every DIST_BROKEN op at once (one spawn checks them all; all_to_all stays correct)."""
+    return make_backend("broken-collectives", dict(ALT_IMPLS, **dict(DIST_BROKEN.values())))

@@ -77,14 +77,14 @@ def test_cli_failing_backend_exit_1_and_junit_failures(tmp_path, monkeypatch, ca
 
 
 def test_model_check_alt_passes_and_broken_fails():
-    good = check_model(make_alt_backend(), "tiny", ("float32",), steps=8)
+    good = check_model(make_alt_backend(), "tiny", ("float32",), steps=8, fp8=False)
     if good["status"] == "unavailable":
         pytest.skip(good["reason"])
     assert good["status"] == PASSED, good
     run = good["runs"][0]
-    assert run["logits_max_rel"] <= run["logits_bound"] and run["greedy_agreement"] == 1.0
-    bad = check_model(make_broken_backend("rope-neox-pairs"), "tiny", ("float32",), steps=8)
-    assert bad["status"] == FAILED and bad["runs"][0]["logits_max_rel"] > bad["runs"][0]["logits_bound"]
+    assert run["logits_error"] <= run["logits_bound"] and run["greedy_agreement"] == 1.0
+    bad = check_model(make_broken_backend("rope-neox-pairs"), "tiny", ("float32",), steps=8, fp8=False)
+    assert bad["status"] == FAILED and bad["runs"][0]["logits_error"] > bad["runs"][0]["logits_bound"]
 
 
 def test_pytest_entry_one_item_per_case(tmp_path):
@@ -106,3 +106,103 @@ def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
            "dsv4core.conformance", "--dsv4core-backend", "no-such-backend", "-q", "-p", "no:cacheprovider"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "unknown backend" in p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit status and the result line agree (issue 13: a run that verified nothing was "PASSED")
+# ---------------------------------------------------------------------------------------------
+
+def _cli(monkeypatch, capsys, backend, argv):
+    from dsv4core.conformance import runner
+    import dsv4core.conformance as pkg
+
+    monkeypatch.setattr(runner, "load_backend", lambda name, device="cpu": backend)
+    monkeypatch.setattr(pkg, "load_backend", lambda name, device="cpu": backend)
+    rc = main(["--backend", "x", "--no-model", "-q", *argv])
+    out = capsys.readouterr().out
+    return rc, out.split("result: ", 1)[1].strip()
+
+
+def test_cli_nothing_verified_has_its_own_exit_code(monkeypatch, capsys):
+    """A backend whose only op declines every call verified nothing: exit 3, never 'PASSED'."""
+    from conformance_backends import ALT_IMPLS, make_backend
+
+    be = make_backend("declines", {"rms_norm": ALT_IMPLS["rms_norm"]},
+                      supports={"rms_norm": lambda x, weight, eps: False})
+    for extra in ([], ["--require-all"], ["--ops", "rms_norm"]):
+        rc, result = _cli(monkeypatch, capsys, be, ["--dtype", "float32", *extra])
+        assert rc == 3 and result.startswith("NOTHING VERIFIED") and "PASSED" not in result, (extra, result)
+
+
+def test_cli_require_all_partial_is_incomplete_not_passed(monkeypatch, capsys):
+    from conformance_backends import ALT_IMPLS, make_backend
+
+    be = make_backend("partial", {"rms_norm": ALT_IMPLS["rms_norm"]})
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm,hc_post", "--dtype", "float32"])
+    assert rc == 0 and result.startswith("PASSED for the implemented ops") and "hc_post" in result
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm,hc_post", "--dtype", "float32", "--require-all"])
+    assert rc == 1 and result.startswith("INCOMPLETE") and "PASSED" not in result and "hc_post" in result
+    # --ops X --require-all: complete for the selected op only, and it says so
+    rc, result = _cli(monkeypatch, capsys, be, ["--ops", "rms_norm", "--dtype", "float32", "--require-all"])
+    assert rc == 0 and "complete for the 1 selected op(s)" in result and "every op" not in result
+
+
+@pytest.mark.parametrize("kind,fn", [
+    ("modified input", lambda x, weight, eps: x.mul_(1.0 + 2 ** -10)),
+    ("dtype", lambda x, weight, eps: x.double()),
+])
+def test_cli_structural_failure_shows_its_reason_not_a_ratio(monkeypatch, capsys, kind, fn, tmp_path):
+    from conformance_backends import make_backend
+
+    j = tmp_path / "r.json"
+    rc, result = _cli(monkeypatch, capsys, make_backend("s", {"rms_norm": fn}),
+                      ["--ops", "rms_norm", "--dtype", "float32", "--json", str(j)])
+    assert rc == 1 and result.startswith("FAILED")
+    data = json.loads(j.read_text())
+    op = data["ops"][0]
+    assert op["status"] == FAILED and op["failure_kinds"] == [kind]
+    failed = [c for c in op["cases"] if c["status"] == FAILED]
+    assert failed and all(c["failure"] == kind and c["worst_ratio"] is None for c in failed)
+    main(["--backend", "x", "--no-model", "-q", "--ops", "rms_norm", "--dtype", "float32"])
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rms_norm")][0]
+    assert row.rstrip().endswith(f"failed: {kind}"), row
+
+
+# ---------------------------------------------------------------------------------------------
+# dsv4core conformance merge: the compatibility matrix
+# ---------------------------------------------------------------------------------------------
+
+def test_merge_renders_the_matrix_from_two_real_reports(tmp_path, capsys):
+    a, b = tmp_path / "ref.json", tmp_path / "example.json"
+    assert main(["--backend", "reference", "--ops", "rms_norm,hc_post", "--dtype", "float32", "--no-model", "-q",
+                 "--json", str(a)]) == 0
+    assert main(["--backend", "example", "--ops", "rms_norm,hc_post,hc_pre", "--dtype", "float32", "--no-model",
+                 "-q", "--json", str(b)]) in (0, 1)
+    md, page, svg = tmp_path / "m.md", tmp_path / "m.html", tmp_path / "m.svg"
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "--markdown", str(md), "--html", str(page), "--svg", str(svg)]) == 0
+    text = md.read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in text.splitlines()
+            if ln.startswith("| ") and ln.count("|") == 4}
+    ex = json.loads(b.read_text())["summary"]
+    assert rows["rms_norm"][0].startswith("passed") and rows["hc_pre"][0] == "not run"
+    assert rows["hc_pre"][1] == ex["hc_pre"]["status"] and rows["*device*"] == ["cpu", "cpu"]
+    assert "`reference`" in text and "`example`" in text
+    assert "<table>" in page.read_text() and "<svg" in page.read_text()
+    assert svg.read_text().startswith("<svg") and "rms_norm" in svg.read_text()
+
+
+def test_merge_rejects_what_is_not_a_report_naming_the_file(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    assert main(["--backend", "reference", "--ops", "rms_norm", "--dtype", "float32", "--no-model", "-q",
+                 "--json", str(good)]) == 0
+    old = json.loads(good.read_text())
+    old["schema_version"] = 1
+    cases = {"junk.json": "not json", "other.json": json.dumps({"a": 1}), "old.json": json.dumps(old)}
+    for name, content in cases.items():
+        (tmp_path / name).write_text(content)
+        capsys.readouterr()
+        assert main(["merge", str(good), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and ("schema version 1" in err if name == "old.json" else "report" in err), err
+    assert main(["merge"]) == 2 and "at least one" in capsys.readouterr().err

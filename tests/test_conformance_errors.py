@@ -193,3 +193,12 @@ def test_an_op_with_no_applicable_case_is_not_reported_as_passed():
     status = {o.op: o.status for o in report.ops}
     assert status == {"moe_route": NO_CASES, "rms_norm": "passed"}
     assert report.exit_code() == 0 and report.exit_code(require_all=True) == 1
+
+
+def test_why_not_must_return_a_string():
+    from dsv4core.hal import Backend
+
+    b = Backend(name="t", device_types=("cpu",))
+    b.add("rms_norm", ALT_IMPLS["rms_norm"], supports=lambda x, weight, eps: False, why_not=lambda x, weight, eps: 3)
+    report = run(b, ops="rms_norm", dtypes="float32")
+    assert report.failed and all("why_not() must return a str" in c.message for c in report.failures())

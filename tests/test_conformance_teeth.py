@@ -18,7 +18,9 @@ def _statuses(report):
 def test_reference_passes_everything():
     report = run("reference", shapes="small", dtypes="float32,bfloat16")
     assert not report.failed, [f"{c.id}: {c.message}" for c in report.failures()]
-    assert report.complete and report.exit_code() == 0
+    assert report.exit_code() == 0
+    # complete but for the collectives, which need spawned ranks (test_conformance_distributed.py)
+    assert [g for g in report.gaps() if "one process only" not in g] == []
     assert set(_statuses(report)) == set(catalogue())
     # the bound is never tight for the reference itself: err_ref / (k err_ref + floor) < 1
     assert all(o.worst_ratio is None or o.worst_ratio < 1 for o in report.ops)
@@ -29,7 +31,7 @@ def test_differently_computed_legal_backend_passes_everything():
     experts: legal differences in rounding must never fail."""
     report = run(make_alt_backend(), shapes="small", dtypes="float32,bfloat16")
     assert not report.failed, [f"{c.id}: {c.message}" for c in report.failures()]
-    assert report.complete
+    assert [g for g in report.gaps() if "one process only" not in g] == []
 
 
 @pytest.mark.parametrize("kind", sorted(BROKEN))

@@ -279,3 +279,49 @@ def test_generated_op_reference_is_up_to_date():
 
     page = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
     assert page.read_text() == render(), "docs/ops.md is stale: run `python -m dsv4core.hal.docs > docs/ops.md`"
+
+
+def _fake_plugins(monkeypatch, backends):
+    """Install in-process backends as if they came from entry points (one module per backend)."""
+    import types
+
+    from importlib import metadata
+
+    from dsv4core.hal import discovery, hookimpl
+    from dsv4core.hal.ops.norms import rms_norm as spec
+
+    eps = []
+    for b in backends:
+        b.add("rms_norm", lambda x, weight, eps: spec.reference(x, weight, eps))
+        mod = types.ModuleType(f"_dsv4core_test_plugin_{b.name.replace('-', '_')}")
+
+        @hookimpl
+        def dsv4core_register_backends(register, _b=b):
+            register(_b)
+
+        mod.dsv4core_register_backends = dsv4core_register_backends
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        eps.append(metadata.EntryPoint(name=b.name, value=mod.__name__, group=discovery.ENTRY_POINT_GROUP))
+    real = metadata.entry_points(group=discovery.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(discovery.metadata, "entry_points", lambda group: [*eps, *real])
+    reset()
+
+
+def test_negative_priority_is_never_chosen_by_auto_only_by_name(monkeypatch):
+    _fake_plugins(monkeypatch, [Backend(name="opt-in", priority=-100), Backend(name="opt-in-1", priority=-1)])
+    auto = bind("cpu", policy="allow")
+    assert auto.bindings["rms_norm"].backend == "example"          # priority 10 wins
+    assert not {"opt-in", "opt-in-1"} & set(auto.bindings["rms_norm"].candidates)
+    assert bind("cpu", backend="opt-in", policy="allow").bindings["rms_norm"].backend == "opt-in"
+    assert bind("cpu", policy="allow", ops="rms_norm=opt-in-1").bindings["rms_norm"].backend == "opt-in-1"
+    monkeypatch.setenv("DSV4CORE_BACKEND", "opt-in")
+    assert bind("cpu", policy="allow").bindings["rms_norm"].backend == "opt-in"
+
+
+def test_equal_priorities_are_ordered_by_name_not_by_installation(monkeypatch):
+    _fake_plugins(monkeypatch, [Backend(name="tie-zeta", priority=30), Backend(name="tie-alpha", priority=30)])
+    b = bind("cpu", policy="allow").bindings["rms_norm"]
+    assert b.backend == "tie-alpha" and b.candidates[:3] == ("tie-alpha", "tie-zeta", "example")
+    monkeypatch.undo()
+    _fake_plugins(monkeypatch, [Backend(name="tie-alpha", priority=30), Backend(name="tie-zeta", priority=30)])
+    assert bind("cpu", policy="allow").bindings["rms_norm"].candidates[:2] == ("tie-alpha", "tie-zeta")

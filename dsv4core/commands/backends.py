@@ -20,8 +20,11 @@ def run(args) -> int:
     if args.json:
         print_json([s.as_dict() for s in statuses])
         return 0
-    rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-", s.priority,
+    rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-",
+             f"{s.priority} (by name only)" if s.priority < 0 else s.priority,
              "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0, s.source)
             for s in statuses]
     print_table(("backend", "version", "devices", "priority", "available", "ops", "source"), rows)
+    print("\n'auto' picks, per op, the available backend serving the device with the highest priority "
+          "(ties: by name); a negative priority is used only when named.")
     return 0

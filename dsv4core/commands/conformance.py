@@ -1,8 +1,10 @@
 """``dsv4core conformance``: prove (or refute) a backend's numerical parity with the HAL spec.
 
 Exit codes: 0 every implemented op (and the model check) passes; 1 any case fails (or, with
-``--require-all``, an op is not implemented or a case was declined); 2 the backend cannot be
-loaded or the arguments are wrong. See docs/conformance.md.
+``--require-all``, a selected op is not implemented, a case was declined, or the model check
+handed a call to the reference); 2 the backend cannot be loaded or the arguments are wrong; 3
+nothing was verified (every selected op not implemented or every case declined: not a pass).
+See docs/conformance.md.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ def add_parser(subparsers) -> None:
         description="Run every HAL op's conformance cases on a backend (strict: no fallback to the reference) "
                     "and compare against an fp64 evaluation of the spec; then compare the tiny model's logits "
                     "and greedy tokens with the reference backend. Exit 0 all implemented ops pass, 1 a case "
-                    "fails, 2 the backend cannot be loaded or the arguments are wrong.")
-    p.add_argument("--backend", required=True, help="backend name (see `dsv4core backends`)")
+                    "fails (or --require-all and the run is incomplete), 2 the backend cannot be loaded or the "
+                    "arguments are wrong, 3 nothing was verified (no case passed).")
+    p.add_argument("action", nargs="?", choices=["merge"],
+                   help="merge: combine JSON reports into a compatibility matrix (dsv4core conformance merge "
+                        "A.json B.json --markdown matrix.md --html matrix.html --svg heatmap.svg)")
+    p.add_argument("reports", nargs="*", metavar="REPORT.json", help="(merge) conformance JSON reports")
+    p.add_argument("--backend", help="backend name (see `dsv4core backends`); required unless merging")
+    p.add_argument("--html", metavar="FILE", help="(merge) write the matrix as a self-contained HTML page")
+    p.add_argument("--svg", metavar="FILE", help="(merge) write the err/bound heat map as an SVG image")
     p.add_argument("--ops", default=None, help="comma-separated op or family names (default: all ops)")
     p.add_argument("--shapes", default="small",
                    help="shape set(s): small (CPU-sized), flash, pro (DSV4-Flash / DSV4-Pro dims), all; comma-separated")
@@ -27,12 +36,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="case seed; the same seed gives the same inputs (default 0)")
     p.add_argument("--json", metavar="FILE", help="write the full JSON report")
     p.add_argument("--junit", metavar="FILE", help="write JUnit XML (one testcase per op x case)")
-    p.add_argument("--markdown", metavar="FILE", help="write a Markdown summary")
+    p.add_argument("--markdown", metavar="FILE", help="write a Markdown summary (merge: the matrix)")
     p.add_argument("--model", default="tiny", metavar="PATH|tiny",
                    help="model for the model-level check: 'tiny' (built in, default) or a checkpoint directory")
     p.add_argument("--no-model", action="store_true", help="skip the model-level check")
     p.add_argument("--require-all", action="store_true",
-                   help="also exit 1 when an op is not implemented or a case is declined (a full-conformance claim)")
+                   help="a full-conformance claim: also exit 1 when a selected op is not implemented, a case is "
+                        "declined, or the model check hands a call to the reference")
+    p.add_argument("--world-sizes", default="2,4", metavar="N,N",
+                   help="check the collectives over this many spawned ranks each (default 2,4; 'none' = one "
+                        "process only, listed as a gap)")
+    p.add_argument("--dist-backend", default="gloo",
+                   help="torch.distributed backend of the spawned ranks (default gloo; e.g. nccl with "
+                        "--dist-device cuda to check the backend's own transport on its device)")
+    p.add_argument("--dist-device", default="cpu", help="device of the collectives' inputs in the spawned ranks "
+                                                        "(default cpu)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
     p.set_defaults(func=run)
 
@@ -46,6 +64,17 @@ def run(args) -> int:
         print(f"dsv4core conformance: error: {msg}", file=sys.stderr)
         return 2
 
+    if args.action == "merge":
+        try:
+            return _merge(args)
+        except ConformanceError as e:
+            return err(str(e))
+    if args.reports:
+        return err(f"unexpected arguments {' '.join(args.reports)} (only `merge` takes report files)")
+    if not args.backend:
+        return err("--backend NAME is required (or `dsv4core conformance merge REPORT.json...`)")
+    if args.html or args.svg:
+        return err("--html / --svg apply to `merge` only")
     try:
         parse_ops(args.ops)
         parse_shapes(args.shapes)
@@ -57,6 +86,7 @@ def run(args) -> int:
         except Exception as e:
             return err(f"device {args.device!r} is not usable: {e}")
         backend = load_backend(args.backend, args.device)
+        world_sizes = runner.parse_world_sizes(args.world_sizes)
     except ConformanceError as e:
         return err(str(e))
 
@@ -66,9 +96,11 @@ def run(args) -> int:
                  f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
     try:
         report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
-                            seed=args.seed, progress=progress)
+                            seed=args.seed, progress=progress, world_sizes=world_sizes,
+                            dist_backend=args.dist_backend, dist_device=args.dist_device, dist_ref=args.backend)
     except ConformanceError as e:
         return err(str(e))
+    report.require_all = args.require_all
     if not args.no_model:
         from dsv4core.conformance.model_check import check_model
 
@@ -83,6 +115,22 @@ def run(args) -> int:
         if path:
             writer(report, path)
     return report.exit_code(require_all=args.require_all)
+
+
+def _merge(args) -> int:
+    from dsv4core.conformance import matrix
+
+    cols = matrix.load_reports(args.reports)
+    md = matrix.markdown(cols)
+    outputs = ((args.markdown, md), (args.html, args.html and matrix.html_page(cols)),
+               (args.svg, args.svg and matrix.svg_heatmap(cols)))
+    for path, text in outputs:
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
+    if not any(path for path, _ in outputs):
+        sys.stdout.write(md)
+    return 0
 
 
 def main(argv=None) -> int:

@@ -95,4 +95,11 @@ def run(args) -> int:
         n = sum(len(o) for o in out)
         mib = model.cache.bytes_report()["total"] / 2**20
         print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)
+    summary = model.ops.verify_summary() if hasattr(model.ops, "verify_summary") else None
+    if summary is not None:
+        diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())
+        print(f"verify: {summary['checked']} of {summary['calls']} op calls checked against the reference "
+              f"(fraction {summary['fraction']:g}), {summary['divergences']} diverged"
+              + (f" ({diverged})" if diverged else "") + ("; DSV4CORE_VERIFY_STRICT=1 makes the first one an error"
+                                                           if summary["divergences"] else ""), file=sys.stderr)
     return 0

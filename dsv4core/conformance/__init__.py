@@ -11,7 +11,8 @@ Python::
 
 __all__ = ["run", "run_case", "iter_cases", "load_backend", "parse_ops", "parse_shapes", "parse_dtypes", "Report",
            "OpResult", "CaseResult", "ConformanceError", "SHAPE_SETS", "PASSED", "FAILED", "DECLINED",
-           "NOT_IMPLEMENTED"]
+           "NOT_IMPLEMENTED", "EXIT_PASSED", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NOTHING_VERIFIED",
+           "parse_world_sizes"]
 
 
 def __getattr__(name):

@@ -26,6 +26,10 @@ def pytest_addoption(parser):
     g.addoption("--dsv4core-seed", default=0, type=int, help="case seed (default: 0)")
     g.addoption("--dsv4core-model", default="tiny", help="model for the model-level check: tiny or a checkpoint dir")
     g.addoption("--dsv4core-no-model", action="store_true", help="skip the model-level check")
+    g.addoption("--dsv4core-world-sizes", default="2,4",
+                help="spawned ranks for the collectives (default 2,4; 'none' = one process only)")
+    g.addoption("--dsv4core-dist-backend", default="gloo", help="torch.distributed backend of those ranks")
+    g.addoption("--dsv4core-dist-device", default="cpu", help="device of the collectives' inputs there")
 
 
 def settings(config) -> dict:
@@ -41,4 +45,5 @@ def settings(config) -> dict:
                 ops=opt("dsv4core_ops", None), shapes=opt("dsv4core_shapes", "small"),
                 dtypes=opt("dsv4core_dtype", "float32,bfloat16"), device=opt("dsv4core_device", "cpu"),
                 seed=int(opt("dsv4core_seed", 0)), model=opt("dsv4core_model", "tiny"),
-                no_model=bool(opt("dsv4core_no_model", False)))
+                no_model=bool(opt("dsv4core_no_model", False)), world_sizes=opt("dsv4core_world_sizes", "2,4"),
+                dist_backend=opt("dsv4core_dist_backend", "gloo"), dist_device=opt("dsv4core_dist_device", "cpu"))

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import xml.etree.ElementTree as ET
 from typing import TextIO
 
+from dsv4core._table import print_table
+
 from .runner import DECLINED, FAILED, NOT_IMPLEMENTED, PASSED, Report
-
-
-def _ratio(r: float | None) -> str:
-    if r is None:
-        return "-"
-    return "inf" if not math.isfinite(r) else f"{r:.3g}"
 
 
 def table_rows(report: Report) -> list[tuple]:
@@ -22,7 +17,7 @@ def table_rows(report: Report) -> list[tuple]:
         if not o.implemented:
             rows.append((o.op, NOT_IMPLEMENTED, "-", "-", "-", "-"))
             continue
-        rows.append((o.op, o.status, o.count(PASSED), o.count(FAILED), o.count(DECLINED), _ratio(o.worst_ratio)))
+        rows.append((o.op, o.status, o.count(PASSED), o.count(FAILED), o.count(DECLINED), o.worst))
     return rows
 
 
@@ -31,8 +26,6 @@ HEADERS = ("op", "status", "passed", "failed", "declined", "worst err/bound")
 
 def write_table(report: Report, file: TextIO) -> None:
     """The final human table plus every failure (op, case, metric, measured value, bound)."""
-    from dsv4core.commands._util import print_table
-
     print(f"\nconformance of backend {report.backend!r} {report.backend_version} on {report.device} "
           f"(shapes {','.join(report.shapes)}; dtypes {','.join(report.dtypes)}; seed {report.seed}; "
           f"{report.seconds:.1f}s)", file=file)
@@ -52,10 +45,7 @@ def write_table(report: Report, file: TextIO) -> None:
             print(f"  {n} x {r}", file=file)
     if report.model is not None:
         print(f"\nmodel check: {format_model(report.model)}", file=file)
-    verdict = ("FAILED" if report.failed else
-               "PASSED (complete: every op implemented, nothing declined)" if report.complete else
-               "PASSED for the implemented ops (partial: see 'not implemented' / 'declined' / 'no cases')")
-    print(f"\nresult: {verdict}", file=file)
+    print(f"\nresult: {report.verdict()}", file=file)
 
 
 def format_model(m: dict) -> str:
@@ -63,9 +53,18 @@ def format_model(m: dict) -> str:
         return f"{m['status']}: {m.get('reason', '')}"
     parts = [m.get("status", "?")]
     for run in m.get("runs", []):
-        s = (f"{run['model']} {run['dtype']}: logits max_rel {run['logits_max_rel']:.3g}"
-             f" (bound {run['logits_bound']:.3g}), greedy agreement {run['greedy_agreement']:.0%} "
-             f"over {run['steps']} steps")
+        err, bound = run.get("logits_error"), run.get("logits_bound")
+        s = f"{run['model']} {run['dtype']}: logits error " + ("-" if err is None else f"{err:.3g}")
+        if bound is not None:
+            s += f" (bound {bound:.3g}" + (f" = {run['bound_k']:g} x the reference's own bf16 error"
+                                           if "bound_k" in run else "") + ")"
+        s += f", greedy agreement {run.get('greedy_agreement', 0):.0%}"
+        if "reference_greedy_agreement" in run:
+            s += f" (reference bf16 {run['reference_greedy_agreement']:.0%}; {run['prompts']} prompts)"
+        else:
+            s += f" over {run['steps']} steps"
+        if run.get("fallbacks"):
+            s += " [calls served by the reference: " + ", ".join(f"{k} {v}" for k, v in run["fallbacks"].items()) + "]"
         if run.get("message"):
             s += f" — {run['message']}"
         parts.append(s)
@@ -132,8 +131,7 @@ def write_junit(report: Report, path: str) -> None:
 def write_markdown(report: Report, path: str) -> None:
     lines = [f"# dsv4core conformance: `{report.backend}` {report.backend_version}", "",
              f"device `{report.device}`, shapes {', '.join(report.shapes)}, dtypes {', '.join(report.dtypes)}, "
-             f"seed {report.seed}, {report.seconds:.1f}s. Result: **{'FAILED' if report.failed else 'passed'}**"
-             f"{'' if report.complete else ' (partial)'}.", "",
+             f"seed {report.seed}, {report.seconds:.1f}s. Result: **{report.verdict()}**.", "",
              "| op | status | passed | failed | declined | worst err/bound | tolerance (k, floor, metric) |",
              "|---|---|---|---|---|---|---|"]
     for o, row in zip(report.ops, table_rows(report)):

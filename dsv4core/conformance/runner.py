@@ -17,6 +17,7 @@ Nothing here imports a backend's module other than through :func:`dsv4core.hal.d
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 import traceback
@@ -42,6 +43,18 @@ PASSED, FAILED, DECLINED, NOT_IMPLEMENTED = "passed", "failed", "declined", "not
 NO_CASES = "no cases"
 
 
+#: Exit codes of a run (``Report.exit_code``; the CLI's exit status).
+EXIT_PASSED, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_VERIFIED = 0, 1, 2, 3
+
+#: ``CaseResult.failure`` values: why a failed case failed. ``numeric`` failures have an
+#: err/bound ratio; the others have none (their ``message`` says what was wrong).
+FAILURE_KINDS = ("numeric", "discrete", "structure", "dtype", "shape", "device", "non-finite",
+                 "modified input", "raised", "supports", "harness")
+
+#: The JSON report's schema (docs/conformance.md, "JSON report"); ``merge`` refuses other versions.
+REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "dsv4core.conformance.report", 2
+
+
 class ConformanceError(Exception):
     """Bad arguments or a backend that cannot be loaded (exit code 2)."""
 
@@ -57,6 +70,7 @@ class CaseResult:
     checks: list[Check] = field(default_factory=list)
     message: str = ""
     seconds: float = 0.0
+    failure: str = ""           # one of FAILURE_KINDS when status is failed
 
     @property
     def id(self) -> str:
@@ -66,11 +80,16 @@ class CaseResult:
     def worst(self) -> Check | None:
         return max(self.checks, key=lambda c: c.ratio, default=None)
 
+    def fail(self, kind: str, message: str) -> "CaseResult":
+        self.status, self.failure, self.message = FAILED, kind, message
+        return self
+
     def as_dict(self) -> dict:
         w = self.worst
         return {"id": self.id, "op": self.op, "dtype": self.dtype, "shapes": self.shapes, "case": self.case,
-                "tags": list(self.tags), "status": self.status, "message": self.message,
-                "seconds": round(self.seconds, 4), "worst_ratio": None if w is None else compare._num(w.ratio),
+                "tags": list(self.tags), "status": self.status, "failure": self.failure or None,
+                "message": self.message, "seconds": round(self.seconds, 4),
+                "worst_ratio": None if w is None else compare._num(w.ratio),
                 "checks": [c.as_dict() for c in self.checks]}
 
 
@@ -101,12 +120,29 @@ class OpResult:
         ratios = [c.worst.ratio for c in self.cases if c.worst is not None]
         return max(ratios) if ratios else None
 
+    @property
+    def failure_kinds(self) -> list[str]:
+        """The kinds of this op's failures that carry no err/bound ratio (a wrong dtype, an
+        input modified in place, an exception...), in first-seen order."""
+        return list(dict.fromkeys(c.failure for c in self.cases
+                                  if c.status == FAILED and c.failure not in ("", "numeric")))
+
+    @property
+    def worst(self) -> str:
+        """What the report's 'worst err/bound' column shows: the ratio, or the reason of a failure
+        that has no ratio ('-' when nothing was measured)."""
+        kinds = self.failure_kinds
+        if kinds:
+            return "failed: " + ", ".join(kinds)
+        wr = self.worst_ratio
+        return "-" if wr is None else ("inf" if not math.isfinite(wr) else f"{wr:.3g}")
+
     def as_dict(self) -> dict:
         t = self.tolerance
         wr = self.worst_ratio
         return {"op": self.op, "status": self.status, "implemented": self.implemented,
                 "passed": self.count(PASSED), "failed": self.count(FAILED), "declined": self.count(DECLINED),
-                "worst_ratio": None if wr is None else compare._num(wr),
+                "worst_ratio": None if wr is None else compare._num(wr), "failure_kinds": self.failure_kinds,
                 "tolerance": {"k": t.k, "floor": t.floor, "floors": dict(t.floors),
                               "metric": t.metric, "why": t.why},
                 "cases": [c.as_dict() for c in self.cases]}
@@ -123,20 +159,80 @@ class Report:
     ops: list[OpResult] = field(default_factory=list)
     model: dict | None = None
     seconds: float = 0.0
+    #: ops of the catalogue this run selected (``--ops``); all of them by default
+    all_ops: bool = True
+    #: when the run started (UTC, ISO 8601)
+    date: str = ""
+    #: judge completeness (``--require-all``): an incomplete run fails
+    require_all: bool = False
+    #: world sizes the collectives were checked with over spawned ranks (() = not)
+    world_sizes: tuple[int, ...] = ()
+    #: implemented collectives checked in one process only (identities: a gap)
+    single_process_collectives: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
         return any(o.status == FAILED for o in self.ops) or bool(self.model and self.model.get("status") == FAILED)
 
     @property
-    def complete(self) -> bool:
-        """Every op implemented and checked, no case declined (a "full" run; a partial run earns nothing)."""
-        return all(o.implemented and o.cases and o.count(DECLINED) == 0 for o in self.ops)
+    def verified(self) -> int:
+        """Cases that ran to a verdict of passed (0: the run proved nothing)."""
+        return sum(o.count(PASSED) for o in self.ops)
 
-    def exit_code(self, require_all: bool = False) -> int:
+    @property
+    def complete(self) -> bool:
+        """Every SELECTED op implemented and checked, no case declined, and (when the model check
+        ran) no model-check call handed to the reference: what ``--require-all`` requires."""
+        return not self.gaps()
+
+    def gaps(self) -> list[str]:
+        """Why the run is not complete, one phrase per reason ([] when complete)."""
+        out = []
+        missing = [o.op for o in self.ops if not o.implemented]
+        if missing:
+            out.append(f"{len(missing)} op(s) not implemented ({', '.join(missing)})")
+        empty = [o.op for o in self.ops if o.implemented and not o.cases]
+        if empty:
+            out.append(f"{len(empty)} op(s) with no case in this run ({', '.join(empty)})")
+        n_dec = sum(o.count(DECLINED) for o in self.ops)
+        if n_dec:
+            out.append(f"{n_dec} case(s) declined")
+        if self.single_process_collectives:
+            out.append(f"collectives checked in one process only ({', '.join(self.single_process_collectives)}; "
+                       f"--world-sizes spawns real ranks)")
+        fb = (self.model or {}).get("fallbacks") or {}
+        if fb:
+            out.append(f"model check: {sum(fb.values())} call(s) served by the reference "
+                       f"({', '.join(f'{k} {v}' for k, v in fb.items())})")
+        return out
+
+    def exit_code(self, require_all: bool | None = None) -> int:
+        """0 passed; 1 a case (or the model check) failed, or ``require_all`` and the run is not
+        complete; 3 nothing was verified (every selected op not implemented / declined)."""
+        require_all = self.require_all if require_all is None else require_all
         if self.failed:
-            return 1
-        return 1 if require_all and not self.complete else 0
+            return EXIT_FAILED
+        if not self.verified:
+            return EXIT_NOTHING_VERIFIED
+        return EXIT_FAILED if require_all and not self.complete else EXIT_PASSED
+
+    def verdict(self, require_all: bool | None = None) -> str:
+        """The one-line result, consistent with :meth:`exit_code`."""
+        require_all = self.require_all if require_all is None else require_all
+        scope = "every op" if self.all_ops else f"the {len(self.ops)} selected op(s)"
+        if self.failed:
+            n = len(self.failures())
+            return f"FAILED ({n} failing case(s)" + (", model check failed)" if (self.model or {}).get(
+                "status") == FAILED else ")")
+        if not self.verified:
+            return ("NOTHING VERIFIED: no case passed (" + "; ".join(self.gaps() or ["no cases"]) +
+                    f"); exit status {EXIT_NOTHING_VERIFIED}")
+        if self.complete:
+            return f"PASSED (complete for {scope}: implemented, nothing declined)"
+        if require_all:
+            return "INCOMPLETE under --require-all: " + "; ".join(self.gaps())
+        return (f"PASSED for the implemented ops ({self.verified} case(s) verified); partial: "
+                + "; ".join(self.gaps()))
 
     def failures(self) -> list[CaseResult]:
         return [c for o in self.ops for c in o.cases if c.status == FAILED]
@@ -144,10 +240,13 @@ class Report:
     def as_dict(self) -> dict:
         import dsv4core
 
-        return {"backend": self.backend, "backend_version": self.backend_version, "device": self.device,
+        return {"schema": REPORT_SCHEMA, "schema_version": REPORT_SCHEMA_VERSION,
+                "backend": self.backend, "backend_version": self.backend_version, "device": self.device,
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
-                "failed": self.failed, "complete": self.complete, "seconds": round(self.seconds, 2),
+                "date": self.date, "failed": self.failed, "complete": self.complete, "verified": self.verified,
+                "all_ops": self.all_ops, "require_all": self.require_all, "world_sizes": list(self.world_sizes), "verdict": self.verdict(),
+                "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),
                 "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
                                    "declined": o.count(DECLINED)} for o in self.ops},
                 "model": self.model, "ops": [o.as_dict() for o in self.ops]}
@@ -222,6 +321,19 @@ def parse_dtypes(text: str | Sequence[str]) -> tuple[torch.dtype, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``"2,4"`` -> (2, 4); ``"none"`` / ``"0"`` -> () (collectives in one process only)."""
+    if text.strip().lower() in ("none", "0", ""):
+        return ()
+    try:
+        sizes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise ConformanceError(f"--world-sizes: expected comma-separated ints >= 2 or 'none', got {text!r}") from None
+    if any(n < 2 for n in sizes):
+        raise ConformanceError(f"--world-sizes: every size must be >= 2 (got {text!r}); 'none' disables the spawned run")
+    return sizes
+
+
 def case_seed(seed: int, op: str, shapes: str, dtype: torch.dtype) -> int:
     """The generator seed of one (op, shape set, dtype) case list: reproducible from ``seed``."""
     return (seed * 1_000_003 + zlib.crc32(f"{op}/{shapes}/{dtype_name(dtype)}".encode())) % (2 ** 63)
@@ -283,157 +395,60 @@ def run_case(spec: OpSpec, impl: Impl, case: Case, dtype: torch.dtype, shapes: s
         try:
             spec.validate(**kw)
         except Exception as e:  # pragma: no cover - a suite bug
-            res.status, res.message = FAILED, f"invalid conformance case (suite bug, please report): {_exc(e)}"
-            return res
+            return res.fail("harness", f"invalid conformance case (suite bug, please report): {_exc(e)}")
         # 2. supports predicate
         if impl.supports is not None:
             try:
                 ok = impl.supports(**kw)
             except Exception as e:
-                res.status, res.message = FAILED, f"supports() raised {_exc(e)}"
-                return res
+                return res.fail("supports", f"supports() raised {_exc(e)}")
             if not isinstance(ok, bool):
-                res.status, res.message = FAILED, f"supports() must return a plain bool, returned {type(ok).__name__}"
-                return res
+                return res.fail("supports", f"supports() must return a plain bool, returned {type(ok).__name__}")
             if not ok:
                 reason = ""
                 if impl.why_not is not None:
                     try:
-                        reason = str(impl.why_not(**kw))
+                        reason = impl.why_not(**kw)
                     except Exception as e:
                         reason = f"why_not() raised {_exc(e)}"
+                    if not isinstance(reason, str):
+                        return res.fail("supports", f"why_not() must return a str (the reason), returned "
+                                                    f"{type(reason).__name__} {reason!r}")
                 res.status, res.message = DECLINED, reason or "supports() returned False"
                 return res
-        # 3. fp64 evaluation and the reference in the case dtype (ops that write in place: each
-        #    evaluation gets its own copy of the written arguments, and what they hold afterwards
-        #    is the output)
-        ref = compare.split_outputs(spec.name, _written(spec, kw, lambda k: spec.reference(**k)))
-        # a store has no arithmetic: the case-dtype reference is its exact value
-        exact = ref if spec.writes else compare.split_outputs(spec.name, _eval64(spec, kw))
-        # 4. the backend
-        call_kw = _with_copies(spec, kw)
+        # 3. the reference in the case dtype and the fp64 evaluation (an op that writes in place:
+        #    each runs on copies of the written arguments, and what those hold after is the output)
+        ref, exact = compare.expected_outputs(spec, kw)
+        # 4. the backend (on its own copies of the written arguments; nothing else may change)
+        call_kw = compare.with_copies(spec, kw)
         snap = _snapshot({k: v for k, v in call_kw.items() if k not in spec.writes})
         try:
             raw = impl.fn(**call_kw)
-            if torch.device(_device_of(kw)).type == "cuda":
+            if torch.device(compare.device_of(kw)).type == "cuda":
                 torch.cuda.synchronize()          # asynchronous kernel errors belong to this case
         except Exception as e:
-            res.status, res.message = FAILED, f"the op raised {_exc(e)}"
-            return res
+            return res.fail("raised", f"the op raised {_exc(e)}")
         changed = _modified(call_kw, snap)
         if changed:
-            res.status, res.message = FAILED, f"modified its input(s) {', '.join(changed)} in place"
-            return res
+            return res.fail("modified input", f"modified its input(s) {', '.join(changed)} in place")
         if spec.writes:
             if raw is not None:
-                raise Mismatch(f"returned {type(raw).__name__}; an op that writes {', '.join(spec.writes)} "
-                               "in place returns None")
-            raw = _written_values(spec, call_kw)
-        got = compare.split_outputs(spec.name, raw, like=ref)
-        for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
-            compare.check_structure(name, g, r)
-            msg = compare.nonfinite_problem(name, g, e)
-            if msg:
-                raise Mismatch(msg)
-        # 5. numbers
-        if tol.metric == "bitwise":
-            for name, g, r in zip(got.names, got.tensors, ref.tensors):
-                ok = torch.equal(_bits(g), _bits(r))
-                res.checks.append(Check(name, "bitwise", 0.0 if ok else 1.0, 0.0, 0.0, ok,
-                                        "" if ok else f"differs from the reference in "
-                                        f"{_rows_differing(g, r)} of {g.shape[0] if g.dim() else 1} rows"))
-        elif tol.metric == "index_set":
-            res.checks += compare.index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
-        elif tol.metric == "route":
-            res.checks += compare.route_check(kw, got, ref, tol.k, floor)
-        else:
-            for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
-                if not g.is_floating_point():
-                    ok = torch.equal(g, r)
-                    res.checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
-                                            "" if ok else "integer output differs from the reference"))
-                    continue
-                e_b, e_r = compare.error(tol.metric, g, e), compare.error(tol.metric, r, e)
-                bound = tol.k * e_r + floor + (compare.output_rounding(tol.metric, g.dtype, e) if tol.floor else 0.0)
-                res.checks.append(Check(name, tol.metric, e_b, e_r, bound, e_b <= bound))
-        res.checks += compare.invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
+                return res.fail("structure", f"returned {type(raw).__name__}; an op that writes "
+                                             f"{', '.join(spec.writes)} in place returns None")
+            raw = compare.written_values(spec, call_kw)
+        # 5. structure and numbers
+        res.checks += compare.judge(spec, call_kw, raw, ref, exact, dtype)
         bad = [c for c in res.checks if not c.ok]
         if bad:
-            res.status = FAILED
-            res.message = "; ".join(_describe_check(c, tol.k, floor) for c in bad)
+            discrete = all(c.metric.startswith(("index_set", "route", "exact")) for c in bad)
+            res.fail("discrete" if discrete else "numeric", "; ".join(compare.describe_check(c, tol.k, floor) for c in bad))
     except Mismatch as e:
-        res.status, res.message = FAILED, str(e)
+        res.fail(e.kind, str(e))
     except Exception as e:  # a failure of the fp64/reference evaluation on a legal case: suite bug
-        res.status, res.message = FAILED, f"conformance harness error (please report): {_exc(e)}"
+        res.fail("harness", f"conformance harness error (please report): {_exc(e)}")
     finally:
         res.seconds = time.perf_counter() - t0
     return res
-
-
-def _with_copies(spec: OpSpec, kw: dict) -> dict:
-    """``kw`` with every argument the op writes replaced by a copy of the same layout: the whole
-    underlying buffer is copied and viewed with the same strides and offset, so a pool that is a
-    strided view of a larger buffer stays one (and writes outside the view are visible)."""
-    if not spec.writes:
-        return kw
-    out = dict(kw)
-    for name in spec.writes:
-        t = kw[name]
-        n = t.untyped_storage().nbytes() // t.element_size()
-        flat = torch.as_strided(t, (n,), (1,), 0).clone()
-        out[name] = torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
-    return out
-
-
-def _written_values(spec: OpSpec, kw: dict) -> tuple | torch.Tensor:
-    vals = tuple(kw[n] for n in spec.writes)
-    return vals[0] if len(vals) == 1 else vals
-
-
-def _written(spec: OpSpec, kw: dict, fn):
-    """``fn(kwargs)``; for an op that writes in place: run on copies of the written arguments and
-    return what they hold afterwards."""
-    if not spec.writes:
-        return fn(kw)
-    copies = _with_copies(spec, kw)
-    if fn(copies) is not None:
-        raise RuntimeError(f"{spec.name}: the reference returned a value but declares writes={spec.writes}")
-    return _written_values(spec, copies)
-
-
-def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> int:
-    if g.dim() == 0:
-        return int(not torch.equal(_bits(g), _bits(r)))
-    gb = g.detach().contiguous().view(torch.uint8).reshape(g.shape[0], -1)
-    rb = r.detach().contiguous().view(torch.uint8).reshape(r.shape[0], -1)
-    return int((gb != rb).any(1).sum())
-
-
-def _eval64(spec: OpSpec, kw: dict):
-    """The fp64 evaluation, on the inputs' device; on the CPU if that device has no float64."""
-    try:
-        return spec.reference(**{k: compare.upcast(v) for k, v in kw.items()})
-    except Exception:
-        if _device_of(kw).startswith("cpu"):
-            raise
-        cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        return spec.reference(**{k: compare.upcast(v) for k, v in cpu.items()})
-
-
-def _describe_check(c: Check, k: float, floor: float) -> str:
-    if c.metric.startswith(("index_set", "route", "exact")):
-        return f"{c.what}: {c.detail or c.metric}"
-    return (f"{c.what}: {c.metric} error {c.err:.3g} > bound {c.bound:.3g} "
-            f"(k {k:g} x reference error {c.err_ref:.3g} + floor {floor:g} + output rounding; "
-            f"{c.ratio:.3g}x the bound)"
-            + (f" [{c.detail}]" if c.detail else ""))
-
-
-def _device_of(kw: dict) -> str:
-    for v in kw.values():
-        if isinstance(v, torch.Tensor):
-            return str(v.device)
-    return "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,9 +457,16 @@ def _device_of(kw: dict) -> str:
 
 def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shapes: str | Sequence[str] = "small",
         dtypes: str | Sequence[Any] = ("float32", "bfloat16"), device: str = "cpu", seed: int = 0,
-        progress: Callable[[str], None] | None = None) -> Report:
+        progress: Callable[[str], None] | None = None, world_sizes: Sequence[int] = (),
+        dist_backend: str = "gloo", dist_device: str = "cpu", dist_ref: str | None = None) -> Report:
     """Run the op conformance suite for ``backend`` (a discovered backend name or a
     :class:`~dsv4core.hal.Backend` object, e.g. one built in a test) and return the Report.
+
+    ``world_sizes`` (the CLI's default: 2, 4): also check the backend's collectives over that many
+    spawned ranks (``dist_backend`` on ``dist_device``; see :mod:`.distributed`). The spawned
+    ranks find the backend by name, or through ``dist_ref`` (``"module:function"``) for an
+    in-process Backend. Without it the collectives are checked in one process only, which the
+    report lists as a gap (not complete).
 
     Raises ConformanceError for an unknown/unloadable backend or bad arguments.
     """
@@ -452,6 +474,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         be = backend
     else:
         be = load_backend(backend, device)
+        dist_ref = dist_ref or backend
     op_names = parse_ops(ops)
     shape_sets = parse_shapes(shapes)
     dts = parse_dtypes([d if isinstance(d, str) else dtype_name(d) for d in dtypes] if not isinstance(dtypes, str)
@@ -461,7 +484,9 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     except Exception as e:
         raise ConformanceError(f"bad --device {device!r}: {e}") from None
     specs = catalogue()
-    report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed)
+    report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed,
+                    all_ops=set(op_names) == set(specs),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t_all = time.perf_counter()
     for name in op_names:
         spec = specs[name]
@@ -478,9 +503,24 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
                             opres.cases.append(run_case(spec, impl, case, dt, sh))
                     except Exception as e:  # the case generator itself failed
                         opres.cases.append(CaseResult(name, dtype_name(dt), sh, "<generate cases>", FAILED,
-                                                      message=f"conformance harness error: {_exc(e)}"))
+                                                      message=f"conformance harness error: {_exc(e)}",
+                                                      failure="harness"))
         if progress:
             progress(_progress_line(opres, time.perf_counter() - t0))
+    dist_ops = [o for o in report.ops if o.implemented and catalogue()[o.op].family == "collectives"]
+    if dist_ops and world_sizes:
+        if dist_ref is None:
+            raise ConformanceError("world_sizes given for an in-process Backend: pass dist_ref='module:function' "
+                                   "so the spawned ranks can build it")
+        from .distributed import run_distributed
+
+        found = run_distributed(dist_ref, world_sizes=tuple(world_sizes), ops=[o.op for o in dist_ops], dtypes=dts,
+                                seed=seed, device=dist_device, dist_backend=dist_backend, progress=progress)
+        for o in dist_ops:
+            o.cases += found.get(o.op, [])
+        report.world_sizes = tuple(world_sizes)
+    elif dist_ops:
+        report.single_process_collectives = [o.op for o in dist_ops]
     report.seconds = time.perf_counter() - t_all
     return report
 
@@ -488,8 +528,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
 def _progress_line(o: OpResult, secs: float) -> str:
     if not o.implemented:
         return f"{o.op:<22} not implemented"
-    wr = o.worst_ratio
-    worst = "" if wr is None else f"  worst err/bound {wr:.3g}"
+    worst = "" if o.worst == "-" else f"  worst err/bound {o.worst}"
     s = (f"{o.op:<22} {o.status.upper():<8} {o.count(PASSED)} passed, {o.count(FAILED)} failed, "
          f"{o.count(DECLINED)} declined{worst}  ({secs:.1f}s)")
     for c in o.cases:

@@ -1,8 +1,10 @@
 """The conformance suite as pytest items: ``pytest --pyargs dsv4core.conformance --dsv4core-backend NAME``.
 
 One item per op x shape set x dtype x case (``test_op[rms_norm-small-float32-T7-hidden256]``); a
-declined case or an unimplemented op is a *skip* with its reason (never a pass); plus one
-``test_model`` item. Options: see :mod:`dsv4core.conformance.pytest_plugin`.
+declined case or an unimplemented op is a *skip* with its reason (never a pass); one
+``test_collectives`` item per collective op the backend implements (all of its cases over 2 and 4
+spawned ranks, ``--dsv4core-world-sizes``); plus one ``test_model`` item. Needs pytest installed
+(``pip install pytest``): the CLI route does not. Options: see :mod:`dsv4core.conformance.pytest_plugin`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _cases(spec, shapes, dtype, device, seed):
 
 def pytest_generate_tests(metafunc):
     s = settings(metafunc.config)
-    if "conformance_item" not in metafunc.fixturenames and "conformance_model" not in metafunc.fixturenames:
+    if not {"conformance_item", "conformance_model", "conformance_dist"} & set(metafunc.fixturenames):
         return
     if not s["backend"]:
         raise pytest.UsageError("dsv4core conformance: give the backend to check with --dsv4core-backend NAME "
@@ -49,6 +51,12 @@ def pytest_generate_tests(metafunc):
         raise pytest.UsageError(f"dsv4core conformance: {e}") from None
     if "conformance_model" in metafunc.fixturenames:
         metafunc.parametrize("conformance_model", [s["model"]], ids=[f"{s['backend']}-{s['model']}"])
+        return
+    if "conformance_dist" in metafunc.fixturenames:
+        from dsv4core.conformance.distributed import OPS
+
+        dist_ops = [op for op in ops if op in OPS and op in be.impls]
+        metafunc.parametrize("conformance_dist", dist_ops, ids=[f"{op}-spawned" for op in dist_ops])
         return
     from dsv4core.hal import catalogue
 
@@ -106,3 +114,20 @@ def test_model(conformance_model, request):
     if m["status"] == "unavailable":
         pytest.skip(m["reason"])
     assert m["status"] == runner.PASSED, format_model(m)
+
+
+def test_collectives(conformance_dist, request):
+    """All multi-rank cases of one collective (one spawn per world size, shared by the ops)."""
+    s = settings(request.config)
+    sizes = runner.parse_world_sizes(s["world_sizes"])
+    if not sizes:
+        pytest.skip("spawned collectives disabled (--dsv4core-world-sizes none)")
+    key = ("dist", s["backend"], sizes)
+    if key not in _cache:
+        from dsv4core.conformance.distributed import run_distributed
+
+        _cache[key] = run_distributed(s["backend"], world_sizes=sizes, dtypes=runner.parse_dtypes(s["dtypes"]),
+                                      seed=s["seed"], device=s["dist_device"], dist_backend=s["dist_backend"])
+    results = _cache[key].get(conformance_dist, [])
+    bad = [f"{c.id}: {c.message}" for c in results if c.status == runner.FAILED]
+    assert results and not bad, "\n".join(bad) or "no case ran"

@@ -16,6 +16,7 @@ from .graphs import GraphCapture, graph_capture
 from .errors import BackendNotFoundError, FallbackError, HALError, OpInputError, RegistrationError
 from .hookspecs import hookimpl
 from .spec import Case, OpSpec, Tolerance, catalogue
+from .verify import VerifyError
 
 
 def call(op_name: str, *args, **kwargs):
@@ -37,5 +38,6 @@ def reset() -> None:
 __all__ = [
     "HAL_API_VERSION", "Backend", "Impl", "POLICIES", "OpBinding", "OpTable", "bind", "parse_ops_override",
     "ENTRY_POINT_GROUP", "PluginStatus", "discover", "BackendNotFoundError", "FallbackError", "HALError",
-    "OpInputError", "RegistrationError", "GraphCapture", "graph_capture", "hookimpl", "Case", "OpSpec", "Tolerance", "catalogue", "call", "reset",
+    "OpInputError", "RegistrationError", "GraphCapture", "graph_capture", "hookimpl", "Case", "OpSpec", "Tolerance",
+    "catalogue", "call", "reset", "VerifyError",
 ]

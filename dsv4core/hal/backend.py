@@ -36,7 +36,10 @@ class Backend:
     """A backend: ``name``, device types, HAL API version, availability probe, op implementations.
 
     ``available()`` returns ``(ok, reason)``; it is a static platform probe (no device init).
-    ``priority``: higher wins under ``auto`` selection; the reference backend has priority 0.
+    ``priority``: higher wins under ``auto`` selection (equal priorities: by backend name); the
+    reference backend has priority 0 and always comes last. A negative priority means "by name
+    only": ``auto`` never picks the backend, ``backend=NAME`` / ``DSV4CORE_BACKEND`` / a per-op
+    override do.
     """
 
     name: str
@@ -62,7 +65,11 @@ class Backend:
 
         ``fn``, ``supports`` and ``why_not`` must have exactly the op's parameters (names, order,
         kinds, and the op's defaults where it has them); a mismatch raises RegistrationError naming
-        the op and the parameter. ``capturable=True`` declares that the implementation (and its
+        the op and the parameter. ``supports(...) -> bool`` (a plain bool) says whether this
+        implementation takes the call (declined calls go to the next backend);
+        ``why_not(...) -> str`` gives the reason for a decline (called only after ``supports``
+        said no; shown in warnings and conformance reports).
+        ``capturable=True`` declares that the implementation (and its
         ``supports`` predicate) can be recorded in a device graph: no host synchronisation, no
         shape that depends on tensor values. Undeclared implementations are run eagerly.
         ``native_quantized=True`` declares that quantised weights are read as they are (no

@@ -1,15 +1,24 @@
 """Selection and binding: resolve each op once to a plain callable.
 
 Per op, an ordered candidate list is built (per-op override, then the explicit backend or the
-available backends for the device by priority, then ``reference``). The first candidate that
+available backends for the device by priority, then ``reference``).
+
+Selection under ``auto`` (see :func:`auto_order`): every available backend serving the device type
+with priority >= 0, highest priority first; equal priorities in backend-name order (so the result
+does not depend on installation or entry-point order). A backend with a NEGATIVE priority is never
+chosen by ``auto``: it is used only when named (``backend=``, ``DSV4CORE_BACKEND``, a per-op
+override) - the way to ship a backend that must be opted into. The first candidate that
 implements the op serves it; the others that were skipped are recorded with their reason. If the
 serving implementation has a ``supports`` predicate, the bound callable checks it and hands
 unsupported calls down the chain (one warning per op under ``warn``; an error under ``strict``).
 The result is an :class:`OpTable`: attribute access + call, no registry lookups on the hot path.
+With the verify mode on (``verify=`` / ``DSV4CORE_VERIFY``, :mod:`dsv4core.hal.verify`) each
+callable also re-checks a fraction of its calls against the reference; off, nothing is added.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,6 +31,8 @@ from .backend import Impl
 from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
+from .verify import VerifyStats, parse_fraction, parse_strict
+from .verify import wrap as verify_wrap
 
 log = logging.getLogger("dsv4core.hal")
 POLICIES = ("strict", "warn", "allow")
@@ -40,15 +51,19 @@ class OpBinding:
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
     impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
     chain: tuple = field(default=(), repr=False)          # implementations a call may reach, in order
+    verify: VerifyStats | None = None   # verify-mode counts (None: verify mode off)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend != self.candidates[0]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
-                "candidates": list(self.candidates), "declined": dict(self.declined),
-                "runtime_fallbacks": self.runtime_fallbacks}
+        d = {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
+             "candidates": list(self.candidates), "declined": dict(self.declined),
+             "runtime_fallbacks": self.runtime_fallbacks}
+        if self.verify is not None:
+            d["verify"] = self.verify.as_dict()
+        return d
 
 
 class OpTable:
@@ -117,8 +132,19 @@ class OpTable:
         return out
 
     def report(self) -> list[dict[str, Any]]:
-        """The binding table: per op, the serving backend, the candidates and declined reasons."""
+        """The binding table: per op, the serving backend, the candidates and declined reasons
+        (and the verify-mode counts when it is on)."""
         return [b.as_dict() for b in self.bindings.values()]
+
+    def verify_summary(self) -> dict[str, Any] | None:
+        """Verify-mode totals and the ops that diverged (None when the verify mode is off)."""
+        stats = {n: b.verify for n, b in self.bindings.items() if b.verify is not None}
+        if not stats:
+            return None
+        return {"fraction": next(iter(stats.values())).fraction,
+                "calls": sum(v.calls for v in stats.values()), "checked": sum(v.checked for v in stats.values()),
+                "divergences": sum(v.divergences for v in stats.values()),
+                "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences}}
 
     def __repr__(self) -> str:
         served = {}
@@ -176,7 +202,8 @@ def _usable(name: str, statuses: dict[str, PluginStatus], device_type: str, why:
 
 
 def bind(device: str | torch.device = "cpu", backend: str | None = None, policy: str | None = None,
-         ops: dict[str, str] | str | None = None, check: bool | None = None) -> OpTable:
+         ops: dict[str, str] | str | None = None, check: bool | None = None,
+         verify: float | str | None = None, verify_strict: bool | None = None) -> OpTable:
     """Resolve every op for ``device`` and return the frozen :class:`OpTable`.
 
     backend: a backend name or ``"auto"``; default: env ``DSV4CORE_BACKEND``, else ``"auto"``.
@@ -184,6 +211,10 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
              or ``allow``; default: env ``DSV4CORE_FALLBACK``, else ``"warn"``.
     ops:     per-op (or per-family) backend overrides; default: env ``DSV4CORE_OPS``.
     check:   validate inputs on every call (default: on under ``strict`` or env ``DSV4CORE_CHECK=1``).
+    verify:  fraction of op calls re-run on the reference and compared (0 = off, the default; env
+             ``DSV4CORE_VERIFY``); ``verify_strict`` (env ``DSV4CORE_VERIFY_STRICT=1``) raises
+             VerifyError at the first divergence. See :mod:`dsv4core.hal.verify`. A table with
+             the verify mode on is built afresh (its counts are its own), never cached.
     """
     device_type = torch.device(device).type
     backend = backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
@@ -195,7 +226,33 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
     overrides = parse_ops_override(ops)
     if check is None:
         check = policy == "strict" or os.environ.get("DSV4CORE_CHECK", "") not in ("", "0")
-    return _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
+    fraction = parse_fraction(os.environ.get("DSV4CORE_VERIFY") if verify is None else verify,
+                              "DSV4CORE_VERIFY" if verify is None else "verify")
+    strict = parse_strict(verify_strict)
+    table = _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
+    if fraction == 0:
+        return table
+    return _with_verify(table, fraction, strict)
+
+
+def _with_verify(table: OpTable, fraction: float, strict: bool) -> OpTable:
+    specs = catalogue()
+    bindings = {}
+    for name, b in table.bindings.items():
+        stats = VerifyStats(fraction)
+        nb = dataclasses.replace(b, verify=stats)
+        nb.call = verify_wrap(specs[name], b.call, stats, strict, b.backend)
+        bindings[name] = nb
+    return OpTable(table.device_type, table.policy, bindings)
+
+
+def auto_order(statuses: dict[str, PluginStatus], device_type: str) -> list[str]:
+    """The backends ``auto`` tries for ``device_type``, best first: available, serving the device
+    type, priority >= 0 (negative = by name only), by descending priority, then by name."""
+    usable = [st for n, st in statuses.items()
+              if n != REFERENCE and st.available and st.backend and st.backend.serves(device_type)
+              and st.priority >= 0]
+    return [st.name for st in sorted(usable, key=lambda st: (-st.priority, st.name))]
 
 
 @functools.lru_cache(maxsize=64)
@@ -203,8 +260,7 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
     statuses = discover()
     specs = catalogue()
     if backend == "auto":
-        main = [n for n, st in sorted(statuses.items(), key=lambda kv: -kv[1].priority)
-                if n != REFERENCE and st.available and st.backend and st.backend.serves(device_type)]
+        main = auto_order(statuses, device_type)
     else:
         main = [_usable(backend, statuses, device_type, "requested explicitly").name]
     override_map = dict(overrides)

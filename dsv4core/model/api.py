@@ -57,20 +57,20 @@ def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torc
     return dt
 
 
-def _bind(device: torch.device, backend: str | None):
+def _bind(device: torch.device, backend: str | None, verify=None):
     from dsv4core.hal import bind
 
-    return bind(device, backend=backend)
+    return bind(device, backend=backend, verify=verify)
 
 
 def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
                 device: torch.device | str | None = None, backend: str | None = "auto",
-                seed: int | None = None, ops=None) -> DSV4ForCausalLM:
+                seed: int | None = None, ops=None, verify: float | str | None = None) -> DSV4ForCausalLM:
     """A model for `config` with deterministic random weights (seed) or empty weights (seed=None)."""
     cfg = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(config)
     dt = resolve_dtype(dtype, torch.float32)
     dev = torch.device(device if device is not None else "cpu")
-    ops = ops if ops is not None else _bind(dev, backend)
+    ops = ops if ops is not None else _bind(dev, backend, verify)
     with torch.device(dev):
         model = DSV4ForCausalLM(cfg, ops, dtype=dt)
     if seed is not None:
@@ -80,7 +80,8 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
 
 
 def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, quantized: str = "auto") -> DSV4ForCausalLM:
+               device: torch.device | str | None = None, quantized: str = "auto",
+               verify: float | str | None = None) -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
@@ -94,13 +95,15 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     Routed experts stored packed (FP4 / FP8 + scales) follow the same rule through `moe_experts`
     (see `dsv4core.model.experts_quant`); shared experts are dequantised.
     `model.quantization_report()` lists every decision.
+    verify: fraction of op calls re-checked against the reference (default: env DSV4CORE_VERIFY,
+    else off; see `dsv4core.hal.verify`); the counts are in `model.hal_report()`.
     """
     from . import experts_quant, fp8
 
     fp8.check_mode(quantized)
     dev = torch.device(device if device is not None else "cpu")
     if str(path_or_name) == "tiny":
-        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED)
+        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify)
         model._quantization = fp8.report(model, quantized, [])
         return model
 
@@ -113,7 +116,7 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     file_dtype = ckpt.config_dict.get("dtype") or ckpt.config_dict.get("torch_dtype")
     default = torch.float32 if file_dtype in ("float32", "torch.float32") else torch.bfloat16
     dt = resolve_dtype(dtype, default)
-    ops = _bind(dev, backend)
+    ops = _bind(dev, backend, verify)
     with torch.device("meta"):
         model = DSV4ForCausalLM(cfg, ops, dtype=dt)
     decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)

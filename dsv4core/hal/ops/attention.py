@@ -108,3 +108,9 @@ def _(shapes, dtype, device, gen):
     yield Case("large-logits", dict(q=randn((3, h, d), gen, dtype, device, 8.0), kv=randn((N, d), gen, dtype, device, 8.0),
                                     indices=_window_indices(3, N, K, gen, device),
                                     sink=randn((h,), gen, torch.float32, device), scale=scale), ("extreme",))
+    # softmax scales other than d^-0.5 (a kernel that hard-codes d^-0.5, or applies the scale to
+    # the sink too, fails here): sharper and flatter distributions than the model's
+    for label, sc in (("scale-sharp", 4.0 * scale), ("scale-flat", 0.05)):
+        yield Case(label, dict(q=randn((4, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
+                               indices=_window_indices(4, N, K, gen, device),
+                               sink=randn((h,), gen, torch.float32, device), scale=sc), ("scale",))

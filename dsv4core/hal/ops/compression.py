@@ -220,6 +220,11 @@ def _(shapes, dtype, device, gen):
                                  k_offsets=torch.zeros(3, dtype=torch.int64, device=device),
                                  k_lengths=torch.zeros(3, dtype=torch.int64, device=device), scale=dI ** -0.5),
                ("masked",))
+    # a scale other than dI^-0.5 (the scale multiplies every score: a hard-coded one fails)
+    yield Case("scale-other", dict(q=randn((4, nI, dI), gen, dtype, device), k=randn((12, dI), gen, dtype, device),
+                                   weights=randn((4, nI), gen, torch.float32, device, nI ** -0.5),
+                                   k_offsets=torch.tensor([0, 2, 4, 1], device=device),
+                                   k_lengths=torch.tensor([12, 10, 5, 9], device=device), scale=0.3), ("scale",))
 
 
 @op(family="compression", since=(1, 1), tolerance=Tolerance(
@@ -347,3 +352,7 @@ def _(shapes, dtype, device, gen):
                                                                  ties[:, :topk + 2]).to(device),
                                               k_lengths=torch.tensor([0, 1, topk, topk + 2], dtype=torch.int32,
                                                                      device=device), topk=topk), ("ties",))
+    # another topk than the model's (output width and the number of picks both follow it)
+    lengths = torch.tensor([0, 3, topk, 2 * topk, 3 * topk])
+    yield Case("topk-other", dict(scores=randn((5, 3 * topk), gen, torch.float32, device), k_lengths=lengths.to(device),
+                                  topk=topk + 3))

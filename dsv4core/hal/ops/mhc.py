@@ -102,6 +102,10 @@ def _(shapes, dtype, device, gen):
     yield Case("noncontig", dict(x=noncontig(randn((5, n, H), gen, dtype, device)), **sharp), ("noncontig",))
     yield Case("iters1", dict(x=randn((3, n, H), gen, dtype, device), **dict(common, iters=1)), ("sinkhorn",))
     yield Case("post_mult1", dict(x=randn((3, n, H), gen, dtype, device), **dict(common, post_mult=1.0)))
+    # eps values that move the result: small inputs (mean square ~1e-4, so rms_eps 1e-3 is 10x it)
+    # and hc_eps 0.1 (added to every pre weight and inside every Sinkhorn normalisation)
+    yield Case("eps-visible", dict(x=randn((4, n, H), gen, dtype, device, 1e-2),
+                                   **dict(common, rms_eps=1e-3, hc_eps=0.1)), ("eps",))
 
 
 @op(family="mhc", tolerance=Tolerance(
@@ -183,3 +187,7 @@ def _(shapes, dtype, device, gen):
                                        scale=torch.tensor([1.3], device=device),
                                        base=randn((n,), gen, torch.float32, device), rms_eps=1e-6, hc_eps=1e-6),
                ("noncontig", "extreme"))
+    # eps values that move the result (mean square ~1e-4 vs rms_eps 1e-3; hc_eps 0.1 on every weight)
+    yield Case("eps-visible", dict(x=randn((3, n, H), gen, dtype, device, 1e-2), fn=fn,
+                                   scale=torch.tensor([0.7], device=device), base=randn((n,), gen, torch.float32, device),
+                                   rms_eps=1e-3, hc_eps=0.1), ("eps",))

@@ -75,6 +75,9 @@ def _(shapes, dtype, device, gen):
     # ~1e-18 and the spec's +1e-20 in the renormalisation changes every weight by ~1%
     yield Case("renorm-eps", dict(logits=-86.5 + 0.5 * torch.rand((3, E), generator=gen).to(device), topk=k,
                                   scaling=1.5), ("extreme",))
+    # another topk than the model's, with and without a bias
+    yield Case("topk-other", dict(logits=randn((5, E), gen, torch.float32, device, 2.0), topk=k + 1, scaling=1.5,
+                                  correction_bias=bias))
 
 
 def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:

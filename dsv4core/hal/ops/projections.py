@@ -91,6 +91,30 @@ def _(shapes, dtype, device, gen):
     yield Case("T1-lm_head-fp32out", dict(x=randn((1, H), gen, dtype, device),
                                           weight=randn((1000, H), gen, dtype, device, H ** -0.5),
                                           out_dtype=torch.float32))
+    # block scales that differ in BOTH directions (2 x 3 grid, magnitudes 2^-3 .. 2^3 per block):
+    # a kernel applying the scales per output row only, per column only, or one scale for all
+    # blocks fails; e8m0, power-of-two fp32 and free fp32 (amax / 448) scales
+    wv = _block_varied(randn((256, 384), gen, torch.float32, device, 384 ** -0.5))
+    for label, sd, pow2 in (("e8m0", torch.float8_e8m0fnu, True), ("float32", torch.float32, False)):
+        from dsv4core.checkpoint.quant import quantize_fp8_block
+
+        q, s = quantize_fp8_block(wv, sd, BLOCK, pow2=pow2)
+        yield Case(f"fp8-varied-blocks-{label}", dict(x=randn((4, 384), gen, dtype, device), weight=q, weight_scale=s),
+                   ("fp8",))
+    # an output dtype other than the input's (bf16 out from fp32 in, fp32 out from bf16 in)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    yield Case("out-other-dtype", dict(x=randn((3, H), gen, dtype, device),
+                                       weight=randn((64, H), gen, dtype, device, H ** -0.5), out_dtype=other))
+
+
+def _block_varied(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with block (i, j) (128 x 128) multiplied by ``2^((i + 2j) mod 7 - 3)``: every row of
+    blocks and every column of blocks holds different factors (for any seed)."""
+    nb, kb = -(-w.shape[-2] // BLOCK), -(-w.shape[-1] // BLOCK)
+    i, j = torch.arange(nb)[:, None], torch.arange(kb)[None, :]
+    f = 2.0 ** (((i + 2 * j) % 7) - 3).to(torch.float32)
+    f = f.repeat_interleave(BLOCK, 0)[:w.shape[-2]].repeat_interleave(BLOCK, 1)[:, :w.shape[-1]]
+    return w * f.to(w.device)
 
 
 @op(family="projections", tolerance=Tolerance(

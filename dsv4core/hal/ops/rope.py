@@ -145,6 +145,10 @@ def _(shapes, dtype, device, gen):
     yield Case("noncontig", dict(q=noncontig(randn((5, D["heads"], D["d"]), gen, dtype, device, 1e3)),
                                  positions=positions(5, gen, device), inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device),
                                  eps=1e-6), ("noncontig", "extreme"))
+    # an eps comparable to the mean square (inputs ~3e-2, eps 1e-3): ignoring eps changes every output
+    yield Case("eps-visible", dict(q=randn((3, D["heads"], D["d"]), gen, dtype, device, 3e-2),
+                                   positions=positions(3, gen, device),
+                                   inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-3), ("eps",))
 
 
 @op(family="rope", tolerance=Tolerance(
@@ -172,3 +176,6 @@ def _(shapes, dtype, device, gen):
                                            weight=w.to(dtype), positions=positions(6, gen, device),
                                            inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-6),
                ("noncontig", "extreme"))
+    yield Case("eps-visible", dict(kv=randn((3, D["d"]), gen, dtype, device, 3e-2), weight=w,
+                                   positions=positions(3, gen, device),
+                                   inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-3), ("eps",))

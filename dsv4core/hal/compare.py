@@ -1,0 +1,454 @@
+"""Error metrics, structural invariants and the discrete comparisons (index sets, routes).
+
+Every comparison is made against the fp64 evaluation of the op's reference math on the same
+inputs (float tensors upcast to float64; integer and fp8/e8m0 tensors unchanged). The backend's
+error and the reference backend's own error (the reference run in the case dtype) are measured the
+same way; the op's :class:`~dsv4core.hal.Tolerance` turns the reference error into a bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Float dtypes upcast to float64 for the fp64 evaluation. fp8 / e8m0 are stored values (exact in
+#: fp64 after dequantisation) and stay as they are, like integer tensors.
+UPCAST = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Names of the components of ops that return tuples (for readable failure messages).
+OUTPUT_NAMES = {"hc_pre": ("y", "post", "comb"), "moe_route": ("weights", "ids")}
+
+
+def upcast(value: Any) -> Any:
+    """fp64 view of one op argument: float tensors -> float64, float dtype arguments -> float64."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.dtype in UPCAST else value
+    if isinstance(value, torch.dtype) and value.is_floating_point and value in UPCAST:
+        return torch.float64
+    return value
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+@dataclass
+class Check:
+    """One comparison of one output component (or one invariant)."""
+
+    what: str                  # e.g. "y", "comb", "invariant: comb row/col sums"
+    metric: str
+    err: float                 # the backend's error
+    err_ref: float             # the reference backend's error (same inputs, same dtype)
+    bound: float
+    ok: bool
+    detail: str = ""
+
+    @property
+    def ratio(self) -> float:
+        if self.bound > 0:
+            return self.err / self.bound
+        return 0.0 if self.err == 0 else math.inf
+
+    def as_dict(self) -> dict:
+        return {"what": self.what, "metric": self.metric, "err": _num(self.err), "err_ref": _num(self.err_ref),
+                "bound": _num(self.bound), "ratio": _num(self.ratio), "ok": self.ok, "detail": self.detail}
+
+
+def _num(x: float) -> float | None:
+    """A JSON number, or null for a non-finite one (an exact comparison with bound 0 that differs:
+    the case's ``failure`` and ``message`` say what differs)."""
+    return x if math.isfinite(x) else None
+
+
+class Mismatch(Exception):
+    """A structural failure (type, device, shape, dtype, non-finite values): no error number.
+    ``kind`` is the CaseResult failure kind ("structure", "shape", "dtype", "device", "non-finite")."""
+
+    def __init__(self, message: str, kind: str = "structure"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Outputs:
+    """An op result split into named tensor components."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...] = field(repr=False)
+
+
+def split_outputs(op: str, out: Any, like: Outputs | None = None) -> Outputs:
+    """Name the components of ``out``; with ``like`` (the reference's), require the same structure."""
+    if isinstance(out, (tuple, list)):
+        comps = tuple(out)
+        names = OUTPUT_NAMES.get(op, tuple(f"output[{i}]" for i in range(len(comps))))
+        if len(names) != len(comps):
+            names = tuple(f"output[{i}]" for i in range(len(comps)))
+    else:
+        comps, names = (out,), ("output",)
+    if like is not None:
+        if len(comps) != len(like.tensors) or (len(like.tensors) > 1) != isinstance(out, (tuple, list)):
+            raise Mismatch(f"returned {_describe(out)}; expected {_describe_like(like)}")
+    for name, t in zip(names, comps):
+        if not isinstance(t, torch.Tensor):
+            raise Mismatch(f"{name}: returned {type(t).__name__}, expected a torch.Tensor")
+    return Outputs(names, comps)
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}"
+    return type(out).__name__
+
+
+def _describe_like(like: Outputs) -> str:
+    return "a tensor" if len(like.tensors) == 1 else f"a tuple of {len(like.tensors)} tensors ({', '.join(like.names)})"
+
+
+def check_structure(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Device, shape and dtype of a backend output must equal the reference's."""
+    if got.device != want.device:
+        raise Mismatch(f"{name}: device expected {want.device}, got {got.device}", "device")
+    if tuple(got.shape) != tuple(want.shape):
+        zero = " (zero-token case: the output must be empty with the right shape)" if want.numel() == 0 else ""
+        raise Mismatch(f"{name}: shape expected {tuple(want.shape)}, got {tuple(got.shape)}{zero}", "shape")
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{name}: dtype expected {dtype_name(want.dtype)}, got {dtype_name(got.dtype)}", "dtype")
+
+
+def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
+    """'' if ``got`` is non-finite exactly where the fp64 evaluation is (same infs, NaN for NaN)."""
+    if not got.is_floating_point():
+        return ""
+    g, e = got.detach().cpu().to(torch.float64), exact.detach().cpu().to(torch.float64)
+    bad = ~torch.isfinite(g) & torch.isfinite(e)
+    if bad.any():
+        n_nan = int((torch.isnan(g) & bad).sum())
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        return (f"{name}: {int(bad.sum())} non-finite values ({n_nan} NaN) where the fp64 evaluation is finite; "
+                f"first at index {first}")
+    e_inf = torch.isinf(e)
+    if e_inf.any() and not torch.equal(g[e_inf], e[e_inf]):
+        return f"{name}: {int((g[e_inf] != e[e_inf]).sum())} entries differ from the fp64 evaluation's +-inf"
+    e_nan = torch.isnan(e)
+    if e_nan.any() and not torch.isnan(g[e_nan]).all():
+        return f"{name}: the fp64 evaluation is NaN at {int(e_nan.sum())} entries and the output is not"
+    return ""
+
+
+def error(metric: str, got: torch.Tensor, exact: torch.Tensor) -> float:
+    """``max_abs`` = max |got - exact|; ``max_rel`` = max |got - exact| / max |exact| (finite
+    entries; max_abs when every exact entry is 0)."""
+    g, e = got.detach().cpu().to(torch.float64), exact.detach().cpu().to(torch.float64)
+    fin = torch.isfinite(e)
+    if not fin.any():
+        return 0.0
+    diff = (g - e)[fin].abs().max().item()
+    if metric == "max_abs":
+        return diff
+    scale = e[fin].abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def output_rounding(metric: str, dtype: torch.dtype, exact: torch.Tensor) -> float:
+    """Half an ulp of the output dtype, in the metric's units: no output can be closer to the fp64
+    evaluation than one rounding to its own dtype, so this is always allowed on top of the bound
+    (2^-8 relative for bfloat16, 2^-24 for float32)."""
+    if not dtype.is_floating_point or dtype == torch.float64:
+        return 0.0
+    half_ulp = 0.5 * torch.finfo(dtype).eps
+    if metric == "max_rel":
+        return half_ulp
+    e = exact.detach().cpu().to(torch.float64)
+    fin = e[torch.isfinite(e)]
+    return half_ulp * (fin.abs().max().item() if fin.numel() else 0.0)
+
+
+def _sums_dev(comb: torch.Tensor) -> float:
+    if comb.numel() == 0:
+        return 0.0
+    c = comb.detach().cpu().to(torch.float64)
+    return max((c.sum(-1) - 1).abs().max().item(), (c.sum(-2) - 1).abs().max().item())
+
+
+def _pair_norm_dev(x: torch.Tensor, y: torch.Tensor, d_r: int) -> float:
+    if x.numel() == 0 or d_r == 0:
+        return 0.0
+    xp = x.detach().cpu().to(torch.float64)[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    yp = y.detach().cpu().to(torch.float64)[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+    scale = xp.abs().max().item()
+    return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
+
+
+def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, exact: Outputs, k: float, floor: float
+               ) -> list[Check]:
+    """Structural invariants. Each is a deviation measured on the backend output, the reference
+    output (case dtype) and the fp64 evaluation; the backend's EXCESS deviation over the fp64
+    evaluation's must be <= k x the reference's + floor.
+
+    * hc_pre: comb rows and columns sum to 1. (After the spec's 20 Sinkhorn sweeps comb is not exactly
+      doubly stochastic: at sharp logits rows deviate by percents, so the deviation is judged against
+      the fp64 evaluation's, not against 0.)
+    * rope: the rotation preserves the norm of each interleaved pair (2i, 2i+1).
+    """
+    out: list[Check] = []
+
+    def judge(what, f):
+        d_b, d_r, d_e = f(got), f(ref), f(exact)
+        e_b, e_r = max(0.0, d_b - d_e), abs(d_r - d_e)
+        bound = k * e_r + floor
+        out.append(Check(what, "excess deviation", e_b, e_r, bound, e_b <= bound,
+                         f"deviation {d_b:.3g} vs fp64 evaluation {d_e:.3g}"))
+
+    if op == "hc_pre":
+        judge("invariant: comb rows and columns sum to 1", lambda o: _sums_dev(o.tensors[2]))
+    if op == "rope":
+        d_r = 2 * kwargs["inv_freq"].shape[0]
+        judge("invariant: rotation preserves the norm of each interleaved pair (2i, 2i+1)",
+              lambda o: _pair_norm_dev(kwargs["x"], o.tensors[0], d_r))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Discrete outputs
+# ---------------------------------------------------------------------------------------------
+
+def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol: float) -> list[Check]:
+    """indexer_topk: per query, the backend's indices must be ``min(topk, k_lengths[t])`` distinct
+    valid positions (-1 elsewhere) forming a correct top-k set: every pick scores at least the
+    k-th largest valid score (minus ``tie_tol``), and every valid entry scoring strictly above it
+    (plus ``tie_tol``) is picked. Ties may be broken either way; order is free. Valid entries
+    scored -inf may be picked or left as -1."""
+    scores = kwargs["scores"].detach().to(torch.float64).cpu()
+    lengths = kwargs["k_lengths"].cpu().long()
+    topk = int(kwargs["topk"])
+    g = got.detach().cpu().long()
+    problems: list[str] = []
+    bad_rows = 0
+    for t in range(scores.shape[0]):
+        n_valid = int(lengths[t])
+        n_max = min(topk, n_valid)
+        # a valid key scored -inf may be picked or left out (-1): ambiguous in the spec, never
+        # produced by indexer_scores within k_lengths
+        n_min = min(topk, int(torch.isfinite(scores[t, :n_valid]).sum()) if n_valid else 0)
+        row = g[t]
+        picks = row[row >= 0]
+        n = picks.numel()
+        why = ""
+        if (row < -1).any():
+            why = f"values below -1: {row[row < -1][:4].tolist()}"
+        elif not n_min <= n <= n_max:
+            want = f"{n_max}" if n_min == n_max else f"{n_min}..{n_max}"
+            why = f"{n} indices, expected {want} (k_lengths={n_valid}, topk={topk})"
+        elif (picks >= lengths[t]).any():
+            why = f"index {int(picks[picks >= lengths[t]][0])} outside the query's {int(lengths[t])} valid keys"
+        elif picks.unique().numel() != picks.numel():
+            why = "duplicate indices"
+        elif n:
+            valid = scores[t, :int(lengths[t])]
+            kth = valid.topk(n).values[-1].item()
+            chosen = valid[picks]
+            if (chosen < kth - tie_tol).any():
+                w = int(picks[chosen < kth - tie_tol][0])
+                why = f"picked key {w} (score {valid[w].item():.6g}) below the k-th largest score {kth:.6g}"
+            else:
+                must = (valid > kth + tie_tol).nonzero().flatten()
+                missing = must[~torch.isin(must, picks)]
+                if missing.numel():
+                    w = int(missing[0])
+                    why = f"missed key {w} (score {valid[w].item():.6g} > k-th largest {kth:.6g})"
+        if why:
+            bad_rows += 1
+            if len(problems) < 3:
+                problems.append(f"query {t}: {why}")
+    T = max(1, scores.shape[0])
+    frac = bad_rows / T
+    detail = "; ".join(problems) + (f" (+{bad_rows - len(problems)} more queries)" if bad_rows > len(problems) else "")
+    return [Check("index sets", "index_set: fraction of queries with a wrong top-k set", frac, 0.0, 0.0,
+                  bad_rows == 0, detail)]
+
+
+def _route_keys(kwargs: dict) -> torch.Tensor:
+    """fp64 scores sqrt(softplus(logits)) (the caller adds the bias to get the selection keys)."""
+    return torch.sqrt(torch.nn.functional.softplus(kwargs["logits"].detach().to(torch.float64).cpu()))
+
+
+def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:
+    """moe_route: ids compared per token as sets (a swap is allowed only between experts whose
+    fp64 selection keys are equal within fp32 rounding); weights compared elementwise after
+    aligning by expert id, against the fp64 weights of the SAME id set (so a legal tie swap is not
+    penalised); bound = k x the reference's error + floor."""
+    s = _route_keys(kwargs)
+    bias = kwargs.get("correction_bias")
+    key = s if bias is None else s + bias.detach().to(torch.float64).cpu()
+    scaling = float(kwargs["scaling"])
+    hash_ids = kwargs.get("hash_ids")
+    topk = int(kwargs["topk"])
+    tie_tol = 4 * 2.0 ** -23 * max(1.0, key.abs().max().item() if key.numel() else 1.0)
+
+    def judge(ids_t: torch.Tensor) -> tuple[str, int]:
+        ids = ids_t.detach().cpu().long()
+        bad, first = 0, ""
+        for t in range(ids.shape[0]):
+            row = ids[t]
+            why = ""
+            if (row < 0).any() or (row >= key.shape[1]).any():
+                why = f"expert id out of range: {row.tolist()}"
+            elif row.unique().numel() != row.numel():
+                why = f"duplicate expert ids {row.tolist()}"
+            elif hash_ids is not None:
+                want = hash_ids[t].detach().cpu().long()
+                if sorted(row.tolist()) != sorted(want.tolist()):
+                    why = f"ids {sorted(row.tolist())} != hash_ids {sorted(want.tolist())}"
+            else:
+                kth = key[t].topk(topk).values[-1].item()
+                chosen = key[t, row]
+                if (chosen < kth - tie_tol).any():
+                    e = int(row[chosen < kth - tie_tol][0])
+                    why = f"picked expert {e} (key {key[t, e].item():.8g}) below the k-th largest key {kth:.8g}"
+                else:
+                    must = (key[t] > kth + tie_tol).nonzero().flatten()
+                    missing = must[~torch.isin(must, row)]
+                    if missing.numel():
+                        e = int(missing[0])
+                        why = f"missed expert {e} (key {key[t, e].item():.8g} > k-th largest {kth:.8g})"
+            if why:
+                bad += 1
+                first = first or f"token {t}: {why}"
+        return first, bad
+
+    def weight_err(w: torch.Tensor, ids_t: torch.Tensor) -> float:
+        if w.numel() == 0:
+            return 0.0
+        ids = ids_t.detach().cpu().long()
+        sel = s.gather(-1, ids)
+        exact = sel / (sel.sum(-1, keepdim=True) + 1e-20) * scaling
+        return error("max_rel", w.detach().cpu(), exact)
+
+    first, bad = judge(got.tensors[1])
+    checks = [Check("ids", "route: fraction of tokens with a wrong expert set", bad / max(1, s.shape[0]), 0.0, 0.0,
+                    bad == 0, first + (f" (+{bad - 1} more tokens)" if bad > 1 else ""))]
+    if bad == 0:
+        e_b = weight_err(got.tensors[0], got.tensors[1])
+        e_r = weight_err(ref.tensors[0], ref.tensors[1])
+        bound = k * e_r + floor + output_rounding("max_rel", got.tensors[0].dtype, got.tensors[0])
+        checks.append(Check("weights (aligned by expert id)", "max_rel", e_b, e_r, bound, e_b <= bound))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging one call (shared by the conformance runner and the runtime verify mode)
+# ---------------------------------------------------------------------------------------------
+
+def device_of(kw: dict) -> str:
+    """The device of the first tensor argument ("cpu" when there is none)."""
+    for v in kw.values():
+        if isinstance(v, torch.Tensor):
+            return str(v.device)
+    return "cpu"
+
+
+def eval64(spec, kw: dict):
+    """The fp64 evaluation of ``spec``'s reference math, on the inputs' device; on the CPU if that
+    device has no float64."""
+    try:
+        return spec.reference(**{k: upcast(v) for k, v in kw.items()})
+    except Exception:
+        if device_of(kw).startswith("cpu"):
+            raise
+        cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        return spec.reference(**{k: upcast(v) for k, v in cpu.items()})
+
+
+def with_copies(spec, kw: dict) -> dict:
+    """``kw`` with every argument the op writes in place (``spec.writes``) replaced by a copy of the
+    same layout: the whole underlying buffer is copied and viewed with the same strides and
+    offset, so a pool that is a strided view of a larger buffer stays one."""
+    if not spec.writes:
+        return kw
+    out = dict(kw)
+    for name in spec.writes:
+        t = kw[name]
+        n = t.untyped_storage().nbytes() // t.element_size()
+        flat = torch.as_strided(t, (n,), (1,), 0).clone()
+        out[name] = torch.as_strided(flat, t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def written_values(spec, kw: dict):
+    """What the written arguments of an in-place op hold (one tensor, or a tuple)."""
+    vals = tuple(kw[n] for n in spec.writes)
+    return vals[0] if len(vals) == 1 else vals
+
+
+def expected_outputs(spec, kw: dict) -> tuple[Outputs, Outputs]:
+    """(reference in the case dtype, fp64 evaluation), split. For an op that writes in place the
+    reference runs on copies of the written arguments and its output is what they hold after;
+    a store has no arithmetic, so the case-dtype reference is also its exact value."""
+    if spec.writes:
+        copies = with_copies(spec, kw)
+        if spec.reference(**copies) is not None:
+            raise RuntimeError(f"{spec.name}: the reference returned a value but declares writes={spec.writes}")
+        ref = split_outputs(spec.name, written_values(spec, copies))
+        return ref, ref
+    return split_outputs(spec.name, spec.reference(**kw)), split_outputs(spec.name, eval64(spec, kw))
+
+
+def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> int:
+    if g.dim() == 0:
+        return int(not torch.equal(g.reshape(1), r.reshape(1)))
+    gb = g.detach().contiguous().view(torch.uint8).reshape(g.shape[0], -1)
+    rb = r.detach().contiguous().view(torch.uint8).reshape(r.shape[0], -1)
+    return int((gb != rb).any(1).sum())
+
+
+def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
+    """The checks of one output ``raw`` of ``spec`` on arguments ``kw`` (by name), given the
+    reference's output in the case dtype (``ref``) and the fp64 evaluation (``exact``), both
+    split. Raises :class:`Mismatch` for a structural failure (type, shape, dtype, device, NaN)."""
+    tol = spec.tolerance
+    floor = tol.floor_for(dtype)
+    got = split_outputs(spec.name, raw, like=ref)
+    for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
+        check_structure(name, g, r)
+        msg = nonfinite_problem(name, g, e)
+        if msg:
+            raise Mismatch(msg, "non-finite")
+    checks: list[Check] = []
+    if tol.metric == "bitwise":            # stores: every row of the written pool, bit for bit
+        for name, g, r in zip(got.names, got.tensors, ref.tensors):
+            n = _rows_differing(g, r)
+            checks.append(Check(name, "exact", 0.0 if n == 0 else 1.0, 0.0, 0.0, n == 0,
+                                "" if n == 0 else f"differs from the reference in {n} of "
+                                f"{g.shape[0] if g.dim() else 1} rows"))
+        return checks
+    if tol.metric == "index_set":
+        checks += index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
+    elif tol.metric == "route":
+        checks += route_check(kw, got, ref, tol.k, floor)
+    else:
+        for name, g, r, e in zip(got.names, got.tensors, ref.tensors, exact.tensors):
+            if not g.is_floating_point():
+                ok = torch.equal(g, r)
+                checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
+                                    "" if ok else "integer output differs from the reference"))
+                continue
+            e_b, e_r = error(tol.metric, g, e), error(tol.metric, r, e)
+            bound = tol.k * e_r + floor + (output_rounding(tol.metric, g.dtype, e) if tol.floor else 0.0)
+            checks.append(Check(name, tol.metric, e_b, e_r, bound, e_b <= bound))
+    checks += invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
+    return checks
+
+
+def describe_check(c: Check, k: float, floor: float) -> str:
+    """One failed check as a sentence: measured value, bound and how the bound was made."""
+    if c.metric.startswith(("index_set", "route", "exact")):
+        return f"{c.what}: {c.detail or c.metric}"
+    return (f"{c.what}: {c.metric} error {c.err:.3g} > bound {c.bound:.3g} "
+            f"(k {k:g} x reference error {c.err_ref:.3g} + floor {floor:g} + output rounding; "
+            f"{c.ratio:.3g}x the bound)"
+            + (f" [{c.detail}]" if c.detail else ""))

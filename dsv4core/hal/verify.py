@@ -1,0 +1,146 @@
+"""Runtime verify mode: re-run a fraction of op calls on the reference and compare.
+
+``DSV4CORE_VERIFY=<fraction>`` (or ``bind(..., verify=)`` / ``load_model(..., verify=)``) makes
+every op of the bound table check that fraction of its calls: the inputs are copied before the
+call, the reference math is run on the copies (in the call's dtype and in float64 - on the same
+device, or on the CPU where the device has no float64) and the output is judged exactly as the
+conformance suite judges a case (the op's Tolerance: ``k x`` the reference's own error + floor;
+index sets and routes as sets). Sampling is deterministic: the n-th call of an op is checked when
+``floor(n * fraction)`` increases (fraction 0.01: calls 100, 200, ...; 1: every call).
+
+A divergence is counted per op; the first of each op is logged as a warning naming the op, the
+argument shapes and the err/bound. With ``DSV4CORE_VERIFY_STRICT=1`` (``verify_strict=True``) the
+first divergence raises :class:`VerifyError` instead (``dsv4core generate`` then exits non-zero).
+The counts are in ``OpTable.report()`` / ``model.hal_report()`` (``"verify"`` per op) and
+``OpTable.verify_summary()``.
+
+Off (the default, or fraction 0) costs nothing: the bound callables are the plain ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .errors import HALError
+
+log = logging.getLogger("dsv4core.hal")
+ENV, ENV_STRICT = "DSV4CORE_VERIFY", "DSV4CORE_VERIFY_STRICT"
+
+
+class VerifyError(HALError):
+    """A verified op call diverged from the reference beyond the op's tolerance (strict mode)."""
+
+
+def parse_fraction(value: float | str | None, where: str = ENV) -> float:
+    """``None`` / ``""`` / ``0`` -> 0.0 (off); a number or ``"N%"`` in [0, 1]; anything else is a
+    HALError naming ``where`` and the value."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return 0.0
+    text = str(value).strip()
+    try:
+        f = float(text[:-1]) / 100.0 if text.endswith("%") else float(text)
+    except ValueError:
+        f = math.nan
+    if isinstance(value, bool) or not (0.0 <= f <= 1.0):
+        raise HALError(f"{where}: expected a fraction of op calls to verify in [0, 1] (e.g. 0.01 or 1%), "
+                       f"got {value!r}")
+    return f
+
+
+def parse_strict(value: bool | str | None) -> bool:
+    if value is None:
+        value = os.environ.get(ENV_STRICT, "")
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("", "0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise HALError(f"{ENV_STRICT}: expected 1 or 0, got {value!r}")
+
+
+@dataclass
+class VerifyStats:
+    """Per-op verify counts (in the op's binding)."""
+
+    fraction: float
+    calls: int = 0
+    checked: int = 0
+    divergences: int = 0
+    worst_ratio: float = 0.0
+    first: str = ""                 # the first divergence, as logged
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fraction": self.fraction, "calls": self.calls, "checked": self.checked,
+                "divergences": self.divergences,
+                "worst_ratio": self.worst_ratio if math.isfinite(self.worst_ratio) else None,
+                "first_divergence": self.first or None}
+
+
+def _shapes(kw: dict) -> str:
+    return ", ".join(f"{k}{list(v.shape)}:{str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor)
+                     else f"{k}={v!r}" for k, v in kw.items())
+
+
+def _copy(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _call_dtype(kw: dict) -> torch.dtype:
+    for v in kw.values():
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.bfloat16, torch.float64):
+            return v.dtype
+    return torch.float32
+
+
+def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -> Callable:
+    """``call`` with the verify mode: every call counted, a ``stats.fraction`` of them judged."""
+    from . import compare
+
+    sig = spec.signature
+    fraction = stats.fraction
+
+    def verified(*args, **kwargs):
+        stats.calls += 1
+        if math.floor(stats.calls * fraction) == math.floor((stats.calls - 1) * fraction):
+            return call(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        kw = {k: _copy(v) for k, v in bound.arguments.items()}       # before the call may write
+        out = call(*args, **kwargs)
+        stats.checked += 1
+        problem, ratio = "", 0.0
+        try:
+            ref, exact = compare.expected_outputs(spec, kw)
+            if spec.writes:   # a pool write: judge what the call left in the live pool
+                out = compare.written_values(spec, bound.arguments) if out is None else out
+            checks = compare.judge(spec, kw, out, ref, exact, _call_dtype(kw))
+            bad = [c for c in checks if not c.ok]
+            ratio = max((c.ratio for c in checks), default=0.0)
+            if bad:
+                tol = spec.tolerance
+                problem = "; ".join(compare.describe_check(c, tol.k, tol.floor_for(_call_dtype(kw))) for c in bad)
+        except compare.Mismatch as e:
+            problem, ratio = str(e), math.inf
+        stats.worst_ratio = max(stats.worst_ratio, ratio)
+        if problem:
+            stats.divergences += 1
+            msg = (f"verify: {spec.name} (backend {backend!r}) diverged from the reference on call "
+                   f"{stats.calls} ({_shapes(kw)}): {problem}")
+            if strict:
+                raise VerifyError(msg + f" — {ENV_STRICT}=1")
+            if not stats.first:
+                stats.first = msg
+                log.warning(msg)
+        return None if spec.writes else out
+
+    verified.__name__ = spec.name
+    verified.__wrapped__ = call
+    return verified
