@@ -398,12 +398,12 @@ def expected_outputs(spec, kw: dict) -> tuple[Outputs, Outputs]:
     return split_outputs(spec.name, spec.reference(**kw)), split_outputs(spec.name, eval64(spec, kw))
 
 
-def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> int:
-    if g.dim() == 0:
-        return int(not torch.equal(g.reshape(1), r.reshape(1)))
-    gb = g.detach().contiguous().view(torch.uint8).reshape(g.shape[0], -1)
-    rb = r.detach().contiguous().view(torch.uint8).reshape(r.shape[0], -1)
-    return int((gb != rb).any(1).sum())
+def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> tuple[int, int]:
+    """(how many rows differ bitwise, the index of the first), (0, -1) when none does."""
+    gb = g.detach().contiguous().reshape(max(1, g.shape[0] if g.dim() else 1), -1).view(torch.uint8)
+    rb = r.detach().contiguous().reshape(max(1, r.shape[0] if r.dim() else 1), -1).view(torch.uint8)
+    bad = torch.nonzero((gb != rb).any(1)).flatten()
+    return int(bad.numel()), (int(bad[0]) if bad.numel() else -1)
 
 
 def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
@@ -421,10 +421,10 @@ def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.d
     checks: list[Check] = []
     if tol.metric == "bitwise":            # stores: every row of the written pool, bit for bit
         for name, g, r in zip(got.names, got.tensors, ref.tensors):
-            n = _rows_differing(g, r)
+            n, first = _rows_differing(g, r)
             checks.append(Check(name, "exact", 0.0 if n == 0 else 1.0, 0.0, 0.0, n == 0,
-                                "" if n == 0 else f"differs from the reference in {n} of "
-                                f"{g.shape[0] if g.dim() else 1} rows"))
+                                "" if n == 0 else f"differs from the reference bitwise in {n} of "
+                                f"{g.shape[0] if g.dim() else 1} rows (first: row index {first})"))
         return checks
     if tol.metric == "index_set":
         checks += index_set_check(kw, got.tensors[0], ref.tensors[0], tie_tol=floor)
