@@ -75,6 +75,10 @@ def bench(name: str, backend: str, device: str, dtype: torch.dtype, prompt: int,
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g).to(device)
     res: dict = {"config": name, "prompt": prompt, "decode_steps": steps, "batch": batch,
                  "dtype": str(dtype).removeprefix("torch."), "backend": backend}
+    # pools sized to the run: one prefill forward of every prompt, then `steps` decode steps
+    ours.configure_cache(max_requests=batch, max_tokens=batch * (prompt + steps + 1),
+                         max_request_tokens=prompt + steps + 1, max_step_tokens=batch * prompt)
+    res["graphs"] = ours.graph_status() or "on"
 
     def ours_run():
         states = [ours.new_state() for _ in range(batch)]
@@ -92,7 +96,10 @@ def bench(name: str, backend: str, device: str, dtype: torch.dtype, prompt: int,
             lg = ours.forward_batch(nxt, torch.full((batch,), prompt + s, device=device),
                                     torch.arange(batch, device=device), states)
         _sync(device)
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        for st in states:
+            st.release()
+        return t1 - t0, t2 - t1
 
     def hf_run():
         _sync(device)
@@ -161,12 +168,12 @@ def main(argv=None) -> int:
         print(json.dumps({"threads": torch.get_num_threads(), "results": results, "flash_state_bytes": sb}, indent=2))
     else:
         print(f"(threads: {torch.get_num_threads()})")
-        print("DSV4-Flash state per request (bf16 rows, fp32 compressor buffers), computed:")
+        print("DSV4-Flash pool memory per request (bf16 rows, fp32 compressor rings; CacheConfig defaults), "
+              "computed bound:")
         for t, v in sb.items():
-            print(f"  {t:6d} tokens: total {v['total'] / 2**20:8.2f} MiB  (window {v['window'] / 2**20:.2f}, "
+            print(f"  {t:6d} tokens: total {v['total'] / 2**20:8.2f} MiB  (window {v['window_rows'] / 2**20:.2f}, "
                   f"compressed {v['compressed_entries'] / 2**20:.2f}, indexer keys {v['indexer_keys'] / 2**20:.2f}, "
-                  f"buffers {v['compressor_buffers'] / 2**20:.2f}, "
-                  f"entry capacity slack {v['entry_capacity_slack'] / 2**20:.2f})")
+                  f"rings {v['compressor_rings'] / 2**20:.2f})")
     return 0
 
 

@@ -273,7 +273,8 @@ class KVCache:
         Bc, Bw = self.block_tokens, self.window_block
         self.comp_blocks_per_request = -(-self.max_request_tokens // Bc)
         self.win_blocks_per_request = -(-self.max_request_tokens // Bw)
-        n_comp = -(-cc.max_tokens // Bc) + 1
+        # max_tokens tokens however they split over the requests: each may hold one partial block
+        n_comp = -(-cc.max_tokens // Bc) + S + 1
         # held window blocks: W-1 + max_rollback rows behind the length, block-rounded, per request,
         # plus the blocks of the largest step in flight (and one partial block per request)
         per_req = -(-(max(W - 1, 0) + cc.max_rollback) // Bw) + 1

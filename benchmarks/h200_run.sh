@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# How the H200 figures in benchmarks/results/ were produced (device machine: Python 3.12, torch 2.11,
+# Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
+# pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
+#   bash benchmarks/h200_run.sh e2e     # graph-vs-eager test + benchmarks/e2e_decode.py
+#   bash benchmarks/h200_run.sh conf    # conformance --backend cuda (small, flash, pro) + bench_model mid
+set -uo pipefail
+what=${1:-e2e}
+OUT=${OUT:-/tmp/dsv4core-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/dsv . >/dev/null || exit 1
+export PYTHONPATH=/tmp/site:/tmp/dsv PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+if [ "$what" = e2e ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
+  timeout 420 python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
+    --backend cuda --combos 1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192 \
+    --steps 16 --warmup 3 --peer --peer-combos 1x1024,8x1024,32x1024 --time-budget 300 \
+    --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -40
+else
+  timeout 330 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
+    --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -45
+  timeout 200 python3 benchmarks/bench_model.py --configs mid --backend cuda --device cuda --dtype bfloat16 \
+    --batch 32 --prompt 1024 --json 2>&1 > "$OUT/bench-model-mid-h200.json" | tail -5; tail -c 1500 "$OUT/bench-model-mid-h200.json"
+fi
