@@ -21,7 +21,9 @@ def run(args) -> int:
         print_json([s.as_dict() for s in statuses])
         return 0
     rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-", s.priority,
-             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0, s.source)
+             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0,
+             s.validated or "-", s.source)
             for s in statuses]
-    print_table(("backend", "version", "devices", "priority", "available", "ops", "source"), rows)
+    print_table(("backend", "version", "devices", "priority", "available", "ops", "hardware validation", "source"),
+                rows)
     return 0

@@ -31,6 +31,8 @@ class Backend:
 
     ``available()`` returns ``(ok, reason)``; it is a static platform probe (no device init).
     ``priority``: higher wins under ``auto`` selection; the reference backend has priority 0.
+    ``validated``: whether the backend has been validated on hardware (a recorded conformance
+    report, :mod:`dsv4core.hal.validation`), one line; ``""`` = not stated.
     """
 
     name: str
@@ -40,6 +42,7 @@ class Backend:
     priority: int = 50
     available: Callable[[], tuple[bool, str]] = lambda: (True, "")
     description: str = ""
+    validated: str = ""
     impls: dict[str, Impl] = field(default_factory=dict)
 
     def serves(self, device_type: str) -> bool:

@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, interp
+from .launch import Tune
 
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -144,8 +145,8 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
     ns = TUNE.get("num_stages", 2 if ieee else 3)
     _moe_up_kernel[(ntiles, cdiv(I, BN))](x, tok, w13, a, te, tr, tend, H, I, float(swiglu_limit),
                                           BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
-                                          num_warps=nw, num_stages=ns)
+                                          num_warps=nw, num_stages=ns, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BN))](a, tok, wts, w2, out, te, tr, tend, H, I,
                                             BM=BM, BN=BN, BK=BK, IEEE=ieee, KSUB=4 if ieee else 1,
-                                          num_warps=nw, num_stages=ns)
+                                          num_warps=nw, num_stages=ns, **TUNE.options())
     return out.to(x.dtype)

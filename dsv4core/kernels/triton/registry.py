@@ -7,6 +7,7 @@ import inspect
 import torch
 
 from . import OPS, predicates
+from .launch import _ACTIVE
 
 _mods: dict = {}
 
@@ -18,15 +19,29 @@ def _module(name: str):
     return mod
 
 
-def _lazy(op: str, modname: str, sig: inspect.Signature):
+def _lazy(op: str, modname: str, sig: inspect.Signature, launch=None):
     """A wrapper with the op's exact signature that imports the kernel module on first use and then
-    rebinds itself to the kernel function (one extra Python call on the hot path)."""
+    rebinds itself to the kernel function (one extra Python call on the hot path).
+
+    ``launch``: the backend's launch table (launch.py), or a zero-argument callable returning it
+    (resolved at the first call: a plugin reads its device's arch only then). Its entry for the
+    kernel module is active while the kernel runs; an entry that is a callable is called with the
+    op's arguments and returns the entry for this call (e.g. other tiles for fp32 inputs)."""
     target = []
 
     def impl(*args, **kwargs):
         if not target:
-            target.append(getattr(_module(modname), op))
-        return target[0](*args, **kwargs)
+            fn, table = getattr(_module(modname), op), (launch() if callable(launch) else launch)
+            entry = (table or {}).get(modname)
+            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}]
+        fn, entry, static = target
+        if entry is None:
+            return fn(*args, **kwargs)
+        tok = _ACTIVE.set(static or {modname: entry(*args, **kwargs)})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(tok)
 
     impl.__signature__ = sig
     impl.__name__ = impl.__qualname__ = op
@@ -52,11 +67,26 @@ def _on_device(pred, device_type: str):
     return supports
 
 
-def register_ops(backend, device_type: str, ops=None) -> None:
-    """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``."""
+def register_ops(backend, device_type: str, ops=None, launch=None, supports=None) -> None:
+    """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``.
+
+    ``launch``: the plugin's launch table, or a zero-argument callable returning it (see
+    :mod:`.launch`); None runs the kernels' own defaults. ``supports``: optional extra predicates
+    per op (same parameters as the op) that must also accept a call, e.g. a plugin declining a dtype
+    its target cannot run."""
     for op, modname in OPS.items():
         if ops is not None and op not in ops:
             continue
         pred = getattr(predicates, f"{op}_supports")
-        backend.add(op, _lazy(op, modname, inspect.signature(pred)),
-                    supports=_on_device(pred, device_type))
+        extra = (supports or {}).get(op)
+        backend.add(op, _lazy(op, modname, inspect.signature(pred), launch),
+                    supports=_on_device(_both(pred, extra) if extra else pred, device_type))
+
+
+def _both(pred, extra):
+    def both(*args, **kwargs):
+        return pred(*args, **kwargs) and extra(*args, **kwargs)
+
+    both.__signature__ = inspect.signature(pred)
+    both.__name__ = pred.__name__
+    return both

@@ -1,0 +1,71 @@
+"""ROCm launch tables for the portable Triton kernels, per arch (see dsv4core.kernels.triton.launch).
+
+Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64 KiB per
+workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
+in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the H200 attention
+config needs more LDS than gfx942 has and spills hundreds of VGPRs; see
+benchmarks/results/rocm_aot_*.json for every kernel of every table below.
+
+How the entries were chosen: the largest tiles that compile for the arch with LDS within the
+limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot
+--target hip:<arch> --table dsv4core_rocm.launch:TABLES.<arch>``; tests/test_rocm_aot.py keeps
+that true). Compile-checked only: nothing here was timed on AMD hardware, so the AMD-only
+keywords are the conservative ones (``waves_per_eu`` 0 = compiler's choice is NOT set, MFMA
+16x16 where the kernel's tile is 16 rows). Vendor CI tunes these with timings.
+
+"other" (e.g. gfx90a, gfx1100 RDNA with 32-lane waves): small tiles and one stage, which fit any
+64 KiB LDS; no AMD-only keywords (their meaning differs per generation).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _attention(bf16_rows: int, bf16_stages: int):
+    """sparse_mqa_attention: 16 heads x ``bf16_rows`` kv rows per step for bf16, 16 x 16 with one
+    stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows."""
+    def entry(q, kv, indices, sink, scale):
+        if q.dtype == torch.float32:
+            return {"BH": 16, "BK": 16, "num_stages": 1, "launch": {"matrix_instr_nonkdim": 16}}
+        return {"BH": 16, "BK": bf16_rows, "num_stages": bf16_stages, "launch": {"matrix_instr_nonkdim": 16}}
+    return entry
+
+
+def _moe(q_bn: int, stages: int):
+    def entry(x, ids, weights, w13, w2, swiglu_limit):
+        f32 = x.dtype == torch.float32
+        return {"BN": 32 if f32 else q_bn, "BK": 32, "num_stages": 1 if f32 else stages}
+    return entry
+
+
+def _wo_a(o, weight, weight_scale=None):
+    if o.dtype == torch.float32:
+        return {}
+    return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if weight_scale is not None else 64,
+            "num_warps": 4, "num_stages": 2}
+
+
+TABLES = {
+    "gfx942": {
+        "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
+        "mhc": {"num_stages": 1},
+        "moe": _moe(64, 1),
+        "wo_a": _wo_a,
+    },
+    "gfx950": {
+        "attention": _attention(32, 1),     # 64 KiB; BK 32 x 2 stages spills SGPRs, BK 64 x 2 needs 132 KiB and spills 400 VGPRs
+        "mhc": {"num_stages": 2},
+        "moe": _moe(64, 2),
+        "wo_a": _wo_a,
+    },
+    "other": {
+        "attention": lambda q, kv, indices, sink, scale: {"BH": 16, "BK": 16, "num_stages": 1},
+        "mhc": {"num_stages": 1},
+        "moe": _moe(32, 1),
+        "wo_a": _wo_a,
+    },
+}
+
+
+def table_for(arch: str) -> dict:
+    return TABLES.get(arch, TABLES["other"])
