@@ -111,11 +111,15 @@ def _signature(kernel) -> dict:
     return {k: str(v) for k, v in sig.items() if str(v) != "constexpr"}
 
 
-def compile_all(target, table=None, *, shapes: str = "flash", dtypes=(torch.bfloat16, torch.float32),
-                ops=None, progress=None) -> list[dict]:
-    """Compile every kernel specialisation reached by the ops' ``shapes`` cases for ``target`` with
-    ``table`` active. One record per distinct compiled kernel: op, kernel, options, LDS bytes,
-    VGPRs, spills, LDS limit, ok (LDS within the limit and zero spills)."""
+def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
+                dtypes=(torch.bfloat16, torch.float32), ops=None, progress=None) -> list[dict]:
+    """Compile every kernel specialisation reached by the ops' ``shapes`` cases for ``target``.
+
+    Either ``table`` (a launch table: the kernels run through the registry's wrapper with it), or
+    ``backend``: a plugin's Backend built for CPU tensors, whose implementations are called only
+    for the cases its ``supports`` accepts (what the plugin would really launch). One record per
+    distinct compiled kernel: op, kernel, constexprs, options, LDS bytes, VGPRs, spills, LDS
+    limit, ok (LDS within the limit and zero VGPR / SGPR spills)."""
     from dsv4core.hal import catalogue
 
     specs = catalogue()
@@ -125,18 +129,26 @@ def compile_all(target, table=None, *, shapes: str = "flash", dtypes=(torch.bflo
         for op, modname in OPS.items():
             if ops is not None and op not in ops:
                 continue
-            _compile_op(specs[op], op, modname, target, table, shapes, dtypes, records, got, progress)
+            if backend is not None:
+                impl = backend.impls.get(op)
+                if impl is None:
+                    continue
+                fn, accept = impl.fn, impl.supports
+            else:
+                from .registry import _lazy   # the same wrapper a plugin's bound op runs through
+
+                fn, accept = _lazy(op, modname, specs[op].signature, table), None
+            _compile_op(specs[op], op, fn, accept, target, shapes, dtypes, records, got, progress)
     return list(records.values())
 
 
-def _compile_op(spec, op, modname, target, table, shapes, dtypes, records, got, progress):
-    from .registry import _lazy   # the same wrapper a plugin's bound op runs through
-
-    fn = _lazy(op, modname, spec.signature, table)
+def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, progress):
     limit = LDS_LIMIT.get(target.arch)
     t0 = time.perf_counter()
     for dt in dtypes:
         for case in spec.sample_cases(shapes, dt, "cpu", seed=0):
+            if accept is not None and not accept(**case.kwargs):
+                continue
             n0 = len(got)
             try:
                 fn(**case.kwargs)
@@ -166,12 +178,22 @@ def _compile_op(spec, op, modname, target, table, shapes, dtypes, records, got, 
                  f"in {time.perf_counter() - t0:.1f}s")
 
 
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4core.kernels.triton.aot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="hip:gfx942, hip:gfx950 or hip:gfx1100")
     ap.add_argument("--table", default=None,
                     help="launch table as MODULE:ATTR (a dict, or a callable taking no argument), "
                          "e.g. dsv4core_rocm.launch:TABLES.gfx942; default: the kernels' own defaults")
+    ap.add_argument("--backend", default=None,
+                    help="a plugin's backend as MODULE:FACTORY, FACTORY(arch) returning a Backend for CPU "
+                         "tensors, e.g. dsv4core_rocm:aot_backend (only the cases it accepts are compiled)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--shapes", default="flash")
     ap.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     ap.add_argument("--json", default=None, help="write the records here")
@@ -184,15 +206,22 @@ def main(argv=None) -> int:
         for part in filter(None, attr.split(".")):
             obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
         table = obj() if callable(obj) else obj
+    backend = None
+    if a.backend:
+        modname, _, attr = a.backend.partition(":")
+        backend = getattr(importlib.import_module(modname), attr)(target.arch)
     ops = a.ops.split(",") if a.ops else None
-    recs = compile_all(target, table, shapes=a.shapes, ops=ops, progress=lambda s: print(s, file=sys.stderr))
+    dtypes = tuple(getattr(torch, d) for d in a.dtypes.split(","))
+    recs = compile_all(target, table, backend=backend, shapes=a.shapes, dtypes=dtypes, ops=ops,
+                       progress=lambda s: print(s, file=sys.stderr))
     for r in recs:
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['op']:22s} {r['kernel']:24s} LDS {r.get('lds_bytes', '-')}"
               f"/{r.get('lds_limit', '-')} VGPR {r.get('vgprs', '-')} spills {r.get('vgpr_spills', '-')}"
               f"{'  ' + r['error'] if 'error' in r else ''}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"target": a.target, "table": a.table, "shapes": a.shapes, "kernels": recs}, f, indent=1)
+            json.dump({"target": a.target, "table": a.table, "backend": a.backend, "shapes": a.shapes,
+                       "dtypes": a.dtypes, "triton": _triton_version(), "kernels": recs}, f, indent=1)
     return 0 if all(r["ok"] for r in recs) else 1
 
 

@@ -54,9 +54,9 @@ def _available():
     return True, ""
 
 
-def make_backend(device_type: str = "npu", available=None) -> Backend:
+def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | None = None) -> Backend:
     """The ascend Backend (``device_type`` / ``available``: for tests on CPU tensors under an
-    emulated torch_npu)."""
+    emulated torch_npu; ``hf32_hc_pre``: default env DSV4CORE_ASCEND_HF32_HC_PRE == "1")."""
     from . import ops
 
     b = Backend(name="ascend", version=__version__, device_types=(device_type,), api_version=HAL_API_VERSION,
@@ -64,7 +64,7 @@ def make_backend(device_type: str = "npu", available=None) -> Backend:
                 description="torch_npu / vllm-ascend ops for norms, rope, mHC, wo_a and MoE (Ascend NPU); "
                             "reference for the rest",
                 validated=recorded(Path(__file__).parent / "validation", "ascend"))
-    ops.register(b, device_type)
+    ops.register(b, device_type, hf32_hc_pre)
     return b
 
 

@@ -88,9 +88,11 @@ def _fp8_guard(get_arch):
     return fp8_ok
 
 
-def make_backend(device_type: str = "cuda", arch=None, available=None) -> Backend:
-    """The rocm Backend. ``device_type`` / ``arch`` / ``available`` are for tests that run the real
-    glue on CPU tensors under an emulated aiter (``arch``: a callable returning the arch)."""
+def make_backend(device_type: str = "cuda", arch=None, available=None, launch=None) -> Backend:
+    """The rocm Backend. ``device_type`` / ``arch`` / ``available`` / ``launch`` are for tests and
+    tools that run the real glue elsewhere: CPU tensors under an emulated aiter, or the launch
+    tables on another GPU (``arch``: a callable returning the arch; ``launch``: a table or a
+    callable returning one, replacing the per-arch table)."""
     from dsv4core.kernels.triton import OPS
     from dsv4core.kernels.triton.registry import register_ops
 
@@ -105,10 +107,16 @@ def make_backend(device_type: str = "cuda", arch=None, available=None) -> Backen
                 validated=recorded(Path(__file__).parent / "validation", "rocm"))
     portable = Backend(name="rocm", device_types=(device_type,))
     fp8_ok = _fp8_guard(get_arch)
-    register_ops(portable, device_type, launch=lambda: table_for(get_arch()),
+    register_ops(portable, device_type, launch=launch or (lambda: table_for(get_arch())),
                  supports={op: fp8_ok for op in OPS})
     aiter_ops.register(b, portable, device_type, get_arch)
     return b
+
+
+def aot_backend(arch: str) -> Backend:
+    """The backend for ``arch`` on CPU tensors with no aiter: what the ahead-of-time compile gate
+    (``python -m dsv4core.kernels.triton.aot --backend dsv4core_rocm:aot_backend``) launches."""
+    return make_backend("cpu", arch=lambda: arch, available=lambda: (True, ""))
 
 
 @hookimpl

@@ -47,7 +47,9 @@ def _available():
     return True, ""
 
 
-def make_backend(device_type: str = "xpu", available=None) -> Backend:
+def make_backend(device_type: str = "xpu", available=None, launch=None) -> Backend:
+    """The xpu Backend (``device_type`` / ``available`` / ``launch``: for tests and tools that run
+    the kernels elsewhere, e.g. on CPU under the Triton interpreter)."""
     from dsv4core.kernels.triton.registry import register_ops
 
     from .launch import resolve
@@ -56,7 +58,7 @@ def make_backend(device_type: str = "xpu", available=None) -> Backend:
                 priority=100, available=available or _available,
                 description="portable Triton kernels with an XPU launch table (Intel GPUs)",
                 validated=recorded(Path(__file__).parent / "validation", "xpu"))
-    register_ops(b, device_type, launch=resolve)
+    register_ops(b, device_type, launch=launch or resolve)
     return b
 
 
