@@ -5,7 +5,7 @@ zero VGPR / SGPR spills for every kernel specialisation reached by the DSV4-Flas
 
 Compile-only: no AMD device runs anything here. The two archs compile in parallel subprocesses
 (no TRITON_INTERPRET: the interpreter replaces the jit functions). Full records (bf16 and fp32):
-benchmarks/results/rocm_aot_gfx942.json / _gfx950.json.
+benchmarks/results/aot-rocm-gfx942.json / aot-rocm-gfx950.json.
 """
 from __future__ import annotations
 

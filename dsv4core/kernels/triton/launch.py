@@ -41,8 +41,8 @@ class Tune(dict):
         self.module = module.rsplit(".", 1)[-1]
 
     def _table(self) -> Mapping:
-        table = _ACTIVE.get()
-        return (table or {}).get(self.module) or {}
+        entry = (_ACTIVE.get() or {}).get(self.module)
+        return entry if isinstance(entry, Mapping) else {}   # callables are resolved by the registry
 
     def get(self, key, default=None):
         if dict.__contains__(self, key):

@@ -67,6 +67,26 @@ def _on_device(pred, device_type: str):
     return supports
 
 
+def triton_backend_problem(backend: str, distribution: str, index: str) -> str:
+    """Why the installed Triton cannot compile for a vendor ("" if it can): not importable, or
+    without the vendor's compiler backend (``amd``, ``intel``) because upstream ``triton``
+    replaced the vendor's build. For a plugin's ``available()``; imports triton."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return (f"triton is not importable; the vendor's torch wheel brings it as {distribution!r} "
+                f"(reinstall that from the {index}, do not pip install upstream 'triton')")
+    import triton
+    import triton.backends
+
+    found = getattr(triton.backends, "backends", {})
+    if backend in found:
+        return ""
+    return (f"the installed triton {getattr(triton, '__version__', '?')} has no {backend!r} backend "
+            f"(backends: {', '.join(sorted(found)) or 'none'}): upstream triton replaced the vendor's; "
+            f"reinstall {distribution!r} from the {index}")
+
+
 def register_ops(backend, device_type: str, ops=None, launch=None, supports=None) -> None:
     """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``.
 

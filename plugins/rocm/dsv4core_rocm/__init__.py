@@ -21,7 +21,6 @@ the first kernel call, aiter at the first call of an aiter-served op.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
@@ -46,16 +45,10 @@ def _available():
     n = torch.cuda.device_count()
     if n == 0:
         return False, f"torch {torch.__version__} (HIP {hip}) sees no AMD GPU (torch.cuda.device_count() == 0)"
-    if importlib.util.find_spec("triton") is None:
-        return False, ("triton is not importable; the ROCm torch wheel brings it as 'pytorch-triton-rocm' "
-                       "(reinstall that, do not pip install upstream 'triton')")
-    import triton.backends
+    from dsv4core.kernels.triton.registry import triton_backend_problem
 
-    if "amd" not in getattr(triton.backends, "backends", {}):
-        return False, (f"the installed triton {getattr(triton, '__version__', '?')} has no 'amd' backend "
-                       f"(backends: {', '.join(sorted(triton.backends.backends)) or 'none'}); reinstall "
-                       f"'pytorch-triton-rocm' from the PyTorch ROCm index")
-    return True, ""
+    why = triton_backend_problem("amd", "pytorch-triton-rocm", "PyTorch ROCm index")
+    return (not why), why
 
 
 def arch_of(name: str) -> str:

@@ -4,7 +4,7 @@ Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64
 workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
 in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the H200 attention
 config needs more LDS than gfx942 has and spills hundreds of VGPRs; see
-benchmarks/results/rocm_aot_*.json for every kernel of every table below.
+benchmarks/results/aot-rocm-*.json for every kernel of every table below.
 
 How the entries were chosen: the largest tiles that compile for the arch with LDS within the
 limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot

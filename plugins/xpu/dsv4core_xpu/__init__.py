@@ -16,7 +16,6 @@ Cheap to import: no triton or kernel import here.
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
@@ -35,16 +34,10 @@ def _available():
                        f"torch from the PyTorch XPU wheel index")
     if not torch.xpu.is_available():
         return False, f"torch {torch.__version__} (XPU {xpu_ver}) sees no Intel GPU (torch.xpu.is_available() is False)"
-    if importlib.util.find_spec("triton") is None:
-        return False, ("triton is not importable; the XPU torch wheel brings Intel's build "
-                       "('pytorch-triton-xpu'); reinstall it, do not pip install upstream 'triton'")
-    import triton.backends
+    from dsv4core.kernels.triton.registry import triton_backend_problem
 
-    if "intel" not in getattr(triton.backends, "backends", {}):
-        return False, (f"the installed triton {getattr(triton, '__version__', '?')} has no 'intel' backend "
-                       f"(backends: {', '.join(sorted(triton.backends.backends)) or 'none'}): upstream triton "
-                       f"replaced Intel's; reinstall 'pytorch-triton-xpu' from the PyTorch XPU index")
-    return True, ""
+    why = triton_backend_problem("intel", "pytorch-triton-xpu", "PyTorch XPU index")
+    return (not why), why
 
 
 def make_backend(device_type: str = "xpu", available=None, launch=None) -> Backend:

@@ -8,7 +8,9 @@ stay near 40 KiB (16 heads x 32 rows x 512 channels, 2 stages). ``num_warps`` (s
 work-group) stays <= 8, far below ``max_num_sub_groups``.
 
 The sub-group keyword is ``warp_size`` in current Intel Triton and ``threads_per_warp`` in 3.3;
-:func:`resolve` keeps only the keywords the installed backend accepts. Not tuned on hardware:
+:func:`resolve` keeps only the keywords the installed backend accepts. (CUDA's Triton also has a
+``warp_size`` option, fixed at 32: a tool running this table on NVIDIA must drop it by name, as
+benchmarks/vendor_tables_on_cuda.py does.) Not tuned on hardware:
 compile-checked (SPIR-V, where triton-xpu installs) and run on an NVIDIA GPU with the XPU-only
 keywords removed.
 """
