@@ -45,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="small,flash")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ops", default=None)
+    ap.add_argument("--tables", default=None, help="comma-separated subset of rocm-gfx942,rocm-gfx950,rocm-other,xpu")
     ap.add_argument("--json", default="benchmarks/results/conformance-vendor-tables-h200.json")
     a = ap.parse_args(argv)
     from triton.runtime import driver
@@ -62,7 +63,10 @@ def main(argv=None):
                                           "xpu": list(XPU_ONLY)},
               "tables": {}}
     failed = False
+    chosen = a.tables.split(",") if a.tables else None
     for name, b in backends(accepted).items():
+        if chosen is not None and name not in chosen:
+            continue
         t0 = time.perf_counter()
         rep = run(b, ops=ops, shapes=a.shapes, dtypes=a.dtypes, device="cuda",
                   progress=lambda s, n=name: print(f"[{n}] {s}", flush=True))

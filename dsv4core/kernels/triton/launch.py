@@ -97,3 +97,23 @@ def _filter_entry(entry, accepted):
     if "launch" in entry:
         entry["launch"] = {k: v for k, v in entry["launch"].items() if k in accepted}
     return entry
+
+
+def activation(args, kwargs):
+    """The first floating-point tensor among an op's arguments (its activation input), or None.
+
+    For callable table entries that depend only on the activation's dtype or token count, so that
+    they keep working when an op gains or renames arguments."""
+    import torch
+
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    return None
+
+
+def is_f32(args, kwargs) -> bool:
+    import torch
+
+    x = activation(args, kwargs)
+    return x is not None and x.dtype == torch.float32

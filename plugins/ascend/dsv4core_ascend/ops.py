@@ -277,7 +277,14 @@ def moe_route(logits, topk, scaling, correction_bias=None, hash_ids=None):
 
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
     """Token-expert pairs sorted by expert (torch), two grouped GEMMs around npu_clipped_swiglu,
-    then the weighted combine in fp32 (torch)."""
+    then the weighted combine in fp32 (torch).
+
+    Layouts: npu_grouped_matmul takes the stacked weight as [E, K, N] (in, out), the transpose of
+    the HAL's [E, 2I, H] / [E, H, I] (made once per weight, as vllm-ascend does after loading)
+    [unverified on hardware]. DSV4's clamped SwiGLU is npu_clipped_swiglu with alpha 1, bias 0,
+    interleaved False (gate = first half). The vendor's npu_moe_init_routing_v2 /
+    npu_moe_finalize_routing would replace the torch permutation and combine; their schemas are
+    not wired here."""
     npu = _torch_npu()
     T, H = x.shape
     E = w13.shape[0]

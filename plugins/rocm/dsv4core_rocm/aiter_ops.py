@@ -152,7 +152,8 @@ def _wo_a_shape(o, weight, weight_scale=None) -> str:
 
 def _hc_pre(mhc_pre, x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     post, comb, y = mhc_pre(x.contiguous(), fn.contiguous(), scale.contiguous(), base.contiguous(),
-                            float(rms_eps), float(hc_eps), float(hc_eps), float(post_mult), int(iters))
+                            rms_eps=float(rms_eps), hc_pre_eps=float(hc_eps), hc_sinkhorn_eps=float(hc_eps),
+                            hc_post_mult_value=float(post_mult), sinkhorn_repeat=int(iters))
     return y, post.reshape(post.shape[0], post.shape[1]), comb
 
 

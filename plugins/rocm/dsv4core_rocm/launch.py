@@ -20,29 +20,36 @@ from __future__ import annotations
 
 import torch
 
+from dsv4core.kernels.triton.launch import activation, is_f32
+
+# Entries that depend on the call take (*args, **kwargs) and look only at the activation
+# (launch.activation), so they survive changes of the ops' other arguments.
+
 
 def _attention(bf16_rows: int, bf16_stages: int):
     """sparse_mqa_attention: 16 heads x ``bf16_rows`` kv rows per step for bf16, 16 x 16 with one
     stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows."""
-    def entry(q, kv, indices, sink, scale):
-        if q.dtype == torch.float32:
+    def entry(*args, **kwargs):
+        if is_f32(args, kwargs):
             return {"BH": 16, "BK": 16, "num_stages": 1, "launch": {"matrix_instr_nonkdim": 16}}
         return {"BH": 16, "BK": bf16_rows, "num_stages": bf16_stages, "launch": {"matrix_instr_nonkdim": 16}}
     return entry
 
 
-def _moe(q_bn: int, stages: int):
-    def entry(x, ids, weights, w13, w2, swiglu_limit):
-        f32 = x.dtype == torch.float32
-        return {"BN": 32 if f32 else q_bn, "BK": 32, "num_stages": 1 if f32 else stages}
+def _moe(bf16_bn: int, stages: int):
+    def entry(*args, **kwargs):
+        f32 = is_f32(args, kwargs)
+        return {"BN": 32 if f32 else bf16_bn, "BK": 32, "num_stages": 1 if f32 else stages}
     return entry
 
 
-def _wo_a(o, weight, weight_scale=None):
-    if o.dtype == torch.float32:
+def _wo_a(*args, **kwargs):
+    o = activation(args, kwargs)
+    if o is None or o.dtype == torch.float32:
         return {}
-    return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if weight_scale is not None else 64,
-            "num_warps": 4, "num_stages": 2}
+    fp8 = any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 for v in (*args, *kwargs.values()))
+    return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
+            "num_stages": 2}
 
 
 TABLES = {
@@ -59,7 +66,7 @@ TABLES = {
         "wo_a": _wo_a,
     },
     "other": {
-        "attention": lambda q, kv, indices, sink, scale: {"BH": 16, "BK": 16, "num_stages": 1},
+        "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1},
         "mhc": {"num_stages": 1},
         "moe": _moe(32, 1),
         "wo_a": _wo_a,

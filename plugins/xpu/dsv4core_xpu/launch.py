@@ -16,19 +16,17 @@ keywords removed.
 """
 from __future__ import annotations
 
-import torch
+from dsv4core.kernels.triton.launch import is_f32
 
 SUBGROUP_16 = {"warp_size": 16, "threads_per_warp": 16}
 
 
-def _attention(q, kv, indices, sink, scale):
-    f32 = q.dtype == torch.float32
-    return {"BH": 16, "BK": 16 if f32 else 32, "num_stages": 2, "launch": SUBGROUP_16}
+def _attention(*args, **kwargs):
+    return {"BH": 16, "BK": 16 if is_f32(args, kwargs) else 32, "num_stages": 2, "launch": SUBGROUP_16}
 
 
-def _moe(x, ids, weights, w13, w2, swiglu_limit):
-    f32 = x.dtype == torch.float32
-    return {"BN": 32, "BK": 32, "num_stages": 2 if f32 else 3, "launch": SUBGROUP_16}
+def _moe(*args, **kwargs):
+    return {"BN": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "launch": SUBGROUP_16}
 
 
 TABLE = {
