@@ -32,13 +32,25 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx1100": 64 * 1024}
 WARP_SIZE = {"gfx942": 64, "gfx950": 64, "gfx1100": 32}
 
 
+#: an Intel GPU as Intel's Triton describes one (sub-groups of 16 or 32, DPAS, 2-D block IO); the
+#: SLM gate is 64 KiB, assumed as the smallest current Intel GPU's per-work-group limit [unverified]
+XPU_PROPERTIES = {"architecture": 0, "sub_group_sizes": [16, 32], "max_num_sub_groups": 64,
+                  "has_subgroup_2d_block_io": True, "has_subgroup_matrix_multiply_accumulate": True,
+                  "has_subgroup_matrix_multiply_accumulate_tensor_float32": False}
+XPU_SLM_LIMIT = 64 * 1024
+
+
 def parse_target(text: str):
-    """``hip:gfx942`` -> GPUTarget("hip", "gfx942", 64)."""
+    """``hip:gfx942`` -> GPUTarget("hip", "gfx942", 64); ``xpu`` -> an Intel GPU target (needs
+    Intel's Triton)."""
     from triton.backends.compiler import GPUTarget
 
     backend, _, arch = text.partition(":")
+    if backend == "xpu":
+        return GPUTarget("xpu", dict(XPU_PROPERTIES), 16)
     if backend != "hip" or arch not in WARP_SIZE:
-        raise ValueError(f"aot: --target must be one of {', '.join('hip:' + a for a in WARP_SIZE)}, got {text!r}")
+        raise ValueError(f"aot: --target must be xpu or one of {', '.join('hip:' + a for a in WARP_SIZE)}, "
+                         f"got {text!r}")
     return GPUTarget("hip", arch, WARP_SIZE[arch])
 
 
@@ -143,7 +155,8 @@ def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
 
 
 def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, progress):
-    limit = LDS_LIMIT.get(target.arch)
+    xpu = target.backend == "xpu"
+    limit = XPU_SLM_LIMIT if xpu else LDS_LIMIT.get(target.arch)
     t0 = time.perf_counter()
     for dt in dtypes:
         for case in spec.sample_cases(shapes, dt, "cpu", seed=0):
@@ -167,9 +180,13 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                                 json.dumps(opts, sort_keys=True)))
                 if key in records:
                     continue
-                stats = _amdgcn_stats(kernel.asm.get("amdgcn", ""))
+                if xpu:   # SPIR-V: no native code, so no register / spill figures
+                    stats = {"spirv": "spv" in kernel.asm, "vgprs": None, "vgpr_spills": None, "sgpr_spills": None}
+                else:
+                    stats = _amdgcn_stats(kernel.asm.get("amdgcn", ""))
                 lds = int(meta.shared)
-                ok = (limit is None or lds <= limit) and not stats["vgpr_spills"] and not stats["sgpr_spills"]
+                ok = ((limit is None or lds <= limit) and not stats["vgpr_spills"] and not stats["sgpr_spills"]
+                      and stats.get("spirv", True))
                 records[key] = {"op": op, "kernel": jit.__name__, "case": case.name, "dtype": str(dt),
                                 "constexprs": cx, "signature": sig, "options": opts, "lds_bytes": lds, "lds_limit": limit,
                                 **stats, "ok": ok}

@@ -2,9 +2,10 @@
 
 Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64 KiB per
 workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
-in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the H200 attention
-config needs more LDS than gfx942 has and spills hundreds of VGPRs; see
-benchmarks/results/aot-rocm-*.json for every kernel of every table below.
+in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the kernels'
+own (H200-tuned) attention config, 16 heads x 64 rows x 2 stages, needs 69,632 B of LDS (gfx942
+has 65,536) and spills 436-449 VGPRs (benchmarks/results/aot-h200-defaults-gfx942-attention.json);
+with the tables below every kernel fits and spills nothing (benchmarks/results/aot-rocm-*.json).
 
 How the entries were chosen: the largest tiles that compile for the arch with LDS within the
 limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot

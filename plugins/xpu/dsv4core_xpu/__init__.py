@@ -55,6 +55,12 @@ def make_backend(device_type: str = "xpu", available=None, launch=None) -> Backe
     return b
 
 
+def aot_backend(arch: str = "") -> Backend:
+    """The backend on CPU tensors, for the ahead-of-time compile to SPIR-V with Intel's Triton
+    (``python -m dsv4core.kernels.triton.aot --target xpu --backend dsv4core_xpu:aot_backend``)."""
+    return make_backend("cpu", available=lambda: (True, ""))
+
+
 @hookimpl
 def dsv4core_register_backends(register):
     register(make_backend())
