@@ -33,7 +33,9 @@ def backends(accepted):
     # CUDA's Triton has a `warp_size` option too, with another meaning (32 lanes, fixed): the XPU
     # sub-group keywords are dropped by name, not only by what CUDA accepts
     xpu_accepted = frozenset(accepted) - set(XPU_ONLY)
-    out["xpu"] = dsv4core_xpu.make_backend("cuda", available=ok, launch=lambda: resolve(accepted=xpu_accepted))
+    for name, slm in (("xpu-slm64k", 64 * 1024), ("xpu-slm128k", 128 * 1024)):
+        out[name] = dsv4core_xpu.make_backend("cuda", available=ok,
+                                              launch=lambda s=slm: resolve(accepted=xpu_accepted, slm=s))
     return out
 
 
@@ -45,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="small,flash")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ops", default=None)
-    ap.add_argument("--tables", default=None, help="comma-separated subset of rocm-gfx942,rocm-gfx950,rocm-other,xpu")
+    ap.add_argument("--tables", default=None, help="comma-separated subset of rocm-gfx942,rocm-gfx950,rocm-other,xpu-slm64k,xpu-slm128k")
     ap.add_argument("--json", default="benchmarks/results/conformance-vendor-tables-h200.json")
     a = ap.parse_args(argv)
     from triton.runtime import driver

@@ -36,7 +36,7 @@ backends = {
     "rocm-gfx942": dsv4core_rocm.make_backend("cpu", arch=lambda: "gfx942", available=ok),
     "rocm-gfx950": dsv4core_rocm.make_backend("cpu", arch=lambda: "gfx950", available=ok),
     # the interpreter has no target: the XPU-only keywords are dropped, as on the H200 run
-    "xpu": dsv4core_xpu.make_backend("cpu", available=ok, launch=lambda: resolve(accepted=frozenset())),
+    "xpu": dsv4core_xpu.make_backend("cpu", available=ok, launch=lambda: resolve(accepted=frozenset(), slm=64 * 1024)),
 }
 ops = json.loads(sys.argv[3])
 out = {}

@@ -36,7 +36,8 @@ WARP_SIZE = {"gfx942": 64, "gfx950": 64, "gfx1100": 32}
 #: SLM gate is 64 KiB, assumed as the smallest current Intel GPU's per-work-group limit [unverified]
 XPU_PROPERTIES = {"architecture": 0, "sub_group_sizes": [16, 32], "max_num_sub_groups": 64,
                   "has_subgroup_2d_block_io": True, "has_subgroup_matrix_multiply_accumulate": True,
-                  "has_subgroup_matrix_multiply_accumulate_tensor_float32": False}
+                  "has_subgroup_matrix_multiply_accumulate_tensor_float32": False,
+                  "local_mem_size": 64 * 1024}
 XPU_SLM_LIMIT = 64 * 1024
 
 
