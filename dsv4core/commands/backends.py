@@ -22,9 +22,11 @@ def run(args) -> int:
         return 0
     rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-",
              f"{s.priority} (by name only)" if s.priority < 0 else s.priority,
-             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0, s.source)
+             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0,
+             s.validated or "-", s.source)
             for s in statuses]
-    print_table(("backend", "version", "devices", "priority", "available", "ops", "source"), rows)
+    print_table(("backend", "version", "devices", "priority", "available", "ops", "hardware validation", "source"),
+                rows)
     print("\n'auto' picks, per op, the available backend serving the device with the highest priority "
           "(ties: by name); a negative priority is used only when named.")
     return 0

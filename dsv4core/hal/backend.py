@@ -40,6 +40,8 @@ class Backend:
     reference backend has priority 0 and always comes last. A negative priority means "by name
     only": ``auto`` never picks the backend, ``backend=NAME`` / ``DSV4CORE_BACKEND`` / a per-op
     override do.
+    ``validated``: whether the backend has been validated on hardware (a recorded conformance
+    report, :mod:`dsv4core.hal.validation`), one line; ``""`` = not stated.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Backend:
     priority: int = 50
     available: Callable[[], tuple[bool, str]] = lambda: (True, "")
     description: str = ""
+    validated: str = ""
     impls: dict[str, Impl] = field(default_factory=dict)
     #: Optional device-graph capture for the device types this backend serves
     #: (see dsv4core.hal.graphs.GraphCapture).

@@ -34,6 +34,7 @@ class PluginStatus:
     priority: int = 0
     available: bool = False
     reason: str = ""               # why not available ("" when available)
+    validated: str = ""            # Backend.validated: recorded hardware validation ("" = not stated)
     backend: Backend | None = field(default=None, repr=False)
     error: BaseException | None = field(default=None, repr=False)
 
@@ -41,7 +42,7 @@ class PluginStatus:
         return {"name": self.name, "version": self.version, "source": self.source,
                 "api_version": ".".join(map(str, self.api_version)) if self.api_version else None,
                 "device_types": list(self.device_types), "priority": self.priority,
-                "available": self.available, "reason": self.reason,
+                "available": self.available, "reason": self.reason, "validated": self.validated,
                 "ops": sorted(self.backend.impls) if self.backend else []}
 
 
@@ -59,7 +60,7 @@ def _check_api(backend: Backend) -> str:
 def _status_for(backend: Backend, source: str) -> PluginStatus:
     st = PluginStatus(name=backend.name, source=source, version=backend.version,
                       api_version=tuple(backend.api_version), device_types=tuple(backend.device_types),
-                      priority=backend.priority, backend=backend)
+                      priority=backend.priority, backend=backend, validated=str(backend.validated or ""))
     st.reason = _check_api(backend)
     if not st.reason:
         try:

@@ -1,5 +1,5 @@
-"""Portable Triton kernels (written once; reused by the cuda plugin, the interpreter-mode CPU backend
-and later the rocm / xpu plugins).
+"""Portable Triton kernels (written once; reused by the cuda, rocm and xpu plugins and the
+interpreter-mode CPU backend, each with its own launch table: ``launch``).
 
 Importing this package is cheap: it imports neither triton nor any kernel module. ``registry``
 registers lazy wrappers (the kernel module, and triton with it, is imported on the first call) and

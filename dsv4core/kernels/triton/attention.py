@@ -13,10 +13,12 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, interp, rne, target_programs, to_out
+from .launch import Tune
 
 _CPU_PROGRAMS = 264  # under the interpreter; on a GPU: 2 per SM of the device
-#: launch-config overrides for tuning scripts (benchmarks/tune_triton.py); empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
+#: table (launch.py); the defaults are the kernels' own
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -133,13 +135,13 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     if S == 1:
         _smqa_kernel[(T, nhb, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
                                   float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=True, INTERP=interp(q), RNE=rne(o),
-                                  num_warps=nw, num_stages=ns)
+                                  num_warps=nw, num_stages=ns, **TUNE.options())
         return o
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(T, nhb, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
                               float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=False, INTERP=interp(q), RNE=rne(o),
-                              num_warps=nw, num_stages=ns)
-    _smqa_combine_kernel[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4)
+                              num_warps=nw, num_stages=ns, **TUNE.options())
+    _smqa_combine_kernel[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4, **TUNE.options())
     return o

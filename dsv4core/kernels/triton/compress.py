@@ -10,9 +10,10 @@ import triton
 import triton.language as tl
 
 from ._util import c, np2, cdiv, rne, to_out
+from .launch import Tune
 
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -83,5 +84,5 @@ def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     BD = min(TUNE.get("BD", BD), np2(DP))
     _compress_pool_kernel[(Wn, cdiv(DP, BD))](
         kv, score, ape, c(prev_kv) if has_prev else kv, c(prev_score) if has_prev else kv, out, DP,
-        M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=TUNE.get("num_warps", 4))
+        M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
     return out

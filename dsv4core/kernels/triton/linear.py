@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from ._util import interp, rne, target_programs, to_out
+from .launch import Tune
 from .predicates import _E8M0, cdiv
 
-#: launch-config overrides for tuning scripts (benchmarks/tune_triton.py); empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
+#: table (launch.py); the defaults are the kernels' own
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -148,11 +150,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB,
-                       EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns)
+                       EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns, **TUNE.options())
     if S > 1:
         R = M * G * N
         BLOCK = 1024
-        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, RNE=rne(out), num_warps=4)
+        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, RNE=rne(out), num_warps=4, **TUNE.options())
     return out
 
 

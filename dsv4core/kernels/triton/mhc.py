@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 
 from ._util import c, np2, cdiv, interp, rne, target_programs, to_out
+from .launch import Tune
 
 #: programs wanted under the interpreter (CPU); on a GPU: 2 per SM of the device
 _CPU_PROGRAMS = 264
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
+#: table (launch.py); the defaults are the kernels' own
+TUNE = Tune(__name__)
 
 
 # --------------------------------------------------------------------------------------------- hc_post
@@ -56,7 +58,7 @@ def hc_post(o, residual, post, comb):
     BLOCK = TUNE.get("post_BLOCK", BLOCK)
     nw = TUNE.get("post_num_warps", 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1))
     _hc_post_kernel[(T, cdiv(H, BLOCK))](o, residual, post, comb, out, H, N=n, NP=np2(n),
-                                         BLOCK=BLOCK, RNE=rne(out), num_warps=nw)
+                                         BLOCK=BLOCK, RNE=rne(out), num_warps=nw, **TUNE.options())
     return out
 
 
@@ -116,7 +118,7 @@ def _mix(x2, fn, M):
     ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
     _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
                              IEEE=x2.dtype == torch.float32 or interp(x2),
-                             num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3))
+                             num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3), **TUNE.options())
     return zp, ssp, S, MP
 
 
@@ -208,7 +210,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
                                          T, H, S, float(rms_eps), float(hc_eps), int(iters),
                                          float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
-                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1))
+                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
     return y, post, comb
 
 
@@ -246,5 +248,5 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
                                           float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
                                           BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,
-                                          num_warps=TUNE.get("epi_num_warps", 1))
+                                          num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
     return y

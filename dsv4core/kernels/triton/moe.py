@@ -23,10 +23,12 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, interp, rne, to_out
+from .launch import Tune
 from .predicates import _E8M0, _FP8
 
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
+#: table (launch.py); the defaults are the kernels' own
+TUNE = Tune(__name__)
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
@@ -315,11 +317,11 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu))](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        num_warps=nw, num_stages=ns)
+        num_warps=nw, num_stages=ns, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd))](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        num_warps=nw, num_stages=ns)
+        num_warps=nw, num_stages=ns, **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4)
+    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4, **TUNE.options())
     return out

@@ -6,10 +6,11 @@ import triton
 import triton.language as tl
 
 from ._util import c, np2, cdiv, rne, to_out
+from .launch import Tune
 
 _SINGLE_MAX = 8192  # rows up to this width stay in registers (one HBM read)
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -70,5 +71,5 @@ def rms_norm(x, weight, eps):
     ROWS = TUNE.get("ROWS", max(1, min(16, 8192 // BLOCK))) if single else 1
     nw = TUNE.get("num_warps", 4 if ROWS * BLOCK <= 2048 else 8)
     _rms_norm_kernel[(cdiv(R, ROWS),)](x2, w, y, R, D, float(eps), HAS_W=weight is not None,
-                                       ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw)
+                                       ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw, **TUNE.options())
     return y

@@ -7,6 +7,7 @@ import inspect
 import torch
 
 from . import OPS, predicates
+from .launch import _ACTIVE
 
 _mods: dict = {}
 
@@ -30,9 +31,14 @@ def _first_device(args, kwargs):
     return None
 
 
-def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str):
+def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launch=None):
     """A wrapper with the op's exact signature that imports the kernel module on first use and then
     rebinds itself to the kernel function (one extra Python call on the hot path).
+
+    ``launch``: the backend's launch table (launch.py), or a zero-argument callable returning it
+    (resolved at the first call: a plugin reads its device's arch only then). Its entry for the
+    kernel module is active while the kernel runs; an entry that is a callable is called with the
+    op's arguments and returns the entry for this call (e.g. other tiles for fp32 inputs).
 
     Device guard: Triton launches on the CURRENT device, so a call whose tensors live on another
     device of the same type (``cuda:1`` while ``cuda:0`` is current) runs with that device made
@@ -40,15 +46,27 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str):
     target = []
     accel = getattr(torch, device_type, None) if device_type != "cpu" else None
 
-    def impl(*args, **kwargs):
-        if not target:
-            target.append(getattr(_module(modname), op))
+    def run(fn, args, kwargs):
         if accel is not None:
             dev = _first_device(args, kwargs)
             if dev is not None and dev.index is not None and dev.index != accel.current_device():
                 with accel.device(dev):
-                    return target[0](*args, **kwargs)
-        return target[0](*args, **kwargs)
+                    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def impl(*args, **kwargs):
+        if not target:
+            fn, table = getattr(_module(modname), op), (launch() if callable(launch) else launch)
+            entry = (table or {}).get(modname)
+            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}]
+        fn, entry, static = target
+        if entry is None:
+            return run(fn, args, kwargs)
+        tok = _ACTIVE.set(static or {modname: entry(*args, **kwargs)})
+        try:
+            return run(fn, args, kwargs)
+        finally:
+            _ACTIVE.reset(tok)
 
     impl.__signature__ = sig
     impl.__name__ = impl.__qualname__ = op
@@ -77,12 +95,48 @@ def _on_device(pred, device_type: str):
     return supports
 
 
-def register_ops(backend, device_type: str, ops=None) -> None:
-    """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``."""
+def triton_backend_problem(backend: str, distribution: str, index: str) -> str:
+    """Why the installed Triton cannot compile for a vendor ("" if it can): not importable, or
+    without the vendor's compiler backend (``amd``, ``intel``) because upstream ``triton``
+    replaced the vendor's build. For a plugin's ``available()``; imports triton."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return (f"triton is not importable; the vendor's torch wheel brings it as {distribution!r} "
+                f"(reinstall that from the {index}, do not pip install upstream 'triton')")
+    import triton
+    import triton.backends
+
+    found = getattr(triton.backends, "backends", {})
+    if backend in found:
+        return ""
+    return (f"the installed triton {getattr(triton, '__version__', '?')} has no {backend!r} backend "
+            f"(backends: {', '.join(sorted(found)) or 'none'}): upstream triton replaced the vendor's; "
+            f"reinstall {distribution!r} from the {index}")
+
+
+def register_ops(backend, device_type: str, ops=None, launch=None, supports=None) -> None:
+    """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``.
+
+    ``launch``: the plugin's launch table, or a zero-argument callable returning it (see
+    :mod:`.launch`); None runs the kernels' own defaults. ``supports``: optional extra predicates
+    per op (same parameters as the op) that must also accept a call, e.g. a plugin declining a dtype
+    its target cannot run."""
     for op, modname in OPS.items():
         if ops is not None and op not in ops:
             continue
         pred = getattr(predicates, f"{op}_supports")
-        backend.add(op, _lazy(op, modname, inspect.signature(pred), device_type),
-                    supports=_on_device(pred, device_type), capturable=op not in HOST_SYNC,
+        extra = (supports or {}).get(op)
+        backend.add(op, _lazy(op, modname, inspect.signature(pred), device_type, launch),
+                    supports=_on_device(_both(pred, extra) if extra else pred, device_type),
+                    capturable=op not in HOST_SYNC,
                     native_quantized=True)  # no kernel here dequantises a weight copy
+
+
+def _both(pred, extra):
+    def both(*args, **kwargs):
+        return pred(*args, **kwargs) and extra(*args, **kwargs)
+
+    both.__signature__ = inspect.signature(pred)
+    both.__name__ = pred.__name__
+    return both

@@ -8,9 +8,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ._util import accurate, c, np2, cdiv, rne, to_out
+from .launch import Tune
 
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
         x, c(w) if w is not None else x, c(positions), c(inv_freq), y, RPT, D, D - 2 * half, half,
         float(eps), NORM=norm, HAS_W=w is not None, INVERSE=bool(inverse),
         ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), ROWPOS=rowpos, R=R,
-        num_warps=nw)
+        num_warps=nw, **TUNE.options())
     return y
 
 

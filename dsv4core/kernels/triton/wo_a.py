@@ -7,10 +7,11 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, interp, rne, to_out
+from .launch import Tune
 from .predicates import _E8M0
 
-#: launch-config overrides for tuning scripts; empty in normal use
-TUNE: dict = {}
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def wo_a(o, weight, weight_scale=None):
     if TUNE.get("gemv", False) and not scaled and T <= 4:
         BN, BK = TUNE.get("gBN", 32), TUNE.get("gBK", 256)
         _wo_a_gemv_kernel[(cdiv(R, BN), G)](o, weight, out, T, G, R, D, TP=triton.next_power_of_2(T), BN=BN,
-                                            BK=BK, RNE=rne(out), num_warps=TUNE.get("num_warps", 4))
+                                            BK=BK, RNE=rne(out), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
         return out
     e8 = scaled and _E8M0 is not None and weight_scale.dtype == _E8M0
     s = c(weight_scale) if scaled else o
@@ -133,5 +134,5 @@ def wo_a(o, weight, weight_scale=None):
     RB, DB = cdiv(R, 128), cdiv(D, 128)
     grid = (cdiv(T, BM), cdiv(R, BN), G)
     _wo_a_kernel[grid](o, weight, s, out, T, G, R, D, RB, DB, BM=BM, BN=BN, BK=BK, SCALE=scaled,
-                       E8M0=e8, F32=f32, INTERP=interp(o), RNE=rne(out), KSUB=KSUB, num_warps=nw, num_stages=ns)
+                       E8M0=e8, F32=f32, INTERP=interp(o), RNE=rne(out), KSUB=KSUB, num_warps=nw, num_stages=ns, **TUNE.options())
     return out

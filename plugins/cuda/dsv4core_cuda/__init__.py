@@ -35,11 +35,12 @@ def dsv4core_register_backends(register):
     from dsv4core.kernels.triton.registry import register_ops
 
     from . import providers
+    from .launch import current
 
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
                 priority=100, available=_available,
                 description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs; optional "
                             f"providers: {providers.describe()}",
                 graph_capture=CudaGraphCapture())
-    register_ops(b, "cuda")
+    register_ops(b, "cuda", launch=current)
     register(b)

@@ -1,0 +1,247 @@
+"""Ahead-of-time compile of every portable kernel for a GPU target that is not present.
+
+    python -m dsv4core.kernels.triton.aot --target hip:gfx942 [--table MODULE:ATTR] [--json out.json]
+
+Triton's stock wheel compiles for ``GPUTarget("hip", "gfx942", 64)`` on a CPU-only machine (no ROCm
+needed): it emits AMDGCN and an HSA code object and reports shared memory (LDS), VGPRs and spills.
+This module runs each op's conformance cases (shape set ``flash`` by default) through the op's
+Python launcher with the launches turned into compiles, so every kernel specialisation the
+launcher picks (with a plugin's launch table active) is compiled exactly as it would be on the
+device. Nothing runs: outputs are never read.
+
+Compile-only evidence: syntax, dtypes, resource use. Not a correctness or speed result.
+Must run in a process without ``TRITON_INTERPRET=1`` (the interpreter replaces the jit functions).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import re
+import sys
+import time
+
+import torch
+
+from . import OPS
+
+#: shared-memory (LDS) capacity per workgroup, bytes (CDNA3 / CDNA4 / RDNA3 ISA documents; the
+#: same figures aiter prunes its configs with)
+LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx1100": 64 * 1024}
+WARP_SIZE = {"gfx942": 64, "gfx950": 64, "gfx1100": 32}
+
+
+#: an Intel GPU as Intel's Triton describes one (sub-groups of 16 or 32, DPAS, 2-D block IO); the
+#: SLM gate is 64 KiB, assumed as the smallest current Intel GPU's per-work-group limit [unverified]
+XPU_PROPERTIES = {"architecture": 0, "sub_group_sizes": [16, 32], "max_num_sub_groups": 64,
+                  "has_subgroup_2d_block_io": True, "has_subgroup_matrix_multiply_accumulate": True,
+                  "has_subgroup_matrix_multiply_accumulate_tensor_float32": False,
+                  "local_mem_size": 64 * 1024}
+XPU_SLM_LIMIT = 64 * 1024
+
+
+def parse_target(text: str):
+    """``hip:gfx942`` -> GPUTarget("hip", "gfx942", 64); ``xpu`` -> an Intel GPU target (needs
+    Intel's Triton)."""
+    from triton.backends.compiler import GPUTarget
+
+    backend, _, arch = text.partition(":")
+    if backend == "xpu":
+        return GPUTarget("xpu", dict(XPU_PROPERTIES), 16)
+    if backend != "hip" or arch not in WARP_SIZE:
+        raise ValueError(f"aot: --target must be xpu or one of {', '.join('hip:' + a for a in WARP_SIZE)}, "
+                         f"got {text!r}")
+    return GPUTarget("hip", arch, WARP_SIZE[arch])
+
+
+class _FakeDriver:
+    """Just enough of a Triton driver for compiling: a target, device 0, stream 0."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@contextlib.contextmanager
+def _compile_only(target, sink: list):
+    """Every ``kernel[grid](...)`` compiles for ``target`` (appending (jit fn, compiled)) and returns."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    if not hasattr(JITFunction, "create_binder"):
+        raise RuntimeError("aot: this triton has no JITFunction.create_binder (needs triton >= 3.4 without TRITON_INTERPRET=1)")
+    orig_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        sink.append((self, kernel))
+        return kernel
+
+    prev = getattr(driver, "_active", None)
+    driver.set_active(_FakeDriver(target))
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = orig_run
+        driver._active = prev
+        for jit, _ in sink:   # their binders hold the fake target
+            jit.device_caches.clear()
+
+
+def _amdgcn_stats(asm: str) -> dict:
+    def num(pattern):
+        m = re.search(pattern, asm)
+        return int(m.group(1)) if m else None
+
+    return {"vgprs": num(r"; NumVgprs:\s*(\d+)"), "vgpr_spills": num(r"\.vgpr_spill_count:\s*(\d+)"),
+            "sgpr_spills": num(r"\.sgpr_spill_count:\s*(\d+)"), "scratch_bytes": num(r"; ScratchSize:\s*(\d+)")}
+
+
+def _constexprs(jit, kernel) -> dict:
+    """The kernel's constexpr arguments by name (what distinguishes its specialisations)."""
+    consts = getattr(getattr(kernel, "src", None), "constants", {}) or {}
+    out = {}
+    for k, v in consts.items():
+        idx = k[0] if isinstance(k, tuple) and len(k) == 1 else None
+        if not isinstance(idx, int) or idx >= len(jit.arg_names):
+            continue
+        out[jit.arg_names[idx]] = v if isinstance(v, (int, float, bool, str)) or v is None else str(v)
+    return out
+
+
+def _signature(kernel) -> dict:
+    sig = getattr(getattr(kernel, "src", None), "signature", {}) or {}
+    return {k: str(v) for k, v in sig.items() if str(v) != "constexpr"}
+
+
+def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
+                dtypes=(torch.bfloat16, torch.float32), ops=None, progress=None) -> list[dict]:
+    """Compile every kernel specialisation reached by the ops' ``shapes`` cases for ``target``.
+
+    Either ``table`` (a launch table: the kernels run through the registry's wrapper with it), or
+    ``backend``: a plugin's Backend built for CPU tensors, whose implementations are called only
+    for the cases its ``supports`` accepts (what the plugin would really launch). One record per
+    distinct compiled kernel: op, kernel, constexprs, options, LDS bytes, VGPRs, spills, LDS
+    limit, ok (LDS within the limit and zero VGPR / SGPR spills)."""
+    from dsv4core.hal import catalogue
+
+    specs = catalogue()
+    records: dict[str, dict] = {}
+    got: list = []
+    with _compile_only(target, got):
+        for op, modname in OPS.items():
+            if ops is not None and op not in ops:
+                continue
+            if backend is not None:
+                impl = backend.impls.get(op)
+                if impl is None:
+                    continue
+                fn, accept = impl.fn, impl.supports
+            else:
+                from .registry import _lazy   # the same wrapper a plugin's bound op runs through
+
+                fn, accept = _lazy(op, modname, specs[op].signature, "cpu", table), None
+            _compile_op(specs[op], op, fn, accept, target, shapes, dtypes, records, got, progress)
+    return list(records.values())
+
+
+def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, progress):
+    xpu = target.backend == "xpu"
+    limit = XPU_SLM_LIMIT if xpu else LDS_LIMIT.get(target.arch)
+    t0 = time.perf_counter()
+    for dt in dtypes:
+        for case in spec.sample_cases(shapes, dt, "cpu", seed=0):
+            if accept is not None and not accept(**case.kwargs):
+                continue
+            n0 = len(got)
+            try:
+                fn(**case.kwargs)
+            except Exception as e:  # noqa: BLE001 - a compile error is the result
+                records[f"{op}/{case.name}/{dt}"] = {
+                    "op": op, "kernel": "?", "case": case.name, "dtype": str(dt),
+                    "error": f"{type(e).__name__}: {str(e)[:400]}", "ok": False}
+                continue
+            for jit, kernel in got[n0:]:
+                meta = kernel.metadata
+                opts = {k: getattr(meta, k) for k in ("num_warps", "num_stages", "waves_per_eu",
+                                                      "matrix_instr_nonkdim") if hasattr(meta, k)}
+                cx = _constexprs(jit, kernel)
+                sig = _signature(kernel)
+                key = "|".join((jit.__name__, json.dumps(cx, sort_keys=True), json.dumps(sig, sort_keys=True),
+                                json.dumps(opts, sort_keys=True)))
+                if key in records:
+                    continue
+                if xpu:   # SPIR-V: no native code, so no register / spill figures
+                    stats = {"spirv": "spv" in kernel.asm, "vgprs": None, "vgpr_spills": None, "sgpr_spills": None}
+                else:
+                    stats = _amdgcn_stats(kernel.asm.get("amdgcn", ""))
+                lds = int(meta.shared)
+                ok = ((limit is None or lds <= limit) and not stats["vgpr_spills"] and not stats["sgpr_spills"]
+                      and stats.get("spirv", True))
+                records[key] = {"op": op, "kernel": jit.__name__, "case": case.name, "dtype": str(dt),
+                                "constexprs": cx, "signature": sig, "options": opts, "lds_bytes": lds, "lds_limit": limit,
+                                **stats, "ok": ok}
+    if progress:
+        progress(f"{op}: {sum(r['op'] == op for r in records.values())} kernels compiled "
+                 f"in {time.perf_counter() - t0:.1f}s")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4core.kernels.triton.aot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="hip:gfx942, hip:gfx950 or hip:gfx1100")
+    ap.add_argument("--table", default=None,
+                    help="launch table as MODULE:ATTR (a dict, or a callable taking no argument), "
+                         "e.g. dsv4core_rocm.launch:TABLES.gfx942; default: the kernels' own defaults")
+    ap.add_argument("--backend", default=None,
+                    help="a plugin's backend as MODULE:FACTORY, FACTORY(arch) returning a Backend for CPU "
+                         "tensors, e.g. dsv4core_rocm:aot_backend (only the cases it accepts are compiled)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--shapes", default="flash")
+    ap.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    ap.add_argument("--json", default=None, help="write the records here")
+    a = ap.parse_args(argv)
+    target = parse_target(a.target)
+    table = None
+    if a.table:
+        modname, _, attr = a.table.partition(":")
+        obj = importlib.import_module(modname)
+        for part in filter(None, attr.split(".")):
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        table = obj() if callable(obj) else obj
+    backend = None
+    if a.backend:
+        modname, _, attr = a.backend.partition(":")
+        backend = getattr(importlib.import_module(modname), attr)(target.arch)
+    ops = a.ops.split(",") if a.ops else None
+    dtypes = tuple(getattr(torch, d) for d in a.dtypes.split(","))
+    recs = compile_all(target, table, backend=backend, shapes=a.shapes, dtypes=dtypes, ops=ops,
+                       progress=lambda s: print(s, file=sys.stderr))
+    for r in recs:
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['op']:22s} {r['kernel']:24s} LDS {r.get('lds_bytes', '-')}"
+              f"/{r.get('lds_limit', '-')} VGPR {r.get('vgprs', '-')} spills {r.get('vgpr_spills', '-')}"
+              f"{'  ' + r['error'] if 'error' in r else ''}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"target": a.target, "table": a.table, "backend": a.backend, "shapes": a.shapes,
+                       "dtypes": a.dtypes, "triton": _triton_version(), "kernels": recs}, f, indent=1)
+    return 0 if all(r["ok"] for r in recs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

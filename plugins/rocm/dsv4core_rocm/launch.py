@@ -1,0 +1,80 @@
+"""ROCm launch tables for the portable Triton kernels, per arch (see dsv4core.kernels.triton.launch).
+
+Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64 KiB per
+workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
+in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the kernels'
+own (H200-tuned) attention config, 16 heads x 64 rows x 2 stages, needs 69,632 B of LDS (gfx942
+has 65,536) and spills 436-449 VGPRs (benchmarks/results/aot-h200-defaults-gfx942-attention.json);
+with the tables below every kernel fits and spills nothing (benchmarks/results/aot-rocm-*.json).
+
+How the entries were chosen: the largest tiles that compile for the arch with LDS within the
+limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot
+--target hip:<arch> --table dsv4core_rocm.launch:TABLES.<arch>``; tests/test_rocm_aot.py keeps
+that true). Compile-checked only: nothing here was timed on AMD hardware, so the AMD-only
+keywords are the conservative ones (``waves_per_eu`` 0 = compiler's choice is NOT set, MFMA
+16x16 where the kernel's tile is 16 rows). Vendor CI tunes these with timings.
+
+"other" (e.g. gfx90a, gfx1100 RDNA with 32-lane waves): small tiles and one stage, which fit any
+64 KiB LDS; no AMD-only keywords (their meaning differs per generation).
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4core.kernels.triton.launch import activation, is_f32
+
+# Entries that depend on the call take (*args, **kwargs) and look only at the activation
+# (launch.activation), so they survive changes of the ops' other arguments.
+
+
+def _attention(bf16_rows: int, bf16_stages: int):
+    """sparse_mqa_attention: 16 heads x ``bf16_rows`` kv rows per step for bf16, 16 x 16 with one
+    stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows."""
+    def entry(*args, **kwargs):
+        if is_f32(args, kwargs):
+            return {"BH": 16, "BK": 16, "num_stages": 1, "launch": {"matrix_instr_nonkdim": 16}}
+        return {"BH": 16, "BK": bf16_rows, "num_stages": bf16_stages, "launch": {"matrix_instr_nonkdim": 16}}
+    return entry
+
+
+def _moe(bf16_bn: int, stages: int):
+    def entry(*args, **kwargs):
+        f32 = is_f32(args, kwargs)
+        bn = 32 if f32 else bf16_bn          # the up (gate|up) and down GEMM tiles alike
+        return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages}
+    return entry
+
+
+def _wo_a(*args, **kwargs):
+    o = activation(args, kwargs)
+    if o is None or o.dtype == torch.float32:
+        return {}
+    fp8 = any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 for v in (*args, *kwargs.values()))
+    return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
+            "num_stages": 2}
+
+
+TABLES = {
+    "gfx942": {
+        "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
+        "mhc": {"num_stages": 1},
+        "moe": _moe(64, 1),
+        "wo_a": _wo_a,
+    },
+    "gfx950": {
+        "attention": _attention(32, 1),     # 64 KiB; BK 32 x 2 stages spills SGPRs, BK 64 x 2 needs 132 KiB and spills 400 VGPRs
+        "mhc": {"num_stages": 2},
+        "moe": _moe(64, 2),
+        "wo_a": _wo_a,
+    },
+    "other": {
+        "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1},
+        "mhc": {"num_stages": 1},
+        "moe": _moe(32, 1),
+        "wo_a": _wo_a,
+    },
+}
+
+
+def table_for(arch: str) -> dict:
+    return TABLES.get(arch, TABLES["other"])

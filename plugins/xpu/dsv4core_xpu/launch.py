@@ -1,0 +1,82 @@
+"""The XPU launch table for the portable Triton kernels (see dsv4core.kernels.triton.launch).
+
+Intel GPUs run Triton programs as work-groups of sub-groups; DPAS (the matrix engine) needs
+sub-group size 16, so the kernels with ``tl.dot`` (attention, mhc mixes, wo_a, moe) ask for 16
+(Intel's Triton also forces 16 where it lowers a dot to DPAS). ``num_warps`` (sub-groups per
+work-group) stays <= 8, far below ``max_num_sub_groups``.
+
+Shared local memory (SLM) per work-group differs per device, so attention's tile is chosen from
+the device's ``local_mem_size`` when the table is resolved (the first kernel call). Compiled by
+triton-xpu 3.3.0b1 (benchmarks/results/aot-xpu-spirv-*.json), bf16 attention needs 100,384 B of
+SLM with 16 heads x 32 rows, 66,624 B with 16 x 16, 49,680 B with 8 x 16 (fp32, 16 x 16: 65,536 B;
+num_stages does not change it there). With 8 heads the dot may leave DPAS for FMA: a device with
+less than 66,624 B of SLM gets correctness first, speed later.
+
+The sub-group keyword is ``warp_size`` in current Intel Triton and ``threads_per_warp`` in 3.3;
+:func:`resolve` keeps only the keywords the installed backend accepts. (CUDA's Triton also has a
+``warp_size`` option, fixed at 32: a tool running this table on NVIDIA must drop it by name, as
+benchmarks/vendor_tables_on_cuda.py does.) Not tuned on hardware:
+compile-checked (SPIR-V, where triton-xpu installs) and run on an NVIDIA GPU with the XPU-only
+keywords removed.
+"""
+from __future__ import annotations
+
+from dsv4core.kernels.triton.launch import is_f32
+
+SUBGROUP_16 = {"warp_size": 16, "threads_per_warp": 16}
+
+
+#: (SLM bytes needed, bf16 tile) from the largest tile down; see the module docstring
+_ATTENTION_BF16 = ((100_384, {"BH": 16, "BK": 32}), (66_624, {"BH": 16, "BK": 16}), (0, {"BH": 8, "BK": 16}))
+
+
+def _attention_for(slm: int):
+    bf16 = next(tile for need, tile in _ATTENTION_BF16 if slm >= need)
+    bh_f32 = 16 if slm >= 65_536 else 8
+
+    def entry(*args, **kwargs):
+        tile = {"BH": bh_f32, "BK": 16} if is_f32(args, kwargs) else bf16
+        return {**tile, "num_stages": 2, "launch": SUBGROUP_16}
+    return entry
+
+
+def _moe(*args, **kwargs):
+    return {"BNu": 32, "BNd": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "launch": SUBGROUP_16}
+
+
+def table(slm: int) -> dict:
+    """The XPU table for a device with ``slm`` bytes of shared local memory per work-group."""
+    return {
+        "attention": _attention_for(slm),
+        "mhc": {"launch": SUBGROUP_16},
+        "wo_a": {"launch": SUBGROUP_16},
+        "moe": _moe,
+    }
+
+
+def device_slm(target=None) -> int:
+    """``local_mem_size`` of XPU device 0, else the Triton target's, else 64 KiB."""
+    import torch
+
+    if getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        return int(torch.xpu.get_device_properties(0).local_mem_size)
+    arch = getattr(target, "arch", None)
+    if isinstance(arch, dict) and arch.get("local_mem_size"):
+        return int(arch["local_mem_size"])
+    return 64 * 1024
+
+
+def resolve(accepted=None, slm=None) -> dict:
+    """The table for the current device, with launch keywords restricted to what the current
+    Triton target accepts (read at the first kernel call on the device; ``accepted`` / ``slm``
+    override, for tests and tools)."""
+    from dsv4core.kernels.triton.launch import accepted_options, for_target
+
+    target = None
+    if accepted is None or slm is None:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    if accepted is None:
+        accepted = accepted_options(target)
+    return for_target(table(device_slm(target) if slm is None else slm), accepted)
