@@ -16,7 +16,7 @@ if [ "$what" = e2e ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
   timeout 420 python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
     --backend cuda --combos 1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192 \
-    --steps 16 --warmup 3 --peer --peer-combos 1x1024,8x1024,32x1024 --time-budget 300 \
+    --steps 16 --warmup 3 --peer --peer-combos 1x1024,8x1024,32x1024 --time-budget 240 \
     --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -40
 else
   timeout 330 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \

@@ -151,7 +151,9 @@ def _moe_route_limits(logits, topk, scaling, correction_bias=None, hash_ids=None
     return ""
 
 
-def _moe_experts_limits(x, ids, weights, w13, w2, swiglu_limit):
+def _moe_experts_limits(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    if w13_scale is not None or w2_scale is not None:
+        return "quantised experts (FP8 / FP4 + scales) are not wired to npu_grouped_matmul here"
     if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
         return f"npu_grouped_matmul path is bf16 (x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype})"
     if x.shape[0] == 0 or ids.numel() == 0:
@@ -275,7 +277,7 @@ def moe_route(logits, topk, scaling, correction_bias=None, hash_ids=None):
     return y / (y.sum(-1, keepdim=True) + 1e-20) * float(scaling), ids.to(torch.int32)
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit):
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     """Token-expert pairs sorted by expert (torch), two grouped GEMMs around npu_clipped_swiglu,
     then the weighted combine in fp32 (torch).
 
