@@ -23,4 +23,6 @@ else
     --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -45
   timeout 200 python3 benchmarks/bench_model.py --configs mid --backend cuda --device cuda --dtype bfloat16 \
     --batch 32 --prompt 1024 --json 2>&1 > "$OUT/bench-model-mid-h200.json" | tail -5; tail -c 1500 "$OUT/bench-model-mid-h200.json"
+  timeout 150 python3 benchmarks/vendor_tables_on_cuda.py --shapes small \
+    --json "$OUT/conformance-vendor-tables-h200.json" 2>&1 | tail -8
 fi
