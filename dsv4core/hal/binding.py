@@ -50,7 +50,6 @@ class OpBinding:
     call: Callable = field(repr=False)
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
     impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
-    chain: tuple = field(default=(), repr=False)          # implementations a call may reach, in order
     verify: VerifyStats | None = None   # verify-mode counts (None: verify mode off)
 
     @property
@@ -115,20 +114,18 @@ class OpTable:
         return bool(b.impl is not None and b.impl.native_quantized)
 
     def capturable(self, op_names=None) -> dict[str, str]:
-        """Ops (all, or ``op_names``) that cannot be recorded in a device graph, with the reason:
-        ``{}`` means every one can. An op is capturable when every implementation its call may
-        reach (the serving one and, behind a ``supports`` predicate, the fallbacks) declares
-        ``capturable=True``."""
+        """Ops (all, or ``op_names``) whose SERVING implementation is not declared capturable
+        (``Backend.add(..., capturable=True)``), with the reason: ``{}`` means every one is. A
+        call that the serving implementation's ``supports`` hands down the chain while a graph is
+        being recorded runs the fallback inside the recording; if that one is not capturable the
+        recording fails and the caller runs the step eagerly (the model reports why)."""
         out = {}
         for name in (self.bindings if op_names is None else op_names):
             b = self.bindings[name]
-            chain = b.chain or ((b.impl,) if b.impl is not None else ())
-            if not chain:
+            if b.impl is None:
                 out[name] = "bound by hand (no implementation record)"
-                continue
-            bad = [i.backend for i in chain if not i.capturable]
-            if bad:
-                out[name] = f"implementation of {', '.join(repr(x) for x in bad)} not declared capturable"
+            elif not b.impl.capturable:
+                out[name] = f"implementation of {b.impl.backend!r} not declared capturable"
         return out
 
     def report(self) -> list[dict[str, Any]]:
@@ -295,8 +292,7 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             # explicitly (or per op) that cannot serve an op is worth a warning.
             explicit = backend != "auto" or op_name in override_map
             log.log(logging.WARNING if policy == "warn" and explicit else logging.INFO, msg)
-        reach = tuple(chain) if chain[0].supports is not None else (chain[0],)
-        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0], chain=reach)
+        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0])
         binding.call = _make_call(spec, chain, policy, binding, check)
         bindings[op_name] = binding
     return OpTable(device_type, policy, bindings)

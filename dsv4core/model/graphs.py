@@ -15,9 +15,13 @@ declares itself capturable (`OpTable.capturable()`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .modules import Step
+
+log = logging.getLogger("dsv4core.model")
 
 
 class DecodeGraphs:
@@ -29,7 +33,8 @@ class DecodeGraphs:
         self.buckets = tuple(sorted({int(b) for b in buckets if int(b) >= 1}))
         self.graphs: dict[tuple, tuple] = {}   # (bucket, context) -> (replay, static inputs, static logits)
         self.replays = 0
-        self.eager = 0                          # decode steps larger than the largest bucket
+        self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
+        self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why
 
     def bucket(self, B: int) -> int | None:
         for b in self.buckets:
@@ -67,8 +72,18 @@ class DecodeGraphs:
             self.eager += 1
             return None
         key = (b, self.context_bucket(int(pos.max()) + 1))
+        if key in self.failed:
+            self.eager += 1
+            return None
         if key not in self.graphs:
-            self.graphs[key] = self._record(*key)
+            try:
+                self.graphs[key] = self._record(*key)
+            except Exception as e:  # e.g. a fallback that synchronises was reached while recording
+                self.failed[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                log.warning("decode graph for batch bucket %d, context %d not recorded (%s); running eagerly",
+                            b, key[1], self.failed[key])
+                self.eager += 1
+                return None
         replay, inputs, logits = self.graphs[key]
         host = torch.zeros(4, b, dtype=torch.int64)
         host[0, :B], host[1, :B], host[2, :B], host[3, :B] = ids, pos, slot, 1
