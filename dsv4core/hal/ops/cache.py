@@ -29,14 +29,15 @@ def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
     valid = idx >= 0
     # Skipped rows are redirected to the first valid destination carrying that destination's own
     # value (or to row 0 carrying row 0's current value when none is valid), so every duplicate
-    # destination receives identical bits whatever order the writes land in.
-    first = torch.argmax(valid.to(torch.int8))
-    any_valid = valid[first]
+    # destination receives identical bits whatever order the writes land in. One-element index
+    # tensors throughout: indexing with a 0-dim tensor would read it back to the host.
+    first = torch.argmax(valid.to(torch.int8)).reshape(1)
+    any_valid = valid.index_select(0, first)                                   # [1]
     src = rows.to(pool.dtype)
-    fallback_idx = torch.where(any_valid, idx[first], torch.zeros_like(idx[first]))
-    fallback_row = torch.where(any_valid, src[first], pool[0])
+    fallback_idx = torch.where(any_valid, idx.index_select(0, first), torch.zeros_like(first))
+    fallback_row = torch.where(any_valid[:, None], src.index_select(0, first), pool[:1])
     tgt = torch.where(valid, idx, fallback_idx)
-    val = torch.where(valid[:, None], src, fallback_row[None, :])
+    val = torch.where(valid[:, None], src, fallback_row)
     pool.index_copy_(0, tgt, val)
     return None
 
