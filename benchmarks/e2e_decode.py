@@ -207,7 +207,11 @@ def ours_combo(model, B: int, ctx: int, a, dev: torch.device) -> list[dict]:
             finally:
                 model.use_graphs = True
             replays = getattr(model._graphs, "replays", 0) - r0
+            failed = dict(getattr(model._graphs, "failed", {}) or {})
+            if mode == "graph" and failed:
+                log(f"  graph recording failed: {failed}")
             rows.append(dict(mode=mode, prefill_tok_s=pre_tok_s, graph_status=status, graph_replays=replays,
+                             graph_failures={f"{k[0]}x{k[1]}": v for k, v in failed.items()},
                              graphs=list(getattr(model._graphs, "graphs", {})) if mode == "graph" else [],
                              cache_bytes=model.cache.bytes_report(), **res))
         return rows

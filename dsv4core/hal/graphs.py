@@ -3,9 +3,10 @@
 A backend plugin may provide graph capture for the device types it serves
 (``Backend(graph_capture=...)``): an object with
 
-    capture(fn, device) -> (replay, outputs)
+    new_pool(device) -> pool                      # memory the graphs of one owner share
+    capture(fn, device, pool=None) -> (replay, outputs)
 
-which warms ``fn`` up (on the device's side stream, so lazy initialisation and kernel compilation
+``capture`` warms ``fn`` up (on the device's side stream, so lazy initialisation and kernel compilation
 happen outside the recording), records one call of ``fn`` and returns a callable replaying it plus
 the outputs of the recorded call (their storage is reused by every replay). The model core
 asks :func:`graph_capture` for the device it runs on; whether the *ops* bound for that device
@@ -18,7 +19,9 @@ from typing import Any, Callable, Protocol
 
 
 class GraphCapture(Protocol):
-    def capture(self, fn: Callable[[], Any], device) -> tuple[Callable[[], None], Any]: ...
+    def new_pool(self, device) -> Any: ...
+
+    def capture(self, fn: Callable[[], Any], device, pool: Any = None) -> tuple[Callable[[], None], Any]: ...
 
 
 def graph_capture(device_type: str) -> tuple[GraphCapture | None, str]:

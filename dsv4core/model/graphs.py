@@ -35,6 +35,7 @@ class DecodeGraphs:
         self.replays = 0
         self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
         self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why
+        self.pool = None                        # the memory these graphs share (made at the first recording)
 
     def bucket(self, B: int) -> int | None:
         for b in self.buckets:
@@ -59,8 +60,10 @@ class DecodeGraphs:
 
     def _record(self, b: int, ctx: int):
         inputs = torch.zeros(4, b, dtype=torch.int64, device=self.model.device)   # valid = 0: padding only
+        if self.pool is None:
+            self.pool = self.capture.new_pool(self.model.device)
         replay, logits = self.capture.capture(lambda: self.model._forward(self._step(inputs, b, ctx)),
-                                              self.model.device)
+                                              self.model.device, self.pool)
         return replay, inputs, logits
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:

@@ -6,13 +6,14 @@ import torch
 
 
 class CudaGraphCapture:
-    """torch.cuda graphs; one memory pool shared by every graph this object records (replays
-    of different graphs never overlap: one model steps one batch at a time)."""
+    """torch.cuda graphs. The caller passes the memory pool its graphs share (``new_pool()``):
+    graphs replayed one at a time may share one; a pool is never reused once the graphs recorded
+    into it are gone."""
 
-    def __init__(self) -> None:
-        self.pool = None
+    def new_pool(self, device):
+        return torch.cuda.graph_pool_handle()
 
-    def capture(self, fn, device):
+    def capture(self, fn, device, pool=None):
         device = torch.device(device)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -20,9 +21,7 @@ class CudaGraphCapture:
             for _ in range(2):          # warm-up: lazy packing, Triton compilation, library handles
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=pool):
             out = fn()
         return g.replay, out
