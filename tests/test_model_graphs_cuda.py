@@ -36,7 +36,12 @@ def test_graph_replayed_decode_equals_eager(backend):
         pytest.skip(f"graphs off for backend {backend!r}: {status}")
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
     graph = _run(model, prompts, 40)
-    assert model._graphs.replays == 40
+    assert model._graphs.replays == 40 and not model._graphs.failed
+    # a new cache (its graphs recorded afresh, in a fresh memory pool) decodes the same
+    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024)
+    again = _run(model, prompts, 40)
+    assert model._graphs.replays == 40 and not model._graphs.failed
+    assert torch.equal(again, graph)
     model.use_graphs = False
     eager = _run(model, prompts, 40)
     scale = eager.abs().max()
