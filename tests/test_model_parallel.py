@@ -30,7 +30,7 @@ REL = 1e-5
 TIMEOUT_S = 30          # gloo collective timeout: a rank that fails makes the others fail in <= 30 s
 
 LAYOUTS = {  # world size -> [(config name, tp, ep)]
-    2: [("A", 2, 1), ("tiny", 1, 2)],
+    2: [("A", 2, 1), ("tiny", 1, 2), ("official", 2, 1)],   # official: a quantised checkpoint, read then cut
     4: [("tiny", 2, 2), ("B", 4, 1)],
 }
 CONFIGS = {"tiny": TINY_CONFIG, "A": CONFIG_A, "B": CONFIG_B}
@@ -46,13 +46,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _check_layout(name: str, tp: int, ep: int, rank: int) -> dict:
-    kw = CONFIGS[name]
-    V = kw["vocab_size"]
+def _check_layout(name: str, tp: int, ep: int, rank: int, out_dir: str) -> dict:
+    if name == "official":
+        import dsv4core
+
+        path = os.path.join(out_dir, "official")
+        ref = dsv4core.load_model(path, backend="reference", dtype="float32")
+        par = dsv4core.load_model(path, backend="reference", dtype="float32", tp=tp, ep=ep)
+        V = TINY_CONFIG["vocab_size"]
+    else:
+        kw = CONFIGS[name]
+        V = kw["vocab_size"]
+        ref = build_model(kw, backend="reference", seed=5)
+        par = build_model(kw, backend="reference", seed=5, tp=tp, ep=ep)
     g = torch.Generator().manual_seed(7)
     seq = torch.randint(0, V, (44,), generator=g).tolist()
-    ref = build_model(kw, backend="reference", seed=5)
-    par = build_model(kw, backend="reference", seed=5, tp=tp, ep=ep)
     assert par.parallel.tp == tp and par.parallel.ep == ep and par.parallel.rank == rank
     full = ref.logits(seq)
     got = par.logits(seq)
@@ -80,7 +88,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
-        res = [_check_layout(name, tp, ep, rank) for name, tp, ep in LAYOUTS[world]]
+        res = [_check_layout(name, tp, ep, rank, out_dir) for name, tp, ep in LAYOUTS[world]]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
@@ -93,6 +101,12 @@ def _spawn(fn, world: int, tmp_path, *extra) -> None:
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_parallel_equals_single_process(world, tmp_path):
+    if any(name == "official" for name, _, _ in LAYOUTS[world]):
+        from dsv4core.checkpoint.writer import write_official
+
+        m = build_model(TINY_CONFIG, backend="reference", seed=5)
+        write_official(m.state_dict(), m.config.to_hf_dict(), tmp_path / "official", reference=False,
+                       max_shard_bytes=400_000)
     _spawn(_worker, world, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for per_layout in zip(*ranks):
@@ -204,3 +218,28 @@ def test_shards_have_model_shapes_and_reassemble(kw):
             back = parts[0]
         assert torch.equal(back, t), name
     assert I % 4 == 0
+
+
+def test_fp8_block_scales_are_cut_with_their_weights():
+    cfg = DSV4Config.from_dict(TINY_CONFIG)          # q_b_proj [h*d = 256, 32]: 128 rows a tp=2 rank
+    w = torch.randn(256, 32)
+    sc = torch.tensor([[2.0], [4.0]])                # [256/128, ceil(32/128)]
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    for rank in range(2):
+        sd = shard_state_dict({name: w, name + "_scale_inv": sc}, cfg, Parallel(tp=2, rank=rank))
+        assert torch.equal(sd[name], w[rank * 128:(rank + 1) * 128])
+        assert torch.equal(sd[name + "_scale_inv"], sc[rank:rank + 1])
+    # o_b_proj [H, G*R = 32]: a tp=2 cut at column 16 splits a 128-column scale block
+    ob = "model.layers.0.self_attn.o_b_proj.weight"
+    with pytest.raises(ParallelError, match="does not fall on 128-element scale blocks"):
+        shard_state_dict({ob: torch.randn(64, 32), ob + "_scale_inv": torch.ones(1, 1)}, cfg, Parallel(tp=2, rank=0))
+
+
+def test_generate_cli_with_tp_outside_torchrun_is_a_clear_error(monkeypatch, capsys):
+    from dsv4core.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    rc = main(["generate", "--model", "tiny", "--tp", "2", "--input-ids", "1,2", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tp=2 ep=1 needs 2 processes" in err and "torchrun --nproc-per-node 2" in err

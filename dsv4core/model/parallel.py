@@ -227,15 +227,16 @@ def _rule(name: str, cfg: DSV4Config, par: Parallel) -> list[tuple[int, int, int
     return None
 
 
-def _cut(t: torch.Tensor, rule: list[tuple[int, int, int]], block: int = 1) -> torch.Tensor:
+def _cut(t: torch.Tensor, rule: list[tuple[int, int, int]], block: int = 1,
+         weight_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Apply a rule (in weight coordinates) to `t` (spans of one dim are joined in order); with
-    block > 1, `t` is a block-scale grid of `block` weight elements a cell and every cut must
-    fall on a block boundary (or at the end of the weight). Returns a new tensor."""
+    block > 1, `t` is the block-scale grid of a weight of `weight_shape`, `block` weight elements
+    a cell, and every cut must fall on a block boundary (or at the end of the weight). Returns a
+    new tensor."""
     by_dim: dict[int, list[tuple[int, int]]] = {}
     for dim, a, b in rule:
         if block > 1:
-            last = _cdiv(b, block) == t.shape[dim]
-            if a % block or (b % block and not last):
+            if a % block or (b % block and b != weight_shape[dim]):
                 raise ParallelError(f"cut {a}:{b} of dim {dim} does not fall on {block}-element scale blocks")
             a, b = a // block, _cdiv(b, block)
         by_dim.setdefault(dim, []).append((a, b))
@@ -254,8 +255,11 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: DSV4Config, par: 
     out = {}
     for name, t in state_dict.items():
         if name.endswith("weight_scale_inv"):
-            rule = _rule(name[: -len("_scale_inv")], cfg, par)
-            out[name] = t if rule is None else _cut(t, rule, FP8_BLOCK)
+            wname = name[: -len("_scale_inv")]
+            rule = _rule(wname, cfg, par)
+            if rule is not None and wname not in state_dict:
+                raise ParallelError(f"{name}: a block scale without its weight {wname!r} in the state dict")
+            out[name] = t if rule is None else _cut(t, rule, FP8_BLOCK, tuple(state_dict[wname].shape))
             continue
         rule = _rule(name, cfg, par)
         out[name] = t if rule is None else _cut(t, rule)
