@@ -34,6 +34,10 @@ LAYOUTS = {  # world size -> [(config name, tp, ep)]
     4: [("tiny", 2, 2), ("B", 4, 1)],
 }
 CONFIGS = {"tiny": TINY_CONFIG, "A": CONFIG_A, "B": CONFIG_B}
+# tiny with cuts on quantisation-block boundaries at tp=2 x ep=2 (q_b_proj 128 rows, o_b_proj 128
+# columns, shared expert 128 rows a rank for the FP8 128x128 blocks; routed experts 256 of their
+# intermediate size for the FP4 32-groups), so an official (quantised) checkpoint can be cut
+ALIGNED = {**TINY_CONFIG, "o_lora_rank": 128, "moe_intermediate_size": 512}
 
 
 def _free_port() -> int:
@@ -53,7 +57,7 @@ def _check_layout(name: str, tp: int, ep: int, rank: int, out_dir: str) -> dict:
         path = os.path.join(out_dir, "official")
         ref = dsv4core.load_model(path, backend="reference", dtype="float32")
         par = dsv4core.load_model(path, backend="reference", dtype="float32", tp=tp, ep=ep)
-        V = TINY_CONFIG["vocab_size"]
+        V = ALIGNED["vocab_size"]
     else:
         kw = CONFIGS[name]
         V = kw["vocab_size"]
@@ -104,7 +108,7 @@ def test_parallel_equals_single_process(world, tmp_path):
     if any(name == "official" for name, _, _ in LAYOUTS[world]):
         from dsv4core.checkpoint.writer import write_official
 
-        m = build_model(TINY_CONFIG, backend="reference", seed=5)
+        m = build_model(ALIGNED, backend="reference", seed=5)
         write_official(m.state_dict(), m.config.to_hf_dict(), tmp_path / "official", reference=False,
                        max_shard_bytes=400_000)
     _spawn(_worker, world, tmp_path)
@@ -243,3 +247,49 @@ def test_generate_cli_with_tp_outside_torchrun_is_a_clear_error(monkeypatch, cap
     rc = main(["generate", "--model", "tiny", "--tp", "2", "--input-ids", "1,2", "--max-new-tokens", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and "tp=2 ep=1 needs 2 processes" in err and "torchrun --nproc-per-node 2" in err
+
+
+@pytest.mark.parametrize("fmt", ["official", "transformers"])
+def test_checkpoint_cut_reads_equal_cuts_of_the_full_load(fmt, tmp_path):
+    """Every rank of tp=2 x ep=2 reads only its slices (Checkpoint.load_into(cut=)); they equal
+    the cuts of the full load exactly (dequantisation is elementwise within a block)."""
+    import dsv4core
+    from dsv4core.checkpoint import open_checkpoint
+    from dsv4core.checkpoint.writer import write_official, write_transformers
+    from dsv4core.model import DSV4ForCausalLM
+    from dsv4core.model.parallel import RankCut
+
+    m = build_model(ALIGNED, backend="reference", seed=5)
+    path = tmp_path / fmt
+    if fmt == "official":
+        write_official(m.state_dict(), m.config.to_hf_dict(), path, reference=False, max_shard_bytes=400_000)
+    else:
+        write_transformers(m.state_dict(), m.config.to_hf_dict(), path, max_shard_bytes=400_000)
+    full = dsv4core.load_model(str(path), backend="reference", dtype="float32").state_dict()
+    cfg = m.config
+    ckpt = open_checkpoint(path)
+    for rank in range(4):
+        par = Parallel(tp=2, ep=2, rank=rank)
+        with torch.device("meta"):
+            local = DSV4ForCausalLM(cfg, None, dtype=torch.float32, parallel=par)
+        ckpt.load_into(local, device="cpu", cut=RankCut(cfg, par))
+        want = shard_state_dict(full, cfg, par)
+        got = local.state_dict()
+        assert got.keys() == want.keys()
+        bad = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not bad, bad[:5]
+
+
+def test_checkpoint_cut_inside_a_scale_block_is_a_clear_error(tmp_path):
+    from dsv4core.checkpoint import CheckpointError, open_checkpoint
+    from dsv4core.checkpoint.writer import write_official
+    from dsv4core.model import DSV4ForCausalLM
+    from dsv4core.model.parallel import RankCut
+
+    m = build_model(TINY_CONFIG, backend="reference", seed=5)       # o_b_proj: 32 columns, one FP8 block
+    write_official(m.state_dict(), m.config.to_hf_dict(), tmp_path, reference=False)
+    par = Parallel(tp=2, rank=1)
+    with torch.device("meta"):
+        local = DSV4ForCausalLM(m.config, None, parallel=par)
+    with pytest.raises(CheckpointError, match="splits a 128-element FP8 scale block"):
+        open_checkpoint(tmp_path).load_into(local, cut=RankCut(m.config, par))

@@ -19,7 +19,7 @@ import torch
 
 from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, DSV4Config
 from .model import DSV4ForCausalLM, randomize_weights_
-from .parallel import setup as _setup_parallel, shard_state_dict
+from .parallel import RankCut, setup as _setup_parallel, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -107,8 +107,8 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     Experts (routed and shared) are always dequantised. `model.quantization_report()` lists them.
     tp / ep: tensor- and expert-parallel sizes (`dsv4core.model.parallel`): run under
     `torchrun --nproc-per-node tp*ep` (or inside an initialised process group of that size);
-    each rank gets its slices and every rank returns the same logits. A checkpoint is read
-    whole on each rank and then cut (host memory: the full model per rank for now).
+    each rank reads only its slices of the checkpoint (`dsv4core.checkpoint.cuts`) and every
+    rank returns the same logits.
     """
     from . import fp8
 
@@ -131,19 +131,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     ops = _bind(dev, backend)
     par = _setup_parallel(cfg, tp, ep, ops=ops, device=dev)
     with torch.device("meta"):
-        model = DSV4ForCausalLM(cfg, ops, dtype=dt)
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par)   # this rank's shapes
     decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)
     fp8.apply(model, decisions)  # kept projections get FP8 (+ scale) parameters: the loader fills them raw
-    if par.world == 1:
-        ckpt.load_into(model, device=dev, strict=True)
-    else:  # read whole on the host, keep this rank's slices (a rank-sliced streaming read is future work)
-        ckpt.load_into(model, device="cpu", strict=True)
-        shard = {k: v.to(dev) for k, v in shard_state_dict(model.state_dict(), cfg, par).items()}
-        with torch.device("meta"):
-            model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par)
-        fp8.apply(model, decisions)
-        model.load_state_dict(shard, strict=True, assign=True)
-        del shard
+    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
     return model.eval()

@@ -227,6 +227,39 @@ def _rule(name: str, cfg: DSV4Config, par: Parallel) -> list[tuple[int, int, int
     return None
 
 
+def _full_dims(name: str, cfg: DSV4Config) -> dict[int, int]:
+    """The full sizes of the dims `_rule` cuts (to check a checkpoint against the config)."""
+    h, d, G, R = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+    E, I, V = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.vocab_size
+    table = {"embed_tokens.weight": {0: V}, "lm_head.weight": {0: V}, "q_b_proj.weight": {0: h * d},
+             "sinks": {0: h}, "o_a_proj.weight": {0: G * R}, "o_b_proj.weight": {1: G * R},
+             "experts.gate_up_proj": {0: E, 1: 2 * I}, "experts.down_proj": {0: E, 2: I},
+             "shared_experts.gate_proj.weight": {0: I}, "shared_experts.up_proj.weight": {0: I},
+             "shared_experts.down_proj.weight": {1: I}}
+    for k, v in table.items():
+        if name.endswith(k):
+            return v
+    return {}
+
+
+class RankCut:
+    """What one rank reads of a checkpoint (`Checkpoint.load_into(..., cut=)`, see
+    `dsv4core.checkpoint.cuts`): the same cuts as `shard_state_dict`, expressed per target."""
+
+    def __init__(self, cfg: DSV4Config, par: Parallel) -> None:
+        self.cfg, self.par = cfg, par
+
+    def rule(self, target: str) -> list[tuple[int, int, int]] | None:
+        return _rule(target, self.cfg, self.par) if self.par.world > 1 else None
+
+    def full_dims(self, target: str) -> dict[int, int]:
+        return _full_dims(target, self.cfg)
+
+    def expert(self, target: str, e: int) -> int | None:
+        e0, e1 = self.par.experts(self.cfg)
+        return e - e0 if e0 <= e < e1 else None
+
+
 def _cut(t: torch.Tensor, rule: list[tuple[int, int, int]], block: int = 1,
          weight_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Apply a rule (in weight coordinates) to `t` (spans of one dim are joined in order); with
@@ -266,4 +299,4 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: DSV4Config, par: 
     return out
 
 
-__all__ = ["Parallel", "ParallelError", "SINGLE", "check_layout", "setup", "shard_state_dict", "config_fingerprint"]
+__all__ = ["Parallel", "ParallelError", "RankCut", "SINGLE", "check_layout", "setup", "shard_state_dict", "config_fingerprint"]
