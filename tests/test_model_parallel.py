@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from _model_hf import CONFIG_A, CONFIG_B
 # (o_b_proj over head groups, the MoE over ranks, one extra rounding per all_reduce), ~1e-7
 # relative per layer (measured max ~3e-7 over these configs); 1e-5 is the bound.
 REL = 1e-5
+STEP_TIMEOUT_S = 4     # the bad-input test's timeout (the ranks are in step: a barrier precedes the step)
 TIMEOUT_S = 30          # gloo collective timeout: a rank that fails makes the others fail in <= 30 s
 
 LAYOUTS = {  # world size -> [(config name, tp, ep)]
@@ -123,32 +125,46 @@ def test_parallel_equals_single_process(world, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# a rank that fails mid-step
+# bad input across ranks, a rank that fails mid-step
 
 
-def _failing_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _bad_input_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=5))
+                            timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+    msgs = {}
+    for case, kw in (("world", dict(config=TINY_CONFIG, tp=2, ep=2)),
+                     ("config", dict(config={**TINY_CONFIG, "rms_norm_eps": 1e-6 * (1 + rank)}, tp=2))):
+        try:
+            build_model(kw.pop("config"), backend="reference", seed=5, **kw)
+            msgs[case] = "no error"
+        except ParallelError as e:
+            msgs[case] = str(e)
     model = build_model(TINY_CONFIG, backend="reference", seed=5, tp=2)
-    if rank == 1:
-        return  # leaves without taking part in the step: rank 0 must get an error, not hang
-    try:
-        model.logits([1, 2, 3])
-        msg = "no error"
-    except RuntimeError as e:
-        msg = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
-        f.write(msg)
+    dist.barrier()
+    if rank == 0:
+        try:
+            model.logits([1, 2, 3])
+            msgs["left"] = "no error"
+        except RuntimeError as e:
+            msgs["left"] = f"{type(e).__name__}: {e}"
+    else:   # rank 1 stops taking part (stuck past the timeout): rank 0 must get an error, not hang
+        time.sleep(STEP_TIMEOUT_S + 2)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(msgs, f)
 
 
-def test_rank_that_leaves_mid_step_fails_the_others(tmp_path):
-    _spawn(_failing_worker, 2, tmp_path)
-    msg = (tmp_path / "rank0.txt").read_text()
-    print("rank 0:", msg[:200])
-    assert msg != "no error"
+def test_bad_input_fails_every_rank_and_a_rank_leaving_fails_the_others(tmp_path):
+    _spawn(_bad_input_worker, 2, tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    print("rank 0:", r0)
+    for r in (r0, r1):
+        assert r["world"] == "tp=2 x ep=2 = 4 ranks, but the process group has world size 2"
+        assert r["config"].startswith("ranks disagree on the model config or layout (rank 0: config ")
+    assert r0["config"] == r1["config"]
+    assert "timed out" in r0["left"].lower() or "timeout" in r0["left"].lower(), r0["left"]
 
 
 # ---------------------------------------------------------------------------------------------
