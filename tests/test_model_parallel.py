@@ -32,7 +32,7 @@ STEP_TIMEOUT_S = 4     # the bad-input test's timeout (the ranks are in step: a 
 TIMEOUT_S = 30          # gloo collective timeout: a rank that fails makes the others fail in <= 30 s
 
 LAYOUTS = {  # world size -> [(config name, tp, ep)]
-    2: [("A", 2, 1), ("tiny", 1, 2), ("official", 2, 1)],   # official: a quantised checkpoint, read then cut
+    2: [("A", 2, 1), ("official", 1, 2)],   # official: a quantised checkpoint, each rank reading its experts
     4: [("tiny", 2, 2), ("B", 4, 1)],
 }
 CONFIGS = {"tiny": TINY_CONFIG, "A": CONFIG_A, "B": CONFIG_B}
@@ -81,8 +81,8 @@ def _check_layout(name: str, tp: int, ep: int, rank: int, out_dir: str) -> dict:
     r_decode = _rel(torch.cat(out), full)
     # greedy tokens, a batch of two == each alone (single model)
     prompts = [seq[:13], seq[20:37]]
-    want = [ref.generate([p], 8)[0] for p in prompts]
-    batch = par.generate(prompts, 8)
+    want = [ref.generate([p], 6)[0] for p in prompts]
+    batch = par.generate(prompts, 6)
     return dict(layout=f"{name} tp={tp} ep={ep}", rank=rank, prefill=r_prefill, decode=r_decode,
                 greedy_equal=batch == want, tokens=batch)
 

@@ -77,27 +77,27 @@ class Parallel:
         return self.rank // self.tp
 
     # ---------------------------------------------------------------- slices (start, stop)
+    @staticmethod
+    def _even(n: int, parts: int, i: int) -> tuple[int, int]:
+        k = n // parts
+        return i * k, (i + 1) * k
+
     def heads(self, cfg: DSV4Config) -> tuple[int, int]:
-        n = cfg.num_attention_heads // self.tp
-        return self.tp_rank * n, (self.tp_rank + 1) * n
+        return self._even(cfg.num_attention_heads, self.tp, self.tp_rank)
 
     def groups(self, cfg: DSV4Config) -> tuple[int, int]:
-        n = cfg.o_groups // self.tp
-        return self.tp_rank * n, (self.tp_rank + 1) * n
+        return self._even(cfg.o_groups, self.tp, self.tp_rank)
 
     def experts(self, cfg: DSV4Config) -> tuple[int, int]:
-        n = cfg.n_routed_experts // self.ep
-        return self.ep_rank * n, (self.ep_rank + 1) * n
+        return self._even(cfg.n_routed_experts, self.ep, self.ep_rank)
 
     def expert_inter(self, cfg: DSV4Config) -> tuple[int, int]:
         """Intermediate slice of each routed expert (over the tp group)."""
-        n = cfg.moe_intermediate_size // self.tp
-        return self.tp_rank * n, (self.tp_rank + 1) * n
+        return self._even(cfg.moe_intermediate_size, self.tp, self.tp_rank)
 
     def shared_inter(self, cfg: DSV4Config) -> tuple[int, int]:
         """Intermediate slice of the shared expert (over every rank)."""
-        n = cfg.moe_intermediate_size // self.world
-        return self.rank * n, (self.rank + 1) * n
+        return self._even(cfg.moe_intermediate_size, self.world, self.rank)
 
     def vocab_chunk(self, cfg: DSV4Config) -> int:
         return _cdiv(cfg.vocab_size, self.tp)
@@ -106,8 +106,6 @@ class Parallel:
         c, V = self.vocab_chunk(cfg), cfg.vocab_size
         return min(self.tp_rank * c, V), min((self.tp_rank + 1) * c, V)
 
-    def describe(self) -> str:
-        return f"rank {self.rank}/{self.world} (tp_rank {self.tp_rank} of tp={self.tp}, ep_rank {self.ep_rank} of ep={self.ep})"
 
 
 SINGLE = Parallel()
@@ -138,6 +136,7 @@ def config_fingerprint(cfg: DSV4Config) -> int:
 
 
 DEFAULT_TIMEOUT_S = 300.0
+_GROUPS: dict[tuple, tuple[list, list]] = {}   # (default group, tp, ep) -> (tp groups, ep groups)
 
 
 def setup(cfg: DSV4Config, tp: int = 1, ep: int = 1, *, ops=None, device: torch.device | None = None,
@@ -169,11 +168,15 @@ def setup(cfg: DSV4Config, tp: int = 1, ep: int = 1, *, ops=None, device: torch.
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tp * ep:
         raise ParallelError(f"tp={tp} x ep={ep} = {tp * ep} ranks, but the process group has world size {world}")
-    tp_groups = [dist.new_group(list(range(j * tp, (j + 1) * tp))) for j in range(ep)] if ep > 1 and tp > 1 else None
-    ep_groups = [dist.new_group(list(range(i, world, tp))) for i in range(tp)] if ep > 1 and tp > 1 else None
-    par = Parallel(tp=tp, ep=ep, rank=rank,
-                   tp_group=tp_groups[rank // tp] if tp_groups else None,
-                   ep_group=ep_groups[rank % tp] if ep_groups else None, world_group=None)
+    tp_group = ep_group = None          # None: the default group (when it is the whole group)
+    if tp > 1 and ep > 1:               # every rank creates every group, in the same order (once)
+        key = (id(dist.group.WORLD), tp, ep)
+        if key not in _GROUPS:
+            _GROUPS[key] = ([dist.new_group(list(range(j * tp, (j + 1) * tp))) for j in range(ep)],
+                            [dist.new_group(list(range(i, world, tp))) for i in range(tp)])
+        tp_groups, ep_groups = _GROUPS[key]
+        tp_group, ep_group = tp_groups[rank // tp], ep_groups[rank % tp]
+    par = Parallel(tp=tp, ep=ep, rank=rank, tp_group=tp_group, ep_group=ep_group, world_group=None)
     if ops is not None:
         mine = torch.tensor([[config_fingerprint(cfg), tp, ep]], dtype=torch.int64, device=device)
         allv = ops.all_gather(mine, 0, None).cpu()
