@@ -251,8 +251,28 @@ def test_fp8_block_scales_are_cut_with_their_weights():
         assert torch.equal(sd[name + "_scale_inv"], sc[rank:rank + 1])
     # o_b_proj [H, G*R = 32]: a tp=2 cut at column 16 splits a 128-column scale block
     ob = "model.layers.0.self_attn.o_b_proj.weight"
-    with pytest.raises(ParallelError, match="does not fall on 128-element scale blocks"):
+    with pytest.raises(ParallelError, match="o_b_proj.weight: .*splits a 128-element FP8 scale block"):
         shard_state_dict({ob: torch.randn(64, 32), ob + "_scale_inv": torch.ones(1, 1)}, cfg, Parallel(tp=2, rank=0))
+
+
+def test_packed_fp4_expert_scales_are_cut_with_their_experts():
+    """Packed FP4 routed experts (uint8, two values a byte in the last dim) with one scale per 32
+    values: tp=2 x ep=2 rank 3 holds experts 4..7, intermediate 256..512 (ALIGNED: I = 512)."""
+    cfg = DSV4Config.from_dict(ALIGNED)
+    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+    gus = torch.rand(E, 2 * I, H // 32, generator=g)
+    dn = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
+    dns = torch.rand(E, H, I // 32, generator=g)
+    pre = "model.layers.0.mlp.experts."
+    sd = shard_state_dict({pre + "gate_up_proj": gu, pre + "gate_up_proj_scale_inv": gus,
+                           pre + "down_proj": dn, pre + "down_proj_scale_inv": dns}, cfg, Parallel(tp=2, ep=2, rank=3))
+    rows = torch.cat([torch.arange(256, 512), torch.arange(I + 256, I + 512)])
+    assert torch.equal(sd[pre + "gate_up_proj"], gu[4:8][:, rows])
+    assert torch.equal(sd[pre + "gate_up_proj_scale_inv"], gus[4:8][:, rows])
+    assert torch.equal(sd[pre + "down_proj"], dn[4:8, :, 128:256])
+    assert torch.equal(sd[pre + "down_proj_scale_inv"], dns[4:8, :, 8:16])
 
 
 def test_generate_cli_with_tp_outside_torchrun_is_a_clear_error(monkeypatch, capsys):

@@ -60,19 +60,29 @@ def _div(rule: Rule, dims: dict[int, int], full: tuple[int, ...], what: str, lab
 
 def stored_rules(rule: Rule, info, scale_info) -> tuple[Rule, Rule | None]:
     """(rule for the stored weight, rule for its scale) from a rule in dequantised coordinates."""
-    dt = info.torch_dtype
-    nd = len(info.shape)
-    packed = scale_info is not None and dt is not None and quant.is_fp4_packed(dt)
-    full = tuple(info.shape[:-1]) + ((info.shape[-1] * 2,) if packed else (info.shape[-1],)) if nd else ()
-    w_rule = _div(rule, {nd - 1: 2}, full, "packed FP4 byte", info.name, info.file) if packed else list(rule)
-    if scale_info is None:
+    return tensor_rules(rule, info.torch_dtype, tuple(info.shape), scale_info is not None, info.name, info.file)
+
+
+def tensor_rules(rule: Rule, dtype: torch.dtype | None, shape: tuple[int, ...], has_scale: bool,
+                 label: str = "", file=None) -> tuple[Rule, Rule | None]:
+    """`stored_rules` for a weight of `dtype` stored with `shape` (packed FP4: int8 / uint8 with a
+    scale, two values a byte in the last dim; FP8: a 128 x 128 block scale; else no scale)."""
+    nd = len(shape)
+    packed = has_scale and dtype is not None and quant.is_fp4_packed(dtype)
+    full = tuple(shape[:-1]) + ((shape[-1] * 2,) if packed else (shape[-1],)) if nd else ()
+    w_rule = _div(rule, {nd - 1: 2}, full, "packed FP4 byte", label, file) if packed else list(rule)
+    if not has_scale:
         return w_rule, None
     if packed:
-        s_rule = _div(rule, {nd - 1: quant.FP4_GROUP}, full, "FP4 scale group", info.name, info.file)
+        s_rule = _div(rule, {nd - 1: quant.FP4_GROUP}, full, "FP4 scale group", label, file)
     else:
-        s_rule = _div(rule, {nd - 2: quant.FP8_BLOCK, nd - 1: quant.FP8_BLOCK}, full, "FP8 scale block",
-                      info.name, info.file)
+        s_rule = _div(rule, {nd - 2: quant.FP8_BLOCK, nd - 1: quant.FP8_BLOCK}, full, "FP8 scale block", label, file)
     return w_rule, s_rule
+
+
+def cut_tensor(t: torch.Tensor, rule: Rule) -> torch.Tensor:
+    """A new tensor holding the region of `t` that `rule` (stored coordinates) keeps."""
+    return CutSlice(t, tuple(t.shape), rule)[:].clone()
 
 
 def expert_rule(target_rule: Rule, part: str, expert_shape: tuple[int, ...]) -> Rule:

@@ -191,8 +191,6 @@ def setup(cfg: DSV4Config, tp: int = 1, ep: int = 1, *, ops=None, device: torch.
 # --------------------------------------------------------------------------------------------
 # weight slicing
 
-FP8_BLOCK = 128
-
 
 def _rule(name: str, cfg: DSV4Config, par: Parallel) -> list[tuple[int, int, int]] | None:
     """How the full tensor `name` is cut for `par`: a list of (dim, start, stop) (several for
@@ -263,42 +261,38 @@ class RankCut:
         return e - e0 if e0 <= e < e1 else None
 
 
-def _cut(t: torch.Tensor, rule: list[tuple[int, int, int]], block: int = 1,
-         weight_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Apply a rule (in weight coordinates) to `t` (spans of one dim are joined in order); with
-    block > 1, `t` is the block-scale grid of a weight of `weight_shape`, `block` weight elements
-    a cell, and every cut must fall on a block boundary (or at the end of the weight). Returns a
-    new tensor."""
-    by_dim: dict[int, list[tuple[int, int]]] = {}
-    for dim, a, b in rule:
-        if block > 1:
-            if a % block or (b % block and b != weight_shape[dim]):
-                raise ParallelError(f"cut {a}:{b} of dim {dim} does not fall on {block}-element scale blocks")
-            a, b = a // block, _cdiv(b, block)
-        by_dim.setdefault(dim, []).append((a, b))
-    out = t
-    for dim, spans in by_dim.items():
-        out = torch.cat([out.narrow(dim, a, b - a) for a, b in spans], dim)
-    return out.clone()
+SCALE_SUFFIX = "_scale_inv"   # X.weight -> X.weight_scale_inv; experts.gate_up_proj -> gate_up_proj_scale_inv
 
 
 def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: DSV4Config, par: Parallel) -> dict[str, torch.Tensor]:
     """The tensors rank `par` holds, cut from a full (single-process) state dict: names unchanged,
-    shapes those of a model built with `par`. FP8 block scales (`*_scale_inv`, one cell per
-    128 x 128 weight block) are cut with their weights on block boundaries."""
+    shapes those of a model built with `par`. A quantised weight's scale (`<name>_scale_inv`) is
+    cut with it: FP8 128 x 128 block grids on block boundaries, packed FP4 (int8 / uint8, two
+    values a byte) on its bytes and 32-value scale groups (`dsv4core.checkpoint.cuts`); a cut
+    inside a block raises `ParallelError`."""
+    from dsv4core.checkpoint import CheckpointError
+    from dsv4core.checkpoint.cuts import cut_tensor, tensor_rules
+
     if par.world == 1:
         return dict(state_dict)
     out = {}
     for name, t in state_dict.items():
-        if name.endswith("weight_scale_inv"):
-            wname = name[: -len("_scale_inv")]
-            rule = _rule(wname, cfg, par)
-            if rule is not None and wname not in state_dict:
-                raise ParallelError(f"{name}: a block scale without its weight {wname!r} in the state dict")
-            out[name] = t if rule is None else _cut(t, rule, FP8_BLOCK, tuple(state_dict[wname].shape))
-            continue
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in state_dict:
+            continue                                   # cut with its weight below
         rule = _rule(name, cfg, par)
-        out[name] = t if rule is None else _cut(t, rule)
+        scale = state_dict.get(name + SCALE_SUFFIX)
+        if rule is None:
+            out[name] = t
+            if scale is not None:
+                out[name + SCALE_SUFFIX] = scale
+            continue
+        try:
+            w_rule, s_rule = tensor_rules(rule, t.dtype, tuple(t.shape), scale is not None, name)
+        except CheckpointError as e:
+            raise ParallelError(f"{name}: {e.reason}") from None
+        out[name] = cut_tensor(t, w_rule)
+        if scale is not None:
+            out[name + SCALE_SUFFIX] = cut_tensor(scale, s_rule)
     return out
 
 
