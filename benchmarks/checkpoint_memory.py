@@ -134,13 +134,7 @@ def child(path: str, fmt: str) -> None:
 
     from dsv4core.checkpoint import open_checkpoint
 
-    def rss():
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
+    rss = _rss
     m = _meta_model(fmt)
     ck = open_checkpoint(path)
     base_rss = rss()
