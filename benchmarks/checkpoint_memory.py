@@ -10,6 +10,12 @@ fp32 parameters kept fp32), and reports the child's peak RSS (``ru_maxrss``, whi
 touched memory-mapped shard pages) against the final model size and the largest shard.
 The issue's requirement: peak <= 1.3 x model + one shard (we also subtract the process baseline:
 python + torch + transformers imported, empty meta model).
+
+    python benchmarks/checkpoint_memory.py --ranks 1,1,0 2,2,0 [--json FILE]
+
+loads instead into dsv4core's own model, one child per TP,EP,RANK: the whole model (1,1,0), or
+one rank's slices (`Checkpoint.load_into(cut=RankCut)`: only that rank's regions are read), so
+the peak of a rank can be set against its share.
 """
 
 from __future__ import annotations
@@ -128,13 +134,7 @@ def child(path: str, fmt: str) -> None:
 
     from dsv4core.checkpoint import open_checkpoint
 
-    def rss():
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
+    rss = _rss
     m = _meta_model(fmt)
     ck = open_checkpoint(path)
     base_rss = rss()
@@ -153,16 +153,80 @@ def child(path: str, fmt: str) -> None:
                       "torch_threads": torch.get_num_threads()}))
 
 
+def child_rank(path: str, layout: str) -> None:
+    """Runs in a fresh process: dsv4core's model for one rank of TP,EP,RANK on meta, load its
+    slices, print JSON figures."""
+    import torch
+
+    from dsv4core.checkpoint import open_checkpoint
+    from dsv4core.model import DSV4Config, DSV4ForCausalLM
+    from dsv4core.model.parallel import Parallel, RankCut, check_layout
+
+    tp, ep, rank = (int(v) for v in layout.split(","))
+    ck = open_checkpoint(path)
+    cfg = DSV4Config.from_dict(ck.config_dict)
+    check_layout(cfg, tp, ep)
+    par = Parallel(tp=tp, ep=ep, rank=rank)
+    with torch.device("meta"):
+        m = DSV4ForCausalLM(cfg, None, dtype=torch.bfloat16, parallel=par)
+    base_rss = _rss()
+    t = time.time()
+    ck.load_into(m, cut=RankCut(cfg, par) if tp * ep > 1 else None)
+    dt = time.time() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model_bytes = sum(v.numel() * v.element_size() for v in m.state_dict().values())
+    print(json.dumps({"tp": tp, "ep": ep, "rank": rank, "model_bytes": model_bytes, "baseline_rss": base_rss,
+                      "peak_rss": peak, "final_rss": _rss(), "load_s": dt}))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ranks_main(a, out: Path) -> int:
+    gib = 2 ** 30
+    rows = []
+    for layout in a.ranks:
+        r = subprocess.run([sys.executable, __file__, "--child-rank", str(out), layout], capture_output=True, text=True)
+        if r.returncode:
+            print(r.stdout, r.stderr, file=sys.stderr)
+            return r.returncode
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    sizes = [f.stat().st_size for f in out.glob("*.safetensors")]
+    res = {"format": a.format, "checkpoint_bytes": sum(sizes), "largest_shard_bytes": max(sizes), "ranks": rows}
+    print(f"checkpoint {sum(sizes) / gib:.2f} GiB ({a.format}, {len(sizes)} shards, largest {max(sizes) / gib:.2f} GiB)")
+    print("| tp | ep | rank | rank's model GiB | peak - baseline GiB | peak - baseline / model |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        over = r["peak_rss"] - r["baseline_rss"]
+        print(f"| {r['tp']} | {r['ep']} | {r['rank']} | {r['model_bytes'] / gib:.2f} | {over / gib:.2f} | "
+              f"{over / r['model_bytes']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", choices=["official", "transformers"], default="official")
     ap.add_argument("--dir", default=None, help="where to write (default /tmp/dsv4_ckpt_mem_<format>)")
     ap.add_argument("--shard-mb", type=int, default=400)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    ap.add_argument("--ranks", nargs="+", metavar="TP,EP,RANK",
+                    help="load into dsv4core's model as these ranks instead (see the module docstring)")
+    ap.add_argument("--json", default=None, help="with --ranks: write the figures here")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--child-rank", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(*a.child)
+        return 0
+    if a.child_rank:
+        child_rank(*a.child_rank)
         return 0
     out = Path(a.dir or f"/tmp/dsv4_ckpt_mem_{a.format}")
     if out.exists():
@@ -170,6 +234,12 @@ def main() -> int:
     t = time.time()
     write(a.format, out, a.shard_mb * 2 ** 20)
     print(f"wrote {out} in {time.time() - t:.0f} s", file=sys.stderr)
+    if a.ranks:
+        try:
+            return ranks_main(a, out)
+        finally:
+            if not a.keep:
+                shutil.rmtree(out, ignore_errors=True)
     try:
         cmd = [sys.executable, __file__, "--child", str(out), a.format]
         if shutil.which("time") or os.path.exists("/usr/bin/time"):

@@ -8,11 +8,13 @@ binding) -> backends (the built-in ``reference`` and plugins in entry-point grou
 __version__ = "0.1.0"
 
 
-def load_model(path_or_name, *, backend="auto", dtype=None, device=None, quantized="auto", verify=None):
-    """Load a DSV4 model (a checkpoint directory or ``"tiny"``). See :mod:`dsv4core.model.api`."""
+def load_model(path_or_name, *, backend="auto", dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1):
+    """Load a DSV4 model (a checkpoint directory or ``"tiny"``); ``tp`` / ``ep``: tensor- and
+    expert-parallel sizes (run under torchrun). See :mod:`dsv4core.model.api`."""
     from .model.api import load_model as _load
 
-    return _load(path_or_name, backend=backend, dtype=dtype, device=device, quantized=quantized, verify=verify)
+    return _load(path_or_name, backend=backend, dtype=dtype, device=device, quantized=quantized, verify=verify,
+                 tp=tp, ep=ep)
 
 
 __all__ = ["__version__", "load_model"]

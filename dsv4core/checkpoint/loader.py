@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import quant
+from . import cuts, quant
 from .errors import CheckpointError
 from .names import HF_SCALE_SUFFIX, hf_scale_name, is_mtp, official_to_hf
 from .safetensors_io import TensorInfo, read_header
@@ -165,8 +165,10 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, format={self.format!r}, files={len(self.files)}, tensors={len(self._infos)})"
 
     # ------------------------------------------------------------------ planning
-    def _pieces(self, slots: dict[str, _Slot], strict: bool) -> tuple[dict[str, list[_Piece]], list[str]]:
-        """Map checkpoint tensors to module targets. Returns (target -> pieces, skipped mtp names)."""
+    def _pieces(self, slots: dict[str, _Slot], strict: bool, cut=None) -> tuple[dict[str, list[_Piece]], list[str]]:
+        """Map checkpoint tensors to module targets. Returns (target -> pieces, skipped mtp names).
+        With a rank `cut` (see `cuts`), routed experts of other ranks are skipped and the others
+        get their local index."""
         weights: dict[str, tuple[TensorInfo, str, tuple, str]] = {}  # label -> (info, target, index, label)
         scales: dict[str, TensorInfo] = {}  # weight label -> scale info
         mtp: list[str] = []
@@ -209,6 +211,11 @@ class Checkpoint:
                     (info.torch_dtype in quant.FP4_PACKED_DTYPES and slots[target].orig.is_floating_point())):
                 raise CheckpointError(f"quantised weight ({info.dtype}) without its block scale "
                                       f"({_scale_label(self.format, label)!r})", tensor=label, file=info.file)
+            if index and cut is not None:
+                e_local = cut.expert(target, index[0])
+                if e_local is None:
+                    continue                      # another rank's expert
+                index = (e_local, index[1])
             if index:
                 full = slots[target].orig.shape
                 e, part = index
@@ -233,7 +240,7 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ loading
     def load_into(self, module: nn.Module, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, strict: bool = True) -> nn.Module:
+                  device: torch.device | str | None = None, strict: bool = True, cut=None) -> nn.Module:
         """Fill ``module`` (built on the meta device or on the target device) from this checkpoint.
 
         * Every parameter and persistent buffer of ``module.state_dict()`` is filled by its
@@ -249,11 +256,14 @@ class Checkpoint:
           parameters already on a real device are filled in place (``copy_``) on that device.
         * ``strict``: unexpected checkpoint tensors raise (else they are logged and ignored).
           Missing tensors always raise. ``mtp.*`` tensors are skipped with one log line.
+        * ``cut``: the module holds one rank's slices (tensor / expert parallelism); only those
+          regions are read (see :mod:`dsv4core.checkpoint.cuts`).
         Returns ``module``.
         """
         device = torch.device(device) if device is not None else None
         slots = _collect_slots(module)
-        pieces, mtp = self._pieces(slots, strict)
+        pieces, mtp = self._pieces(slots, strict, cut)
+        cut_reads = cuts.apply(pieces, cut) if cut is not None else {}
         if mtp:
             log.info("skipping %d mtp.* tensors (multi-token prediction is not built)", len(mtp))
 
@@ -316,6 +326,8 @@ class Checkpoint:
                         h = safe_open(str(path), framework="pt", device="cpu")
                     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
                         raise CheckpointError(f"cannot open shard ({e})", file=path) from None
+                    if path in cut_reads:
+                        h = cuts.CutHandle(h, cut_reads[path])
                     handles[path] = h
                 return h
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -35,6 +36,11 @@ def add_parser(subparsers) -> None:
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (attention heads, shared expert, vocabulary); run under "
+                        "torchrun --nproc-per-node tp*ep (default: 1)")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel ranks (routed experts split over them; default: 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -74,17 +80,32 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    parallel = args.tp * args.ep > 1
+    rank = int(os.environ.get("RANK", "0")) if parallel else 0
+    device = args.device
+    if parallel and device != "cpu" and ":" not in device:   # one accelerator per local rank
+        device = f"{device}:{int(os.environ.get('LOCAL_RANK', '0'))}"
     t0 = time.perf_counter()
-    model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
-                                 quantized=args.quantized)
-    t_load = time.perf_counter() - t0
-    progress = _Progress(not args.no_progress)
-    t1 = time.perf_counter()
-    out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk, progress=progress)
-    t_gen = time.perf_counter() - t1
+    try:
+        model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
+                                     quantized=args.quantized, tp=args.tp, ep=args.ep)
+        t_load = time.perf_counter() - t0
+        progress = _Progress(not args.no_progress and rank == 0)
+        t1 = time.perf_counter()
+        out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                             progress=progress)
+        t_gen = time.perf_counter() - t1
+    finally:
+        if parallel:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if rank != 0:      # every rank computed the same tokens; rank 0 reports them
+        return 0
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
-        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype,
+        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "tp": args.tp, "ep": args.ep,
                     "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})

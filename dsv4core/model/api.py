@@ -19,6 +19,7 @@ import torch
 
 from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, DSV4Config
 from .model import DSV4ForCausalLM, randomize_weights_
+from .parallel import RankCut, setup as _setup_parallel, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -65,15 +66,27 @@ def _bind(device: torch.device, backend: str | None, verify=None):
 
 def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
                 device: torch.device | str | None = None, backend: str | None = "auto",
-                seed: int | None = None, ops=None, verify: float | str | None = None) -> DSV4ForCausalLM:
-    """A model for `config` with deterministic random weights (seed) or empty weights (seed=None)."""
+                seed: int | None = None, ops=None, verify: float | str | None = None, tp: int = 1,
+                ep: int = 1) -> DSV4ForCausalLM:
+    """A model for `config` with deterministic random weights (seed) or empty weights (seed=None).
+
+    tp / ep: tensor- and expert-parallel sizes (see `dsv4core.model.parallel`; the process group
+    is initialised from the torchrun environment when needed). With a seed, every rank holds its
+    slices of the same weights the single-process model gets (the full model is drawn on the
+    host, then cut: fine for test-sized configs)."""
     cfg = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(config)
     dt = resolve_dtype(dtype, torch.float32)
     dev = torch.device(device if device is not None else "cpu")
     ops = ops if ops is not None else _bind(dev, backend, verify)
+    par = _setup_parallel(cfg, tp, ep, ops=ops, device=dev)
     with torch.device(dev):
-        model = DSV4ForCausalLM(cfg, ops, dtype=dt)
-    if seed is not None:
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par)
+    if seed is not None and par.world > 1:
+        full = DSV4ForCausalLM(cfg, ops, dtype=dt)
+        randomize_weights_(full, cfg, seed=seed)
+        model.load_state_dict(shard_state_dict(full.state_dict(), cfg, par), strict=True)
+        del full
+    elif seed is not None:
         randomize_weights_(model, cfg, seed=seed)
     model.backend = backend
     return model.eval()
@@ -81,7 +94,7 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
 
 def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, quantized: str = "auto",
-               verify: float | str | None = None) -> DSV4ForCausalLM:
+               verify: float | str | None = None, tp: int = 1, ep: int = 1) -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
@@ -97,13 +110,18 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     `model.quantization_report()` lists every decision.
     verify: fraction of op calls re-checked against the reference (default: env DSV4CORE_VERIFY,
     else off; see `dsv4core.hal.verify`); the counts are in `model.hal_report()`.
+    tp / ep: tensor- and expert-parallel sizes (`dsv4core.model.parallel`): run under
+    `torchrun --nproc-per-node tp*ep` (or inside an initialised process group of that size);
+    each rank reads only its slices of the checkpoint (`dsv4core.checkpoint.cuts`) and every
+    rank returns the same logits.
     """
     from . import experts_quant, fp8
 
     fp8.check_mode(quantized)
     dev = torch.device(device if device is not None else "cpu")
     if str(path_or_name) == "tiny":
-        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify)
+        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
+                            tp=tp, ep=ep)
         model._quantization = fp8.report(model, quantized, [])
         return model
 
@@ -117,15 +135,16 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     default = torch.float32 if file_dtype in ("float32", "torch.float32") else torch.bfloat16
     dt = resolve_dtype(dtype, default)
     ops = _bind(dev, backend, verify)
+    par = _setup_parallel(cfg, tp, ep, ops=ops, device=dev)
     with torch.device("meta"):
-        model = DSV4ForCausalLM(cfg, ops, dtype=dt)
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par)   # this rank's shapes
     decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)
     fp8.apply(model, decisions)  # kept projections get FP8 (+ scale) parameters: the loader fills them raw
     formats = experts_quant.checkpoint_expert_formats(ckpt)
     expert_decisions = experts_quant.plan(model, ops, quantized, formats, dt, dev, ckpt.format == "official")
     experts_quant.apply(model, expert_decisions, formats)  # kept experts: packed bytes + scales, filled raw
     decisions = decisions + expert_decisions
-    ckpt.load_into(model, device=dev, strict=True)
+    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
     return model.eval()

@@ -19,6 +19,7 @@ from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm, Step
+from .parallel import SINGLE, Parallel
 
 
 class InputError(ValueError):
@@ -32,11 +33,12 @@ def _host_long(a) -> torch.Tensor:
 
 
 class DSV4Model(nn.Module):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        v0, v1 = par.vocab(cfg)
+        self.embed_tokens = nn.Embedding(v1 - v0, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, ops) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, ops, par) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.hc_head = HyperHead(cfg, ops)
 
@@ -51,15 +53,23 @@ class DSV4ForCausalLM(nn.Module):
 
     Request state lives in the model's `KVCache` (`model.cache`, created on first use with
     `CacheConfig()` defaults, or explicitly with `configure_cache`); `new_state()` hands out a
-    request, `forward_batch` runs one step over any mix of prefill chunks and decode tokens."""
+    request, `forward_batch` runs one step over any mix of prefill chunks and decode tokens.
 
-    def __init__(self, config: DSV4Config, ops=None, *, dtype: torch.dtype = torch.float32) -> None:
+    `parallel` (`dsv4core.model.parallel.Parallel`, from `parallel.setup`): this rank's place
+    in a tensor x expert parallel layout; its parameters are then this rank's slices (same
+    names, smaller shapes: `parallel.shard_state_dict`) and every rank runs the same steps on
+    the same inputs, getting the same full logits."""
+
+    def __init__(self, config: DSV4Config, ops=None, *, dtype: torch.dtype = torch.float32,
+                 parallel: Parallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.act_dtype = dtype
+        self.parallel = par = parallel if parallel is not None else SINGLE
         self._ops = OpsRef(ops)
-        self.model = DSV4Model(config, dtype, self._ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.model = DSV4Model(config, dtype, self._ops, par)
+        v0, v1 = par.vocab(config)
+        self.lm_head = nn.Linear(config.hidden_size, v1 - v0, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
         self._inv_freq: dict[tuple, dict[str, torch.Tensor]] = {}
         self.backend = None  # informational: the backend request the op table was bound with
@@ -262,18 +272,42 @@ class DSV4ForCausalLM(nn.Module):
     def _forward(self, step: Step, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layers over a prepared step; the deferred compressor-ring writes last."""
         T, n = step.num_tokens, self.config.hc_mult
-        h = self.model.embed_tokens.weight[step.input_ids]  # embedding lookup (glue)
+        h = self._embed(step.input_ids)
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
         for layer in self.model.layers:
             X = layer(X, step)
         if rows is not None:
             X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
-        logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
+        logits = self._lm_head(y)
         for pool, index, values in step.deferred:
             self.ops.cache_store(pool, index, values)
         step.deferred.clear()
         return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup (glue). Vocabulary-parallel: rows of this rank's vocabulary chunk,
+        zeros for the others, summed over the tp group."""
+        w, par = self.model.embed_tokens.weight, self.parallel
+        if par.tp == 1:
+            return w[ids]
+        v0, v1 = par.vocab(self.config)
+        local = ids - v0
+        mine = (local >= 0) & (local < v1 - v0)
+        h = w[local.clamp(0, max(v1 - v0 - 1, 0))] * mine.unsqueeze(-1).to(w.dtype)
+        return self.ops.all_reduce(h, par.tp_group)
+
+    def _lm_head(self, y: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, V]. Vocabulary-parallel: this rank's chunk, padded to ceil(V/tp)
+        columns, all-gathered over the tp group and trimmed to V."""
+        logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
+        par = self.parallel
+        if par.tp == 1:
+            return logits
+        pad = par.vocab_chunk(self.config) - logits.shape[-1]
+        if pad:
+            logits = torch.nn.functional.pad(logits, (0, pad))
+        return self.ops.all_gather(logits, -1, par.tp_group)[:, :self.config.vocab_size].contiguous()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()

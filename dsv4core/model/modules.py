@@ -23,6 +23,7 @@ from torch import nn
 from . import indexing as ix
 from .cache import KVCache
 from .config import CSA, HASH_MOE, HCA, SLIDING, DSV4Config
+from .parallel import SINGLE, Parallel
 
 FP32 = torch.float32
 
@@ -349,11 +350,16 @@ class Attention(nn.Module):
     """Shared-KV MQA with sliding window (+ CSA top-k or HCA compressed rows), sink, inverse rope
     on the output, grouped output projection. One `sparse_mqa_attention` call per layer over the
     flattened step, reading the layer's row pool: per query the W window rows (paged window
-    region) then its compressed rows (CSA: the indexer's picks; HCA: every visible entry)."""
+    region) then its compressed rows (CSA: the indexer's picks; HCA: every visible entry).
 
-    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
+    Tensor-parallel (`par.tp > 1`): this rank holds h/tp query heads (q_b_proj rows, sinks) and
+    o_groups/tp output groups (o_a_proj rows, o_b_proj columns); the o_b_proj partial sums are
+    all-reduced over the tp group. The KV path (kv_proj, compressor, indexer) is replicated."""
+
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
-        h, d = cfg.num_attention_heads, cfg.head_dim
+        h, d = cfg.num_attention_heads // par.tp, cfg.head_dim
+        G = cfg.o_groups // par.tp
         self.layer, self.layer_type = layer, cfg.layer_types[layer]
         self.rope_kind = cfg.rope_kind(layer)
         self.h, self.d, self.W, self.eps = h, d, cfg.sliding_window, cfg.rms_norm_eps
@@ -363,8 +369,9 @@ class Attention(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, h * d, dtype, ops)
         self.kv_proj = Linear(cfg.hidden_size, d, dtype, ops)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, ops)
-        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups, dtype, ops)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, dtype, ops)
+        self.o_a_proj = GroupedLinear(h * d // G, G * cfg.o_lora_rank, G, dtype, ops)
+        self.o_b_proj = Linear(G * cfg.o_lora_rank, cfg.hidden_size, dtype, ops)
+        self.par = par
         self.sinks = _param((h,), FP32)
         if self.layer_type == CSA:
             self.compressor = CSACompressor(cfg, layer, dtype, ops)
@@ -397,7 +404,8 @@ class Attention(nn.Module):
         o = ops.sparse_mqa_attention(q, pool, index.to(torch.int32), self.sinks, self.d ** -0.5)
         o = ops.rope(o, pos, inv_freq, inverse=True)
         g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
-        return self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
+        out = self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
+        return ops.all_reduce(out, self.par.tp_group) if self.par.tp > 1 else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,12 +434,14 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts in the model dtype, or kept packed (FP4 / FP8) with their `moe_experts`
-    scales in `*_scale_inv` (None otherwise; set by `dsv4core.model.experts_quant`)."""
+    """Routed experts `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]` in the model dtype, or kept
+    packed (FP4 / FP8) with their `moe_experts` scales in `*_scale_inv` (None otherwise; set by
+    `dsv4core.model.experts_quant`); with expert/tensor parallelism this rank's E/ep experts, each
+    cut to I/tp of its intermediate size."""
 
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, par: Parallel = SINGLE) -> None:
         super().__init__()
-        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E, H, I = cfg.n_routed_experts // par.ep, cfg.hidden_size, cfg.moe_intermediate_size // par.tp
         self.gate_up_proj = _param((E, 2 * I, H), dtype)
         self.down_proj = _param((E, H, I), dtype)
         self.register_parameter("gate_up_proj_scale_inv", None)
@@ -444,11 +454,12 @@ class SharedMLP(nn.Module):
     `moe_experts` takes W1 and W3 as one `[1, 2I, H]` tensor: on first use the gate and up weights
     are moved into one buffer and `gate_proj.weight` / `up_proj.weight` become views of its two
     halves (state-dict names and values unchanged, no second copy held). A weight replaced later
-    (another load) is packed again."""
+    (another load) is packed again. With parallelism this rank holds I/(tp*ep) of the
+    intermediate size (gate/up rows, down columns) and returns a partial sum."""
 
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef) -> None:
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size // par.world
         self.gate_proj = Linear(H, I, dtype, ops)
         self.up_proj = Linear(H, I, dtype, ops)
         self.down_proj = Linear(I, H, dtype, ops)
@@ -478,28 +489,39 @@ class SharedMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
+    """Router + routed experts + shared expert. Parallel (`par.world > 1`): every rank routes all
+    tokens (the router is replicated), runs the routing entries that fall on its experts
+    (`par.experts`; the others become -1, which `moe_experts` skips) and its shared-expert slice,
+    and one `all_reduce` over every rank sums the partial outputs (see `dsv4core.model.parallel`)."""
+
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
         self.is_hash = cfg.mlp_layer_types[layer] == HASH_MOE
         self.gate = Router(cfg, self.is_hash, dtype, ops)
-        self.experts = Experts(cfg, dtype)
-        self.shared_experts = SharedMLP(cfg, dtype, ops)
+        self.experts = Experts(cfg, dtype, par)
+        self.shared_experts = SharedMLP(cfg, dtype, ops, par)
         self.limit = cfg.swiglu_limit
+        self.par = par
+        self.expert_range = par.experts(cfg)
         self._ops = ops
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
+        if self.par.ep > 1:                    # global expert ids -> this rank's, -1 elsewhere
+            e0, e1 = self.expert_range
+            ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).to(ids.dtype)
         ex = self.experts
         routed = self._ops.t.moe_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, self.limit,
                                          ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
-        return routed + self.shared_experts(x)
+        out = routed + self.shared_experts(x)
+        return self._ops.t.all_reduce(out, self.par.world_group) if self.par.world > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef) -> None:
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, dtype, ops)
-        self.mlp = SparseMoeBlock(cfg, layer, dtype, ops)
+        self.self_attn = Attention(cfg, layer, dtype, ops, par)
+        self.mlp = SparseMoeBlock(cfg, layer, dtype, ops, par)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.attn_hc = HyperConnection(cfg, ops)
