@@ -116,11 +116,13 @@ def test_full_pool_is_an_error_with_nothing_changed(tiny):
     a, b = tiny.new_state(), tiny.new_state()
     with pytest.raises(PoolFullError, match="request slot"):
         tiny.new_state()
-    _prefill(tiny, a, _seq(40))                  # 2 of the 2 compressed blocks
+    # 64 tokens in 32-token blocks, one partial block per request: 2 + 2 blocks
+    assert tiny.cache.comp_pool.n - 1 == 4
+    _prefill(tiny, a, _seq(40))                  # 2 of the 4 compressed blocks
     snap = [t.clone() for t in tiny.cache.rows], tiny.cache.comp_table.copy(), len(tiny.cache.comp_pool.free)
-    with pytest.raises(PoolFullError, match="compressed-entry block"):
-        tiny.forward_batch(torch.cat([_seq(3), _seq(30)]), torch.tensor([40, 41, 42] + list(range(30))),
-                           torch.tensor([0] * 3 + [1] * 30), [a, b])
+    with pytest.raises(PoolFullError, match="compressed-entry block"):   # b needs 3 more
+        tiny.forward_batch(torch.cat([_seq(3), _seq(70)]), torch.tensor([40, 41, 42] + list(range(70))),
+                           torch.tensor([0] * 3 + [1] * 70), [a, b])
     assert a.length == 40 and b.length == 0
     assert all(torch.equal(x, y) for x, y in zip(snap[0], tiny.cache.rows))
     assert (tiny.cache.comp_table == snap[1]).all() and len(tiny.cache.comp_pool.free) == snap[2]
@@ -157,7 +159,7 @@ def test_static_decode_step_equals_the_eager_one(tiny):
         _prefill(tiny, s, _seq(13 + 9 * i, i))
     forks = [s.fork() for s in sts]
     g = DecodeGraphs(tiny, (4,), capture=None)
-    for step in range(20):
+    for step in range(12):                   # crosses CSA windows (m=4) and a window block (8)
         toks = [int(t) for t in _seq(3, 100 + step)]
         eager = _decode(tiny, sts, toks)
         c = tiny.cache
@@ -173,11 +175,11 @@ def test_static_decode_step_equals_the_eager_one(tiny):
 
 
 def test_generate_continuous_batching_equals_one_request_at_a_time(tiny):
-    prompts = [list(range(5, 60)), [3, 4], list(range(100, 141)), [7] * 20, list(range(30, 39))]
-    alone = [tiny.generate([p], 7)[0] for p in prompts]
+    prompts = [list(range(5, 45)), [3, 4], list(range(100, 133)), [7] * 20]
+    alone = [tiny.generate([p], 6)[0] for p in prompts]
     tiny.configure_cache(max_requests=2, max_tokens=2048, max_request_tokens=512, max_step_tokens=64)
-    assert tiny.generate(prompts, 7) == alone            # 5 prompts through 2 slots
-    assert tiny.generate(prompts, 7, prefill_chunk=5) == alone
+    assert tiny.generate(prompts, 6) == alone            # 4 prompts through 2 slots
+    assert tiny.generate(prompts, 6, prefill_chunk=9) == alone
     assert not tiny.cache.live and len(tiny.cache.free_slots) == 2
 
 
