@@ -237,3 +237,48 @@ def test_cache_config_errors():
     m.configure_cache(max_request_tokens=16)
     with pytest.raises(CacheError, match="max_request_tokens"):
         m.forward_batch(_seq(17), torch.arange(17), torch.zeros(17, dtype=torch.long), [m.new_state()])
+
+
+def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
+    """The compressor-ring writes come last; a 32-token chunk overwrites ring rows the committed
+    state reads, so a failure part way through them must put those rows back."""
+    ids = _seq(120)
+    ref = tiny.logits(ids)
+    a = tiny.new_state()
+    _prefill(tiny, a, ids[:45])
+    c, ops = tiny.cache, tiny.ops
+    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
+    real, calls = ops.cache_store, [0]
+
+    def flaky(pool, index, rows):
+        if pool.data_ptr() in rings:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected ring-write failure")
+        return real(pool, index, rows)
+
+    object.__setattr__(ops, "cache_store", flaky)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            _prefill(tiny, a, ids[45:77])
+    finally:
+        object.__setattr__(ops, "cache_store", real)
+    assert a.length == 45
+    _close(_prefill(tiny, a, ids[45:]), ref[45:], ref.abs().max())
+
+
+def test_generate_with_resources_held_outside_it(tiny):
+    """generate waits for blocks other live requests hold, and says so when nothing can run."""
+    tiny.configure_cache(max_requests=3, max_tokens=320, max_request_tokens=512, block_tokens=32)
+    prompts = [list(range(5, 105)), list(range(9, 109))]
+    alone = [tiny.generate([p], 12)[0] for p in prompts]
+    held = tiny.new_state()
+    _prefill(tiny, held, _seq(180))              # 6 of the pool's 13 blocks
+    assert tiny.generate(prompts, 12) == alone   # one prompt (4 blocks) at a time
+    other, third = tiny.new_state(), tiny.new_state()   # every slot now held outside generate
+    with pytest.raises(PoolFullError, match="no free request slot"):
+        tiny.generate(prompts, 2)
+    other.release()
+    third.release()
+    with pytest.raises(PoolFullError, match="compressed blocks"):
+        tiny.generate([list(range(2, 250))], 2)  # 8 blocks, 7 free

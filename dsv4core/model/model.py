@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .cache import CacheConfig, CacheError, KVCache, RequestState
+from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm, Step
@@ -280,9 +280,21 @@ class DSV4ForCausalLM(nn.Module):
             X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
         logits = self._lm_head(y)
-        for pool, index, values in step.deferred:
-            self.ops.cache_store(pool, index, values)
-        step.deferred.clear()
+        # the compressor-ring writes, last: a prefill chunk longer than max_rollback + 1 tokens
+        # overwrites ring rows the committed state still reads, so the rows about to be replaced
+        # are kept (a few rows per request) and put back if a write fails
+        saved = []
+        try:
+            for pool, index, values in step.deferred:
+                saved.append((pool, index, pool[index.clamp_min(0)]))
+                self.ops.cache_store(pool, index, values)
+        except BaseException:
+            for pool, index, old in reversed(saved):   # glue, error path only
+                keep = index >= 0
+                pool[index[keep]] = old[keep]
+            raise
+        finally:
+            step.deferred.clear()
         return logits
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -387,26 +399,35 @@ class _Scheduler:
         self.chunk, self.progress = chunk, progress
         self.waiting = deque(range(len(prompts)))
         self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
-        self.reserved = 0                      # compressed blocks promised to running requests
         self.done = 0
 
     def _blocks(self, i: int) -> int:
         return -(-(len(self.prompts[i]) + self.max_new) // self.cache.block_tokens) if self.cache.ratios else 0
 
     def _admit(self) -> None:
+        """Admit waiting prompts while a slot is free and the compressed blocks not yet promised to
+        running requests (the pool's free blocks, less what running requests will still take;
+        requests outside this call hold theirs) cover a prompt's whole length."""
         c = self.cache
-        free_blocks = c.comp_pool.n - 1 - self.reserved
-        while self.waiting and c.free_slots:
+        pending = sum(max(0, self._blocks(i) - int((c.comp_table[st.slot] > 0).sum()))
+                      for i, (st, _) in self.running.items())
+        free_blocks = len(c.comp_pool.free) - pending
+        while self.waiting:
             i = self.waiting[0]
             need = self._blocks(i)
-            if need > free_blocks and self.running:
-                break                          # wait for a running request to finish
-            if need > c.comp_pool.n - 1:
-                raise InputError(f"prompt {i}: {len(self.prompts[i])} + {self.max_new} tokens need {need} compressed "
-                                 f"blocks; the cache has {c.comp_pool.n - 1} (raise CacheConfig.max_tokens)")
+            if not c.free_slots or need > free_blocks:
+                if self.running:
+                    break                          # wait for a running request to finish
+                if need > c.comp_pool.n - 1:
+                    raise InputError(f"prompt {i}: {len(self.prompts[i])} + {self.max_new} tokens need {need} "
+                                     f"compressed blocks; the cache has {c.comp_pool.n - 1} (raise CacheConfig.max_tokens)")
+                if not c.free_slots:
+                    raise PoolFullError(f"generate: no free request slot (all {c.cc.max_requests} are held by live "
+                                        f"requests outside this call); release some or configure a larger cache")
+                raise PoolFullError(f"generate: prompt {i} needs {need} compressed blocks, {free_blocks} are free "
+                                    f"(live requests outside this call hold the rest)")
             self.waiting.popleft()
             self.running[i] = [c.new_request(), 0]
-            self.reserved += need
             free_blocks -= need
 
     def run(self, out: list[list[int]]) -> None:
@@ -446,7 +467,6 @@ class _Scheduler:
                     self.done += self.max_new - len(out[i])
                     st, _ = self.running.pop(i)
                     st.release()
-                    self.reserved -= self._blocks(i)
             if self.progress is not None:
                 self.progress(self.done, total)
 
