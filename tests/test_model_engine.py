@@ -282,3 +282,12 @@ def test_generate_with_resources_held_outside_it(tiny):
     third.release()
     with pytest.raises(PoolFullError, match="compressed blocks"):
         tiny.generate([list(range(2, 250))], 2)  # 8 blocks, 7 free
+
+
+def test_positions_and_ids_must_be_1d_integers(tiny):
+    st = tiny.new_state()
+    with pytest.raises(InputError, match="positions must hold integers"):
+        tiny.forward_batch(torch.tensor([3, 4]), torch.tensor([0.0, 1.0]), torch.zeros(2, dtype=torch.long), [st])
+    with pytest.raises(InputError, match="input_ids must be 1-D"):
+        tiny.forward_batch(torch.tensor([[3, 4]]), torch.arange(2), torch.zeros(2, dtype=torch.long), [st])
+    assert st.length == 0

@@ -26,10 +26,15 @@ class InputError(ValueError):
     """Bad request input (out-of-vocabulary id, empty prompt, too long, malformed batch)."""
 
 
-def _host_long(a) -> torch.Tensor:
-    """A 1-D int64 CPU tensor from a list / tensor (one copy if the tensor lives on a device)."""
-    t = torch.as_tensor(a, dtype=torch.int64) if not isinstance(a, torch.Tensor) else a
-    return t.detach().to("cpu", torch.int64).reshape(-1)
+def _host_long(a, what: str = "argument") -> torch.Tensor:
+    """A 1-D int64 CPU tensor from a 1-D integer list / tensor (one copy if the tensor lives on a
+    device). Floats and other shapes are refused, not rounded or flattened."""
+    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+    if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise InputError(f"{what} must hold integers; got dtype {str(t.dtype).removeprefix('torch.')}")
+    if t.dim() != 1 and not (t.numel() == 0 and t.dim() <= 1):
+        raise InputError(f"{what} must be 1-D (flattened tokens); got shape {tuple(t.shape)}")
+    return t.detach().to("cpu", torch.int64)
 
 
 class DSV4Model(nn.Module):
@@ -211,11 +216,12 @@ class DSV4ForCausalLM(nn.Module):
         forward; a step that raises (bad input, full pool, an op error) leaves every request as
         it was. Decode steps (one token per request) replay a recorded device graph when possible.
         """
-        ids_h, pos_h, rid_h = (_host_long(a) for a in (input_ids, positions, request_ids))
+        ids_h, pos_h, rid_h = (_host_long(a, w) for a, w in ((input_ids, "input_ids"), (positions, "positions"),
+                                                              (request_ids, "request_ids")))
         T = ids_h.shape[0]
         rows_h = None
         if logits_rows is not None:
-            rows_h = _host_long(logits_rows)
+            rows_h = _host_long(logits_rows, "logits_rows")
             if rows_h.numel() and (int(rows_h.min()) < -T or int(rows_h.max()) >= T):
                 raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows_h.tolist()[:8]}")
         if T == 0:
