@@ -2,9 +2,9 @@
 
 A backend is *validated on hardware* for a device when a conformance report produced ON that
 device (``dsv4core conformance --backend NAME --device DEV --json report.json``) has been recorded
-in the plugin's ``validation/`` folder, as ``<hardware-id>.json`` (e.g. ``gfx942.json``): the
-report's JSON plus a top-level ``"hardware"`` string naming the device and vendor stack
-(e.g. ``"AMD Instinct MI300X (gfx942), ROCm 7.0, aiter 0.1.20"``). A report counts only if it
+in the plugin's ``validation/`` folder, as ``<hardware-id>.json`` (the plugin chooses the id,
+e.g. its arch name): the report's JSON plus a top-level ``"hardware"`` string naming the device
+and the vendor software stack with versions. A report counts only if it
 has no failed op. docs/conformance.md ("Vendor CI") describes how vendors record one.
 
 Reading is cheap (a directory listing and small JSON files) and happens at plugin registration.
