@@ -118,10 +118,6 @@ class _Blocks:
         if self.ref[b] == 0:
             self.free.append(b)
 
-    @property
-    def used(self) -> int:
-        return self.n - 1 - len(self.free)
-
 
 class RequestState:
     """A request's handle: a slot of the cache plus its block tables; `length` tokens consumed.
@@ -209,6 +205,12 @@ def _lcm(*xs: int) -> int:
     return out
 
 
+def ring_capacity(ratio: int, overlap: bool, max_rollback: int) -> int:
+    """Positions a compressor ring keeps: the window being filled and, with overlap (CSA), the
+    previous one, plus what `truncate` may take back."""
+    return (1 + int(overlap)) * ratio + max_rollback
+
+
 def default_block_tokens(config: DSV4Config) -> int:
     """The smallest multiple of every compression rate that is >= 256 tokens."""
     ratios = sorted({config.compress_ratio(i) for i in range(config.num_hidden_layers)} - {0})
@@ -237,7 +239,7 @@ def state_bytes(config: DSV4Config, tokens: int, cache_config: CacheConfig | Non
         m = config.compress_ratio(i)
         overlap = t == CSA
         c = 2 if overlap else 1
-        cap = (1 + int(overlap)) * m + cc.max_rollback
+        cap = ring_capacity(m, overlap, cc.max_rollback)
         out["compressed_entries"] += comp_blocks * (Bc // m) * d * act_bytes
         out["compressor_rings"] += cap * 2 * c * d * 4
         if overlap:
@@ -302,7 +304,7 @@ class KVCache:
                 continue
             overlap = t == CSA
             c = 2 if overlap else 1
-            cap = (1 + int(overlap)) * m + cc.max_rollback
+            cap = ring_capacity(m, overlap, cc.max_rollback)
             self.ring_cap.append(cap)
             r = {"kv": torch.zeros(S * cap, c * d, dtype=torch.float32, **f),
                  "score": torch.zeros(S * cap, c * d, dtype=torch.float32, **f)}

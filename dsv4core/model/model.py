@@ -81,6 +81,7 @@ class DSV4ForCausalLM(nn.Module):
         self._quantization: dict | None = None  # set by load_model (see quantization_report)
         self._cache: KVCache | None = None
         self._graphs: DecodeGraphs | None = None
+        self._graph_why: tuple | None = None     # (op table and device, graph_status, capture)
         #: Graph decode: on where the device and every bound op allow it (see graph_status()).
         self.use_graphs = True
         self.graph_buckets: tuple[int, ...] = DEFAULT_GRAPH_BUCKETS
@@ -94,6 +95,7 @@ class DSV4ForCausalLM(nn.Module):
         """Swap the op table (e.g. after moving to another device). Captured graphs are dropped."""
         self._ops.t = ops
         self._graphs = None
+        self._graph_why = None
 
     @property
     def device(self) -> torch.device:
@@ -142,18 +144,20 @@ class DSV4ForCausalLM(nn.Module):
 
     def graph_status(self) -> str:
         """'' when decode steps are recorded as device graphs and replayed, else why they run
-        eagerly (graphs disabled, no graph capture for the device, an op not capturable)."""
+        eagerly (graphs disabled, no graph capture for the device, an op not capturable). Decided
+        once per op table and device (a step only reads the cached answer)."""
         if not self.use_graphs:
             return "disabled (model.use_graphs = False)"
-        from dsv4core.hal import graph_capture
+        key = (id(self._ops.t), self.device)
+        if self._graph_why is None or self._graph_why[0] != key:
+            from dsv4core.hal import graph_capture
 
-        cap, why = graph_capture(self.device.type)
-        if cap is None:
-            return why
-        bad = self.ops.capturable()
-        if bad:
-            return "ops not capturable: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
-        return ""
+            cap, why = graph_capture(self.device.type)
+            bad = self.ops.capturable() if cap is not None else {}
+            if bad:
+                why = "ops not capturable: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
+            self._graph_why = (key, why, cap)
+        return self._graph_why[1]
 
     # ------------------------------------------------------------------ validation
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -238,9 +242,7 @@ class DSV4ForCausalLM(nn.Module):
             logits = None
             if bool((counts == 1).all()) and not self.graph_status():
                 if self._graphs is None:
-                    from dsv4core.hal import graph_capture
-
-                    self._graphs = DecodeGraphs(self, self.graph_buckets, graph_capture(self.device.type)[0])
+                    self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
                 logits = self._graphs.run(ids_h, pos_h, torch.tensor([s.slot for s in seg_states]))
                 if logits is not None and rows_h is not None:
                     logits = logits[rows_h.to(logits.device)]
