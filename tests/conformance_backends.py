@@ -552,11 +552,6 @@ DIST_BROKEN = {
 }
 
 
-def make_dist_broken_backend(kind: str) -> Backend:
-    op, fn = DIST_BROKEN[kind]
-    return make_backend(f"broken-{kind}", dict(ALT_IMPLS, **{op: fn}))
-
-
 BROKEN = {
     "sinkhorn-one-short": ("hc_pre", hc_pre_sinkhorn_short),
     "hc-pre-bf16-accumulation": ("hc_pre", hc_pre_bf16_accum),

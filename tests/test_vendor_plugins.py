@@ -342,3 +342,17 @@ def test_extras_never_replace_the_vendor_triton_or_torch():
     assert any(r.split(">")[0].split("=")[0].strip() == "numpy" for r in meta["dependencies"])
     eps = meta["entry-points"]["dsv4core.backends"]
     assert {eps[v] for v in VENDORS} == {f"dsv4core_{v}" for v in VENDORS}
+
+
+def test_rocm_keeps_the_portable_kernels_declarations():
+    """The rocm backend re-adds the portable ops: their capturable / native_quantized
+    declarations must survive (else FP8 weights would be dequantised and graphs refused);
+    the aiter-fronted ops read quantised weights as the portable ones do but are not declared
+    capturable."""
+    import dsv4core_rocm
+
+    b = dsv4core_rocm.make_backend("cpu", arch=lambda: "gfx950", available=lambda: (True, ""))
+    fronted = {"hc_pre", "hc_post", "wo_a"}
+    for op, impl in b.impls.items():
+        assert impl.native_quantized, op
+        assert impl.capturable == (op not in fronted), op

@@ -124,6 +124,8 @@ class OpTable:
             b = self.bindings[name]
             if b.impl is None:
                 out[name] = "bound by hand (no implementation record)"
+            elif getattr(b, "verify", None) is not None:
+                out[name] = "verify mode on (sampling and judging run on the host)"
             elif not b.impl.capturable:
                 out[name] = f"implementation of {b.impl.backend!r} not declared capturable"
         return out

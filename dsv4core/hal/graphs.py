@@ -25,13 +25,15 @@ class GraphCapture(Protocol):
 
 
 def graph_capture(device_type: str) -> tuple[GraphCapture | None, str]:
-    """The graph capture of the highest-priority available backend serving ``device_type`` that
-    provides one: ``(capture, "")``, or ``(None, reason)``."""
+    """The graph capture of the first backend in ``auto``'s order for ``device_type`` (available,
+    priority >= 0, by priority then name) that provides one: ``(capture, "")``, or
+    ``(None, reason)``."""
+    from .binding import REFERENCE, auto_order
     from .discovery import discover
 
-    cands = sorted((st for st in discover().values() if st.available and st.backend is not None
-                    and st.backend.serves(device_type) and st.backend.graph_capture is not None),
-                   key=lambda st: -st.priority)
-    if not cands:
-        return None, f"no available backend provides graph capture for device type {device_type!r}"
-    return cands[0].backend.graph_capture, ""
+    statuses = discover()
+    for name in auto_order(statuses, device_type) + [REFERENCE]:   # the order `auto` uses
+        st = statuses.get(name)
+        if st is not None and st.backend is not None and st.backend.graph_capture is not None:
+            return st.backend.graph_capture, ""
+    return None, f"no available backend provides graph capture for device type {device_type!r}"

@@ -101,7 +101,7 @@ def make_backend(device_type: str = "cuda", arch=None, available=None, launch=No
     portable = Backend(name="rocm", device_types=(device_type,))
     fp8_ok = _fp8_guard(get_arch)
     register_ops(portable, device_type, launch=launch or (lambda: table_for(get_arch())),
-                 supports={op: fp8_ok for op in OPS})
+                 supports={op: fp8_ok for op in ("linear", "wo_a", "moe_experts")})   # the ops taking FP8 weights
     aiter_ops.register(b, portable, device_type, get_arch)
     return b
 

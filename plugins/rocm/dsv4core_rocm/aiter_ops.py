@@ -208,10 +208,12 @@ def register(backend, portable, device_type: str, get_arch) -> None:
     specs = catalogue()
     for op, impl in portable.impls.items():
         if op not in _OPS:
-            backend.add(op, impl.fn, supports=impl.supports, why_not=impl.why_not)
+            backend.add(op, impl.fn, supports=impl.supports, why_not=impl.why_not, capturable=impl.capturable,
+                        native_quantized=impl.native_quantized)
             continue
         fn, supports, why_not = _front(op, specs[op].signature, impl, device_type, get_arch)
-        backend.add(op, fn, supports=supports, why_not=why_not)
+        # aiter's side has not been recorded in a device graph here: not declared capturable
+        backend.add(op, fn, supports=supports, why_not=why_not, native_quantized=impl.native_quantized)
     for op in _OPS:   # an aiter op the portable kernels lack (none today) would still be served
         if op not in portable.impls:
             fn, supports, why_not = _front(op, specs[op].signature, None, device_type, get_arch)
