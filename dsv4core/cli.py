@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 import dsv4core
@@ -25,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_tag() -> str:
+    """" (rank R of W)" under a launcher that started several processes (torchrun), else ""."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f" (rank {os.environ.get('RANK', '?')} of {world})" if world not in ("", "0", "1") else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -40,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a clean one-line error for users; -v shows the traceback
         if args.verbose:
             raise
-        print(f"dsv4core {args.command}: error: {e}", file=sys.stderr)
+        print(f"dsv4core {args.command}: error{_rank_tag()}: {e}", file=sys.stderr)
         from dsv4core.hal import HALError
 
         return 2 if isinstance(e, (HALError, ValueError)) else 1

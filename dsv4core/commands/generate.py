@@ -81,6 +81,10 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     parallel = args.tp * args.ep > 1
+    world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    if world > 1 and not parallel:   # each process would run (and print) the whole model
+        raise ValueError(f"started as {world} processes (WORLD_SIZE={world}) but --tp {args.tp} x --ep {args.ep} "
+                         f"= 1 rank: give --tp / --ep with tp x ep = {world}, or run one process without torchrun")
     rank = int(os.environ.get("RANK", "0")) if parallel else 0
     device = args.device
     if parallel and device != "cpu" and ":" not in device:   # one accelerator per local rank
