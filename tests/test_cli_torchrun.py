@@ -105,3 +105,14 @@ def test_generate_under_a_launcher_without_tp_or_ep_is_a_clear_error(monkeypatch
     assert err.strip() == ("dsv4core generate: error (rank 1 of 2): started as 2 processes (WORLD_SIZE=2) but "
                            "--tp 1 x --ep 1 = 1 rank: give --tp / --ep with tp x ep = 2, or run one process "
                            "without torchrun"), err
+
+
+def test_generate_ep_not_dividing_the_experts_is_a_clear_error_before_any_collective(monkeypatch, capsys):
+    """The layout is checked before the process group is touched (the same check on every rank;
+    the torchrun tests above show it ending every rank for tp)."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    rc = main(["generate", "--model", "tiny", "--ep", "3", "--input-ids", "1,2", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == "dsv4core generate: error (rank 2 of 3): ep=3 must divide n_routed_experts=8 (tp=1, ep=3)", err

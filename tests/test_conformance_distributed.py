@@ -69,3 +69,29 @@ def test_cli_world_sizes_bad_value_exits_2(capsys):
 
     assert main(["--backend", "reference", "--no-model", "--world-sizes", "1"]) == 2
     assert "--world-sizes" in capsys.readouterr().err
+
+
+def test_seeds_and_bounds_are_the_suites_shared_formulas():
+    """The spawned-rank cases draw from the same seed formula as the single-process suite
+    (runner.mix_seed; case_seed is it over op/shapes/dtype), written out here independently, and
+    judge with the same bound (compare.tolerance_check: k x reference error + floor + one
+    output rounding)."""
+    import zlib
+
+    import torch
+
+    from dsv4core.conformance import compare
+    from dsv4core.conformance.distributed import _gen
+    from dsv4core.conformance.runner import case_seed
+    from dsv4core.hal.spec import Tolerance
+
+    assert case_seed(3, "linear", "small", torch.bfloat16) == (3 * 1_000_003 + zlib.crc32(b"linear/small/bfloat16")) % 2 ** 63
+    assert _gen(3, "T5", 1).initial_seed() == (3 * 1_000_003 + zlib.crc32(b"T5/1")) % 2 ** 63
+    exact = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
+    ref = exact.to(torch.bfloat16)
+    got = ref * 1.01
+    tol = Tolerance(k=2.0, floor=1e-3, why="test")
+    c = compare.tolerance_check("out", tol, 1e-3, got, ref, exact)
+    e_r = compare.error(tol.metric, ref, exact)
+    assert c.bound == 2.0 * e_r + 1e-3 + compare.output_rounding(tol.metric, torch.bfloat16, exact)
+    assert c.err == compare.error(tol.metric, got, exact) and c.ok == (c.err <= c.bound)

@@ -30,7 +30,6 @@ import os
 import tempfile
 import time
 import traceback
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,7 +76,9 @@ class DistCase:
 # ---------------------------------------------------------------------------------------------
 
 def _gen(seed: int, *parts) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32("/".join(map(str, parts)).encode())) % 2 ** 63)
+    from .runner import mix_seed
+
+    return torch.Generator().manual_seed(mix_seed(seed, *parts))
 
 
 def _x(seed, case, rank, shape, dtype, noncontig=False):
@@ -345,10 +346,8 @@ def _judge_rank(spec, impl, case: DistCase, rank: int, groups: dict, flags: _Fla
         msg = compare.nonfinite_problem(f"rank {rank} output", got, exact)
         if msg:
             raise Mismatch(msg, "non-finite")
-        e_b, e_r = compare.error(tol.metric, got, exact), compare.error(tol.metric, ref, exact)
-        bound = tol.k * e_r + floor + (compare.output_rounding(tol.metric, got.dtype, exact) if tol.floor else 0.0)
-        res.checks.append(Check(f"rank {rank} output", tol.metric, e_b, e_r, bound, e_b <= bound))
-        if e_b > bound:
+        res.checks.append(compare.tolerance_check(f"rank {rank} output", tol, floor, got, ref, exact))
+        if not res.checks[-1].ok:
             res.fail("numeric", compare.describe_check(res.checks[-1], tol.k, floor))
     except Mismatch as e:
         res.fail(e.kind, str(e))

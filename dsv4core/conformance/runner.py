@@ -334,9 +334,15 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def mix_seed(seed: int, *parts) -> int:
+    """A generator seed derived from the suite's ``seed`` and the ``parts`` naming what it draws
+    (joined with "/"): reproducible, and different for different parts."""
+    return (seed * 1_000_003 + zlib.crc32("/".join(map(str, parts)).encode())) % (2 ** 63)
+
+
 def case_seed(seed: int, op: str, shapes: str, dtype: torch.dtype) -> int:
     """The generator seed of one (op, shape set, dtype) case list: reproducible from ``seed``."""
-    return (seed * 1_000_003 + zlib.crc32(f"{op}/{shapes}/{dtype_name(dtype)}".encode())) % (2 ** 63)
+    return mix_seed(seed, op, shapes, dtype_name(dtype))
 
 
 def iter_cases(spec: OpSpec, shapes: str, dtype: torch.dtype, device: str, seed: int) -> Iterator[Case]:

@@ -406,6 +406,16 @@ def _rows_differing(g: torch.Tensor, r: torch.Tensor) -> tuple[int, int]:
     return int(bad.numel()), (int(bad[0]) if bad.numel() else -1)
 
 
+def tolerance_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.Tensor,
+                    exact: torch.Tensor) -> Check:
+    """The error bound of a floating output: the backend's ``tol.metric`` error against the fp64
+    evaluation ``exact`` may be ``tol.k`` times the reference's, plus ``floor``, plus (when the
+    tolerance has a floor) one rounding of the output to its dtype."""
+    e_b, e_r = error(tol.metric, got, exact), error(tol.metric, ref, exact)
+    bound = tol.k * e_r + floor + (output_rounding(tol.metric, got.dtype, exact) if tol.floor else 0.0)
+    return Check(name, tol.metric, e_b, e_r, bound, e_b <= bound)
+
+
 def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
     """The checks of one output ``raw`` of ``spec`` on arguments ``kw`` (by name), given the
     reference's output in the case dtype (``ref``) and the fp64 evaluation (``exact``), both
@@ -437,9 +447,7 @@ def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.d
                 checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                                     "" if ok else "integer output differs from the reference"))
                 continue
-            e_b, e_r = error(tol.metric, g, e), error(tol.metric, r, e)
-            bound = tol.k * e_r + floor + (output_rounding(tol.metric, g.dtype, e) if tol.floor else 0.0)
-            checks.append(Check(name, tol.metric, e_b, e_r, bound, e_b <= bound))
+            checks.append(tolerance_check(name, tol, floor, g, r, e))
     checks += invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
     return checks
 
