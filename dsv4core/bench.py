@@ -45,9 +45,9 @@ def _dims(shapes):
 
 
 def _fp8(w):
-    from dsv4core.hal.ops.projections import quantize_block_fp8
+    from dsv4core.hal.quant import quantize_fp8_block
 
-    return quantize_block_fp8(w, torch.float32)
+    return quantize_fp8_block(w, torch.float32, pow2=True)
 
 
 def _inv_freq(d_r=64, theta=10000.0, device="cpu"):

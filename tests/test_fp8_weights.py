@@ -182,3 +182,20 @@ def test_quantized_is_validated(official):
             dsv4core.load_model(off, quantized=bad)
     with pytest.raises(ValueError, match="quantized must be one of"):
         dsv4core.load_model("tiny", quantized="yes")
+
+
+@pytest.mark.parametrize("levels,dtype", [(3, torch.float32), (7, torch.float32), (7, torch.bfloat16)])
+def test_block_varied_scales_each_block_by_its_power_of_two(levels, dtype):
+    """The one helper behind the FP8 cases' and the FP8 tiny model's varied block scales: block
+    (i, j) times 2^((i + 2j) mod levels - (levels - 1) / 2), ragged edge blocks included, exactly."""
+    from dsv4core.hal.ops._cases import block_varied
+
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = block_varied(w, levels)
+    assert got.dtype == dtype
+    for i in range(3):
+        for j in range(3):
+            blk = (slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1)))
+            assert torch.equal(got[blk], w[blk] * 2.0 ** ((i + 2 * j) % levels - (levels - 1) // 2))
+    with pytest.raises(ValueError, match="levels must be odd, got 4"):
+        block_varied(w, 4)

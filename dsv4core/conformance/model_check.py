@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dsv4core.hal import Backend, OpBinding, OpTable, catalogue
+from dsv4core.hal.ops._cases import block_varied
 
 from .runner import FAILED, PASSED
 
@@ -99,7 +100,7 @@ def _load_tiny_fp8(device: str):
     from dsv4core.checkpoint.writer import write_official
 
     m = _load("tiny", torch.float32, "cpu")
-    sd = {k: (_vary_blocks(v) if _is_projection(k, v) else v) for k, v in m.state_dict().items()}
+    sd = {k: (block_varied(v, levels=3) if _is_projection(k, v) else v) for k, v in m.state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="dsv4core-fp8-tiny-") as d:
         write_official(sd, m.config.to_hf_dict(), d, reference=False)
         return _load(d, torch.float32, device, quantized="keep")
@@ -107,16 +108,6 @@ def _load_tiny_fp8(device: str):
 
 def _is_projection(name: str, t: torch.Tensor) -> bool:
     return name.endswith("proj.weight") and "experts" not in name and t.dim() == 2 and t.is_floating_point()
-
-
-def _vary_blocks(w: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Block (i, j) of ``w`` times ``2^((i + 2j) mod 3 - 1)`` (0.5, 1 or 2): the FP8 block scales then
-    differ along both block directions, so a kernel applying them per row or per column diverges
-    (random weights of one std would give every block the same power-of-two scale)."""
-    nb, kb = -(-w.shape[0] // block), -(-w.shape[1] // block)
-    i, j = torch.arange(nb)[:, None], torch.arange(kb)[None, :]
-    f = (2.0 ** (((i + 2 * j) % 3) - 1).to(w.dtype)).repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return w * f[:w.shape[0], :w.shape[1]].to(w.device)
 
 
 def _prompt(V: int, seed: int) -> list[int]:

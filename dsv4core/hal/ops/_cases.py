@@ -47,3 +47,19 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
     view = buf[..., 1::2]
     view.copy_(t)
     return view
+
+
+def block_varied(w: torch.Tensor, levels: int, block: int = 128) -> torch.Tensor:
+    """``w [.., N, K]`` with its block (i, j) (``block`` x ``block``) multiplied by
+    ``2^((i + 2j) mod levels - (levels - 1) / 2)`` (``levels`` odd: 3 gives 0.5 / 1 / 2, 7 gives
+    2^-3 .. 2^3). Every row of blocks and every column of blocks then holds different factors
+    (for any seed), so FP8 block scales drawn from it differ along both directions: a kernel
+    applying them per row, per column or one for all diverges. The factors are powers of two,
+    exact in ``w``'s dtype."""
+    if levels % 2 != 1:
+        raise ValueError(f"block_varied: levels must be odd, got {levels}")
+    nb, kb = -(-w.shape[-2] // block), -(-w.shape[-1] // block)
+    i, j = torch.arange(nb)[:, None], torch.arange(kb)[None, :]
+    f = 2.0 ** (((i + 2 * j) % levels) - (levels - 1) // 2).to(torch.float32)
+    f = f.repeat_interleave(block, 0)[:w.shape[-2]].repeat_interleave(block, 1)[:, :w.shape[-1]]
+    return w * f.to(device=w.device, dtype=w.dtype)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant import E8M0, FP4_GROUP, FP4_PACKED_DTYPES, quantize_fp4, scale_to_float32, unpack_fp4
+from ..quant import E8M0, FP4_GROUP, FP4_PACKED_DTYPES, quantize_fp4, quantize_fp8_block, scale_to_float32, unpack_fp4
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
-from .projections import BLOCK as FP8_BLOCK, FP8, SCALE_DTYPES as FP8_SCALE_DTYPES, dequant_block_fp8, \
-    quantize_block_fp8
+from .projections import BLOCK as FP8_BLOCK, FP8, SCALE_DTYPES as FP8_SCALE_DTYPES, dequant_block_fp8
 
 #: scale dtypes of packed FP4 weights: UE8M0 (float8_e8m0fnu, or its raw bytes as uint8)
 FP4_SCALE_DTYPES = tuple(d for d in (E8M0, torch.uint8) if d is not None)
@@ -191,7 +190,8 @@ def _(shapes, dtype, device, gen):
     # one UE8M0 scale per 32 columns; mixed formats (FP4 w13 with an FP8 w2) and a skipped slot
     wf13 = randn((E, 2 * I, H), gen, torch.float32, device, H ** -0.5 * 4)
     wf2 = randn((E, H, I), gen, torch.float32, device, I ** -0.5)
-    q8 = {sd: (quantize_block_fp8(wf13, sd), quantize_block_fp8(wf2, sd)) for sd in FP8_SCALE_DTYPES}
+    q8 = {sd: (quantize_fp8_block(wf13, sd, FP8_BLOCK, pow2=True), quantize_fp8_block(wf2, sd, FP8_BLOCK, pow2=True))
+          for sd in FP8_SCALE_DTYPES}
     q4 = (quantize_fp4(wf13, FP4_GROUP, E8M0), quantize_fp4(wf2, FP4_GROUP, E8M0))
     quantised = [("fp8-e8m0", q8[E8M0]), ("fp8-f32scale", q8[torch.float32]), ("fp4", q4),
                  ("fp4-w13-fp8-w2", (q4[0], q8[torch.float32][1]))]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import quantize_fp8_block
 from ..spec import ACT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, noncontig, randn
+from ._cases import TOKENS, block_varied, dims, noncontig, randn
 
 FP8 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
@@ -60,13 +61,6 @@ def _(x, weight, weight_scale=None, out_dtype=None):
            out_dtype)
 
 
-def quantize_block_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32):
-    """Case helper: [.., N, K] -> float8_e4m3fn + 128x128 block scales (the checkpoint writer's quantiser)."""
-    from ..quant import quantize_fp8_block
-
-    return quantize_fp8_block(w, scale_dtype, BLOCK, pow2=True)
-
-
 @linear.cases
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
@@ -76,14 +70,14 @@ def _(shapes, dtype, device, gen):
                                       weight=randn((q_lora, H), gen, dtype, device, H ** -0.5)))
     w = randn((q_lora, H), gen, torch.float32, device, H ** -0.5)
     for sd in SCALE_DTYPES:
-        q, s = quantize_block_fp8(w, sd)
+        q, s = quantize_fp8_block(w, sd, BLOCK, pow2=True)
         yield Case(f"fp8-{str(sd).replace('torch.', '')}", dict(x=randn((5, H), gen, dtype, device), weight=q,
                                                                 weight_scale=s), ("fp8",))
     yield Case("out-fp32", dict(x=randn((3, H), gen, dtype, device), weight=randn((64, H), gen, dtype, device),
                                 out_dtype=torch.float32))
     # ragged fp8 block grid (N, K not multiples of 128), 3-d non-contiguous x, large magnitudes
     wr = randn((200, 300), gen, torch.float32, device, 300 ** -0.5 * 50)
-    q, s = quantize_block_fp8(wr, torch.float32)
+    q, s = quantize_fp8_block(wr, torch.float32, BLOCK, pow2=True)
     yield Case("fp8-ragged-3d", dict(x=randn((2, 3, 300), gen, dtype, device, 100.0), weight=q, weight_scale=s,
                                      out_dtype=torch.float32), ("fp8", "extreme"))
     yield Case("noncontig-3d", dict(x=noncontig(randn((2, 5, H), gen, dtype, device)),
@@ -94,10 +88,8 @@ def _(shapes, dtype, device, gen):
     # block scales that differ in BOTH directions (2 x 3 grid, magnitudes 2^-3 .. 2^3 per block):
     # a kernel applying the scales per output row only, per column only, or one scale for all
     # blocks fails; e8m0, power-of-two fp32 and free fp32 (amax / 448) scales
-    wv = _block_varied(randn((256, 384), gen, torch.float32, device, 384 ** -0.5))
+    wv = block_varied(randn((256, 384), gen, torch.float32, device, 384 ** -0.5), levels=7, block=BLOCK)
     for label, sd, pow2 in (("e8m0", torch.float8_e8m0fnu, True), ("float32", torch.float32, False)):
-        from dsv4core.checkpoint.quant import quantize_fp8_block
-
         q, s = quantize_fp8_block(wv, sd, BLOCK, pow2=pow2)
         yield Case(f"fp8-varied-blocks-{label}", dict(x=randn((4, 384), gen, dtype, device), weight=q, weight_scale=s),
                    ("fp8",))
@@ -105,16 +97,6 @@ def _(shapes, dtype, device, gen):
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
     yield Case("out-other-dtype", dict(x=randn((3, H), gen, dtype, device),
                                        weight=randn((64, H), gen, dtype, device, H ** -0.5), out_dtype=other))
-
-
-def _block_varied(w: torch.Tensor) -> torch.Tensor:
-    """``w`` with block (i, j) (128 x 128) multiplied by ``2^((i + 2j) mod 7 - 3)``: every row of
-    blocks and every column of blocks holds different factors (for any seed)."""
-    nb, kb = -(-w.shape[-2] // BLOCK), -(-w.shape[-1] // BLOCK)
-    i, j = torch.arange(nb)[:, None], torch.arange(kb)[None, :]
-    f = 2.0 ** (((i + 2 * j) % 7) - 3).to(torch.float32)
-    f = f.repeat_interleave(BLOCK, 0)[:w.shape[-2]].repeat_interleave(BLOCK, 1)[:, :w.shape[-1]]
-    return w * f.to(w.device)
 
 
 @op(family="projections", tolerance=Tolerance(
@@ -141,9 +123,9 @@ def _(shapes, dtype, device, gen):
     w = randn((G, R, Din), gen, torch.float32, device, Din ** -0.5)
     for T in TOKENS[shapes]:
         yield Case(f"T{T}", dict(o=randn((T, G, Din), gen, dtype, device), weight=w.to(dtype)))
-    q, s = quantize_block_fp8(w, torch.float8_e8m0fnu)
+    q, s = quantize_fp8_block(w, torch.float8_e8m0fnu, BLOCK, pow2=True)
     yield Case("fp8", dict(o=randn((3, G, Din), gen, dtype, device), weight=q, weight_scale=s), ("fp8",))
-    q, s = quantize_block_fp8(w, torch.float32)
+    q, s = quantize_fp8_block(w, torch.float32, BLOCK, pow2=True)
     yield Case("fp8-f32scale-noncontig", dict(o=noncontig(randn((5, G, Din), gen, dtype, device, 30.0)), weight=q,
                                               weight_scale=s), ("fp8", "noncontig"))
     # o as the attention output really arrives: [T, h, d] viewed as [T, G, h/G * d] after a transpose
