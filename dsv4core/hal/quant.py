@@ -30,12 +30,19 @@ FP4_MAX = 6.0
 FP4_E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
+#: the FP8 weight dtype (e4m3, 128x128 block-scaled)
+FP8_E4M3 = torch.float8_e4m3fn
+#: the UE8M0 scale dtype (None on a torch without it: scales are then raw uint8 bytes)
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
+#: a UE8M0 byte b encodes 2**(b - E8M0_BIAS) (255 is NaN)
+E8M0_BIAS = 127
 
+#: byte dtypes that hold packed FP4 e2m1 pairs in checkpoints (two codes a byte)
+FP4_BYTE_DTYPES = (torch.int8, torch.uint8)
 #: dtypes that can hold packed FP4 e2m1 pairs
-FP4_PACKED_DTYPES = tuple(d for d in (torch.int8, torch.uint8, _FP4_DTYPE) if d is not None)
+FP4_PACKED_DTYPES = FP4_BYTE_DTYPES + tuple(d for d in (_FP4_DTYPE,) if d is not None)
 #: 8-bit float weight dtypes (block-scaled)
-FP8_DTYPES = tuple(d for d in (torch.float8_e4m3fn, getattr(torch, "float8_e5m2", None)) if d is not None)
+FP8_DTYPES = tuple(d for d in (FP8_E4M3, getattr(torch, "float8_e5m2", None)) if d is not None)
 #: dtypes a scale tensor may have
 SCALE_DTYPES = tuple(d for d in (E8M0, torch.uint8, torch.float32, torch.bfloat16, torch.float16) if d is not None)
 
@@ -177,7 +184,7 @@ def encode_scale(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     if scale_dtype == torch.float32:
         return s.to(torch.float32)
     if scale_dtype in (E8M0, torch.uint8):
-        b = (torch.round(torch.log2(s)) + 127).clamp(0, 254).to(torch.uint8)
+        b = (torch.round(torch.log2(s)) + E8M0_BIAS).clamp(0, 2 * E8M0_BIAS).to(torch.uint8)
         return b if scale_dtype == torch.uint8 else b.view(E8M0)
     raise ValueError(f"unsupported scale dtype {scale_dtype}")
 

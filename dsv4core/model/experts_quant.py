@@ -23,18 +23,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4core.hal.quant import E8M0, FP4_BYTE_DTYPES, FP4_GROUP, FP8_BLOCK, FP8_E4M3 as FP8
+
 from .fp8 import FP8Decision
 
-FP8 = torch.float8_e4m3fn
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
-FP4_BYTES = (torch.int8, torch.uint8)
 PARTS = ("gate_up_proj", "down_proj")
 
 
 def checkpoint_expert_formats(ckpt) -> dict[str, tuple[str, torch.dtype]]:
     """HF expert tensor name -> ("fp4" | "fp8", stored dtype) for routed-expert tensors that the
     checkpoint holds quantised with scales, every expert alike (headers only)."""
-    from dsv4core.checkpoint import hf_scale_name, is_mtp, official_to_hf
+    from dsv4core.checkpoint.names import hf_scale_name, is_mtp, official_to_hf
 
     infos = ckpt.infos()
     seen: dict[str, set] = {}
@@ -52,7 +51,7 @@ def checkpoint_expert_formats(ckpt) -> dict[str, tuple[str, torch.dtype]]:
                 continue
             has_scale, target = hf_scale_name(name) in infos, name
         dt = info.torch_dtype
-        fmt = ("fp8" if dt == FP8 else "fp4" if dt in FP4_BYTES else None) if has_scale else None
+        fmt = ("fp8" if dt == FP8 else "fp4" if dt in FP4_BYTE_DTYPES else None) if has_scale else None
         seen.setdefault(target, set()).add((fmt, dt))
     return {t: next(iter(v)) for t, v in seen.items() if len(v) == 1 and next(iter(v))[0] is not None}
 
@@ -63,9 +62,9 @@ def _shapes(experts: nn.Module, fmt: str) -> dict[str, tuple]:
     for part in PARTS:
         E, R, C = getattr(experts, part).shape
         if fmt == "fp4":
-            out[part] = ((E, R, C // 2), None, (E, R, C // 32), E8M0 if E8M0 is not None else torch.uint8)
+            out[part] = ((E, R, C // 2), None, (E, R, C // FP4_GROUP), E8M0 if E8M0 is not None else torch.uint8)
         else:
-            out[part] = ((E, R, C), FP8, (E, -(-R // 128), -(-C // 128)), torch.float32)
+            out[part] = ((E, R, C), FP8, (E, -(-R // FP8_BLOCK), -(-C // FP8_BLOCK)), torch.float32)
     return out
 
 
@@ -112,8 +111,8 @@ def plan(model: nn.Module, ops, mode: str, formats: dict, act_dtype: torch.dtype
             decide(False, "quantized='dequantize'", fmt)
             continue
         I = ex.down_proj.shape[2]
-        if fmt == "fp8" and official and I % 128:
-            decide(False, "FP8 w1 / w3 stored per expert need I % 128 == 0 to split the scale grid", fmt)
+        if fmt == "fp8" and official and I % FP8_BLOCK:
+            decide(False, f"FP8 w1 / w3 stored per expert need I % {FP8_BLOCK} == 0 to split the scale grid", fmt)
             continue
         key = (fmt, byte_dtype, tuple(ex.gate_up_proj.shape), tuple(ex.down_proj.shape))
         if key not in verdicts:
@@ -135,6 +134,8 @@ def plan(model: nn.Module, ops, mode: str, formats: dict, act_dtype: torch.dtype
 
 def apply(model: nn.Module, decisions: list[FP8Decision], formats: dict) -> None:
     """Give every kept Experts module empty quantised weights and scales (the loader fills them)."""
+    from dsv4core.checkpoint.names import hf_scale_name
+
     kept = {d.weight for d in decisions if d.kept}
     for name, mod in model.named_modules():
         if not hasattr(mod, "gate_up_proj_scale_inv") or f"{name}.gate_up_proj" not in kept:
@@ -143,4 +144,4 @@ def apply(model: nn.Module, decisions: list[FP8Decision], formats: dict) -> None
         dev = mod.gate_up_proj.device
         for part, (w, wdt, s, sdt) in _shapes(mod, fmt).items():
             setattr(mod, part, nn.Parameter(torch.empty(w, dtype=wdt or byte_dtype, device=dev), requires_grad=False))
-            setattr(mod, part + "_scale_inv", nn.Parameter(torch.empty(s, dtype=sdt, device=dev), requires_grad=False))
+            setattr(mod, hf_scale_name(part), nn.Parameter(torch.empty(s, dtype=sdt, device=dev), requires_grad=False))

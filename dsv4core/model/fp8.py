@@ -153,9 +153,11 @@ def report(model: nn.Module, mode: str, decisions: list[FP8Decision]) -> dict:
     """Summary: mode, the per-weight decisions, and bytes of the kept weights (FP8 + scales)."""
     params = dict(model.named_parameters())
     kept = [d for d in decisions if d.kept]
+    from dsv4core.checkpoint.names import hf_scale_name
+
     fp8_bytes = 0
     for d in kept:
-        for n in (d.weight, d.weight + "_scale_inv"):
+        for n in (d.weight, hf_scale_name(d.weight)):
             p = params.get(n)
             if p is not None:
                 fp8_bytes += p.numel() * p.element_size()

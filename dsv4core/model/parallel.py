@@ -261,9 +261,6 @@ class RankCut:
         return e - e0 if e0 <= e < e1 else None
 
 
-SCALE_SUFFIX = "_scale_inv"   # X.weight -> X.weight_scale_inv; experts.gate_up_proj -> gate_up_proj_scale_inv
-
-
 def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: DSV4Config, par: Parallel) -> dict[str, torch.Tensor]:
     """The tensors rank `par` holds, cut from a full (single-process) state dict: names unchanged,
     shapes those of a model built with `par`. A quantised weight's scale (`<name>_scale_inv`) is
@@ -272,6 +269,7 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: DSV4Config, par: 
     inside a block raises `ParallelError`."""
     from dsv4core.checkpoint import CheckpointError
     from dsv4core.checkpoint.cuts import cut_tensor, tensor_rules
+    from dsv4core.checkpoint.names import HF_SCALE_SUFFIX as SCALE_SUFFIX   # X.weight -> X.weight_scale_inv
 
     if par.world == 1:
         return dict(state_dict)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import quantize_fp8_block
+from ..quant import FP8_BLOCK as BLOCK, FP8_E4M3 as FP8, quantize_fp8_block
 from ..spec import ACT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, block_varied, dims, noncontig, randn
 
-FP8 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
-BLOCK = 128
 WEIGHT_DTYPES = ACT_DTYPES + (torch.float64, FP8)
 
 
