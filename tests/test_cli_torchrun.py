@@ -80,9 +80,12 @@ def test_torchrun_generate_equals_single_process(tp, ep, capsys, monkeypatch):
     (2, ("--tp", "3"), "tp=3 must divide num_attention_heads=4 (tp=3, ep=1)"),
     (2, ("--tp", "2", "--ep", "2"), "tp=2 x ep=2 = 4 ranks, but the process group has world size 2"),
 ], ids=["tp-does-not-divide-heads", "world-size-mismatch"])
-def test_torchrun_bad_layout_fails_every_rank(nproc, args, message):
-    # monitor_s: the ranks fail at the same point of start-up; polling every 2 s lets each one
-    # print its error and exit on its own before torchrun terminates the rest
+def test_torchrun_bad_layout_fails_with_the_layout_error(nproc, args, message):
+    # monitor_s: the ranks fail at the same point of start-up; polling every 2 s usually lets each
+    # one print its error before torchrun terminates the rest. "Usually" is not a test: on a loaded
+    # machine a slow rank can be killed first, so this checks that every error printed is the layout
+    # error of a real rank and that at least one was printed; that every rank raises it is shown
+    # in-process (the tests below and tests/test_model_parallel.py).
     r = _torchrun(nproc, *args, monitor_s=2)
     assert r.returncode != 0, f"torchrun exited 0 for a bad layout {args}:\n{r.stdout[-2000:]}"
     assert r.stdout == "", r.stdout
@@ -90,8 +93,8 @@ def test_torchrun_bad_layout_fails_every_rank(nproc, args, message):
     ranks = sorted(int(m.group(1)) for ln in lines
                    if (m := re.fullmatch(rf"dsv4core generate: error \(rank (\d) of {nproc}\): {re.escape(message)}",
                                          ln)))
-    assert ranks == list(range(nproc)), f"want the error {message!r} from every rank, got:\n" + "\n".join(lines) + \
-        f"\nstderr tail:\n{r.stderr[-3000:]}"
+    assert ranks and len(ranks) == len(lines) and set(ranks) <= set(range(nproc)), \
+        f"want the error {message!r} from the ranks, got:\n" + "\n".join(lines) + f"\nstderr tail:\n{r.stderr[-3000:]}"
 
 
 def test_generate_under_a_launcher_without_tp_or_ep_is_a_clear_error(monkeypatch, capsys):
