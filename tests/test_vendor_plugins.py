@@ -361,3 +361,26 @@ def test_rocm_keeps_the_portable_kernels_declarations():
     for op, impl in b.impls.items():
         assert impl.native_quantized, op
         assert impl.capturable == (op not in fronted), op
+
+
+def test_rocm_aiter_gate_evaluated_once_per_call(monkeypatch):
+    """The HAL calls supports() then fn(): the aiter gate (arch, limits, library) runs once, in fn."""
+    from dsv4core_rocm import aiter_ops
+
+    b = _rocm(monkeypatch, arch="gfx950")
+    gates, vendor = [], []
+    real_gate, real_pre = aiter_ops.why_not_vendor, sys.modules["aiter.ops.mhc"].mhc_pre
+    monkeypatch.setattr(aiter_ops, "why_not_vendor", lambda *a, **k: gates.append(a[0]) or real_gate(*a, **k))
+    monkeypatch.setattr(sys.modules["aiter.ops.mhc"], "mhc_pre", lambda *a, **k: vendor.append(1) or real_pre(*a, **k))
+    (case,) = [c for c in _cases_of("hc_pre", "small", torch.bfloat16) if c.name == "T7"]
+    impl = b.impls["hc_pre"]
+    assert impl.supports(**case.kwargs)
+    y, post, comb = impl.fn(**case.kwargs)
+    assert gates == ["hc_pre"] and vendor == [1]
+    from dsv4core.hal import catalogue
+
+    ref = catalogue()["hc_pre"].reference(**{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                              else v for k, v in case.kwargs.items()})
+    # y is bf16 (one rounding of an fp32 sum): within 2 bf16 ulps of the fp64 value
+    torch.testing.assert_close(y.double(), ref[0], rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(post.double(), ref[1], rtol=1e-5, atol=1e-6)
