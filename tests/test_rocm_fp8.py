@@ -239,3 +239,13 @@ def test_real_backend_wires_it():
     args = (torch.randn(2, 128).bfloat16(), w.view(FN), torch.ones(1, 1))
     assert not b.impls["linear"].supports(*args) and "NaN codes" in b.impls["linear"].why_not(*args)
     assert b.impls["linear"].capturable and b.impls["linear"].native_quantized
+
+
+def test_fnuz_only_where_kernels_read_it(monkeypatch):
+    """A ROCm GPU or the CPU (interpreter) reads e4m3fnuz; an NVIDIA GPU running the gfx942 launch
+    table (benchmarks/vendor_tables_on_cuda.py) does not, so its e4m3fn weights pass through."""
+    gpu = torch.empty(1, device="meta")          # stands for a non-CPU tensor here
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert fp8._fnuz_device(torch.empty(1)) and not fp8._fnuz_device(gpu)
+    monkeypatch.setattr(torch.version, "hip", "7.0.1")
+    assert fp8._fnuz_device(gpu)

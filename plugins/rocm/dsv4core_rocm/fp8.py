@@ -115,6 +115,13 @@ class FnuzCache:
         return result
 
 
+def _fnuz_device(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device read e4m3fnuz: a ROCm GPU, or the CPU (the Triton
+    interpreter, the emulated tests). Not an NVIDIA GPU running the gfx942 launch table
+    (benchmarks/vendor_tables_on_cuda.py), whose Triton has no e4m3fnuz: e4m3fn passes through."""
+    return t.device.type == "cpu" or bool(getattr(torch.version, "hip", None))
+
+
 def _weight_args(args, kwargs):
     """(weight, weight_scale) of a linear / wo_a call (both take ``(x, weight, weight_scale=None, ...)``)."""
     w = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -141,7 +148,7 @@ def _front(op: str, impl, get_arch, cache: FnuzCache):
     def converted(args, kwargs):
         """None (pass through), the converted (args, kwargs), or the reason (str)."""
         w, s = _weight_args(args, kwargs)
-        if s is None or not is_e4m3fn(w) or get_arch() != "gfx942":
+        if s is None or not is_e4m3fn(w) or get_arch() != "gfx942" or not _fnuz_device(w):
             return None
         res = cache.get(w, s)
         return res if isinstance(res, str) else _with_weight(args, kwargs, *res)
