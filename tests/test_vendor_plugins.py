@@ -173,11 +173,12 @@ ASCEND_OPS = ("rms_norm", "rope", "q_norm_rope", "kv_norm_rope", "hc_pre", "hc_p
               "moe_experts")
 
 
-def _ascend(monkeypatch, hf32_hc_pre=None, **kw):
+def _ascend(monkeypatch, hf32_hc_pre=None, sparse_fa=None, **kw):
     install_ascend(monkeypatch, **kw)
     import dsv4core_ascend
 
-    return dsv4core_ascend.make_backend("cpu", available=lambda: (True, ""), hf32_hc_pre=hf32_hc_pre)
+    return dsv4core_ascend.make_backend("cpu", available=lambda: (True, ""), hf32_hc_pre=hf32_hc_pre,
+                                        sparse_fa=sparse_fa)
 
 
 def _by_op(report):
@@ -226,7 +227,8 @@ def test_ascend_hc_pre_hf32_finding(monkeypatch):
 def _cases_of(op, shapes, dtype):
     from dsv4core.hal import catalogue
 
-    return [c for c in catalogue()[op].sample_cases(shapes, dtype, "cpu", seed=0) if c.kwargs["x"].shape[0] > 0]
+    first = {"sparse_mqa_attention": "q"}.get(op, "x")
+    return [c for c in catalogue()[op].sample_cases(shapes, dtype, "cpu", seed=0) if c.kwargs[first].shape[0] > 0]
 
 
 def test_ascend_flash_shapes(monkeypatch):
@@ -243,6 +245,30 @@ def test_ascend_without_vllm_ascend_declines_with_reason(monkeypatch):
     assert "torch.ops._C_ascend" in b.impls["hc_pre"].why_not(**case.kwargs)
     rep = run(b, ops="hc_post,moe_route", shapes="small", dtypes="bfloat16,float32")
     assert all(o.count("passed") == 0 for o in rep.ops) and not rep.failed
+
+
+def test_ascend_sparse_attention_opt_in(monkeypatch):
+    """npu_sparse_flash_attention (zero rope tensors, K = V, sinks) at DSV4-Flash shapes (h 64,
+    d 512, K 640), bf16, under the emulation: every served case within the HAL bound, including
+    -1 entries scattered through a row (the glue moves them to the tail, as the op requires; the
+    emulation raises otherwise) and queries with no row at all (the glue returns the HAL's 0; the
+    emulation returns NaN there, the op's value being undocumented). Declined by default, and
+    for shapes the op is locked out of (small: d 64), each with its reason."""
+    monkeypatch.delenv("DSV4CORE_ASCEND_SPARSE_FA", raising=False)
+    (case,) = [c for c in _cases_of("sparse_mqa_attention", "flash", torch.bfloat16) if c.name == "T5-K640"]
+    b = _ascend(monkeypatch)
+    assert "DSV4CORE_ASCEND_SPARSE_FA=1" in b.impls["sparse_mqa_attention"].why_not(**case.kwargs)
+    b = _ascend(monkeypatch, sparse_fa=True)
+    rep = run(b, ops="sparse_mqa_attention", shapes="flash", dtypes="bfloat16")
+    res = _by_op(rep)["sparse_mqa_attention"]
+    assert not rep.failed, [c.id + ": " + c.message for c in rep.failures()]
+    declined = {c.case for c in res.cases if c.status == "declined"}
+    assert declined == {"T0-K640"} and {"scattered-noncontig", "all-masked"} <= {
+        c.case for c in res.cases if c.status == "passed"}, declined
+    small = [c for c in _cases_of("sparse_mqa_attention", "small", torch.bfloat16)][0]
+    assert "head dim is fixed at 512" in b.impls["sparse_mqa_attention"].why_not(**small.kwargs)
+    f32 = dict(case.kwargs, q=case.kwargs["q"].float(), kv=case.kwargs["kv"].float())
+    assert "bf16" in b.impls["sparse_mqa_attention"].why_not(**f32)
 
 
 def test_ascend_wo_a_weight_transposed_once(monkeypatch):

@@ -54,9 +54,11 @@ def _available():
     return True, ""
 
 
-def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | None = None) -> Backend:
+def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | None = None,
+                 sparse_fa: bool | None = None) -> Backend:
     """The ascend Backend (``device_type`` / ``available``: for tests on CPU tensors under an
-    emulated torch_npu; ``hf32_hc_pre``: default env DSV4CORE_ASCEND_HF32_HC_PRE == "1")."""
+    emulated torch_npu; the opt-in ops, default from their environment variables:
+    ``hf32_hc_pre`` DSV4CORE_ASCEND_HF32_HC_PRE == "1", ``sparse_fa`` DSV4CORE_ASCEND_SPARSE_FA == "1")."""
     from . import ops
 
     b = Backend(name="ascend", version=__version__, device_types=(device_type,), api_version=HAL_API_VERSION,
@@ -64,7 +66,7 @@ def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | N
                 description="torch_npu / vllm-ascend ops for norms, rope, mHC, wo_a and MoE (Ascend NPU); "
                             "reference for the rest",
                 validated=recorded(Path(__file__).parent / "validation", "ascend"))
-    ops.register(b, device_type, hf32_hc_pre)
+    ops.register(b, device_type, {"hc_pre": hf32_hc_pre, "sparse_mqa_attention": sparse_fa})
     return b
 
 
