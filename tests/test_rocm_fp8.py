@@ -249,3 +249,19 @@ def test_fnuz_only_where_kernels_read_it(monkeypatch):
     assert fp8._fnuz_device(torch.empty(1)) and not fp8._fnuz_device(gpu)
     monkeypatch.setattr(torch.version, "hip", "7.0.1")
     assert fp8._fnuz_device(gpu)
+
+
+def test_a_weight_that_cannot_be_written_is_converted_as_a_copy(monkeypatch):
+    """If the in-place -0 rewrite raises (a storage torch refuses to write), the conversion uses
+    an e4m3fnuz copy instead: still exact, the weight untouched."""
+    w = torch.zeros(4, 4, dtype=torch.uint8)
+    w[0, 0], w[1, 1] = 0x80, 0x38
+    w = w.view(FN)
+
+    def refuse(self, *a, **k):
+        raise RuntimeError("not writable")
+
+    monkeypatch.setattr(torch.Tensor, "masked_fill_", refuse)
+    wz, s2 = fp8.to_fnuz(w, torch.ones(1, 1))
+    assert w.view(torch.uint8)[0, 0] == 0x80 and wz.data_ptr() != w.data_ptr()       # untouched, copied
+    assert torch.equal(wz.to(torch.float64) * s2.double(), w.to(torch.float64))

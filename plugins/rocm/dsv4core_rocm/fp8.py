@@ -24,8 +24,7 @@ The three special codes:
 * 0x7F / 0xFF are NaN in e4m3fn but +-240 in e4m3fnuz: a weight holding them is declined (the
   reference serves it, and propagates the NaN as the HAL specifies).
 * Range: the largest finite e4m3fn code, 0x7E = 448, reads as 224 in e4m3fnuz (max 240), so the
-  reinterpretation never leaves the fnuz range (224 is also why ROCm code quotes it as the fnuz
-  "max" for e4m3fn-sourced data).
+  reinterpretation never leaves the fnuz range (SGLang uses 224 as its e4m3 maximum on HIP).
 
 Scales: fp32 S -> 2 S (declined if that overflows: |S| > 2^127 would become inf); e8m0 S = 2^(b -
 127) -> byte b + 1 (declined for b = 254, whose double 2^128 is not an e8m0 value; b = 255 is NaN
@@ -43,9 +42,12 @@ which gfx942 serves through the portable kernel.)
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
+
+log = logging.getLogger("dsv4core.rocm")
 
 E4M3FN = getattr(torch, "float8_e4m3fn", None)
 E4M3FNUZ = getattr(torch, "float8_e4m3fnuz", None)
@@ -89,7 +91,16 @@ def to_fnuz(weight: torch.Tensor, scale: torch.Tensor):
     s2 = doubled_scale(scale)
     if isinstance(s2, str):
         return s2
-    codes.masked_fill_(codes == 0x80, 0)
+    neg0 = codes == 0x80
+    if not bool(neg0.any()):
+        return weight.view(E4M3FNUZ), s2
+    try:
+        with torch.no_grad():
+            codes.masked_fill_(neg0, 0)
+    except RuntimeError as e:   # e.g. an inference tensor outside inference mode: convert a copy
+        log.warning("rocm: e4m3fn weight %s could not be rewritten in place (%s); using an e4m3fnuz copy "
+                    "(+%d bytes)", tuple(weight.shape), e, weight.numel())
+        return codes.masked_fill(neg0, 0).view(E4M3FNUZ), s2
     return weight.view(E4M3FNUZ), s2
 
 
