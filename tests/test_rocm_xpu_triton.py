@@ -3,8 +3,10 @@ Triton interpreter, judged by the conformance suite (shapes "small", fp32 and bf
 
 What this checks: the launch-table mechanism (tables reach the kernels, per-arch and per-dtype
 entries), that the shared kernel source is correct under each table's tile sizes, and the rocm
-dispatch between the emulated aiter and the portable kernel (gfx942: aiter mhc, portable wo_a,
-OCP-fp8 wo_a declined; gfx950: aiter mhc and wo_a at decode sizes). Ops are chosen so that each
+dispatch between the emulated aiter and the portable kernel (gfx942: aiter mhc, portable wo_a;
+gfx950: aiter mhc and wo_a at decode sizes), and gfx942's FP8 path: the OCP e4m3fn weights of the
+linear / wo_a cases reach the real kernels as their e4m3fnuz view with doubled scales
+(dsv4core_rocm/fp8.py) and must pass the conformance bound like gfx950's e4m3fn ones. Ops are chosen so that each
 distinct tile shape runs once (gfx950's attention tile, 16 x 32, is a power-of-two tile like
 gfx942's 16 x 16 and the kernels' default 16 x 64; moe_experts' table tile, 64 x 32, is left to
 the AOT gate and the H200 run: the interpreter needs ~17 s for it). What it cannot check: AMD /
@@ -30,7 +32,10 @@ from _pytest.monkeypatch import MonkeyPatch
 from vendor_emul import install_aiter
 install_aiter(MonkeyPatch())
 import dsv4core_rocm, dsv4core_xpu
-from dsv4core_rocm import aiter_ops
+from dsv4core_rocm import aiter_ops, fp8
+converted = []
+_to_fnuz = fp8.to_fnuz
+fp8.to_fnuz = lambda w, s: converted.append(str(s.dtype)) or _to_fnuz(w, s)
 from dsv4core_xpu.launch import resolve
 from dsv4core.conformance import run
 aiter_ops.aiter_version = lambda: None
@@ -46,12 +51,14 @@ out = {}
 for name, b in backends.items():
     out[name] = run(b, ops=ops[name], shapes="small", dtypes=("float32", "bfloat16"), device="cpu").as_dict()
     out[name]["aiter"] = aiter_ops.status(lambda: name.split("-")[-1]) if name.startswith("rocm") else None
+    out[name]["fnuz_conversions"] = list(converted)
+    converted.clear()
 json.dump(out, open(sys.argv[1], "w"))
 """
 
 #: per backend, the ops whose launch entries differ from the kernels' defaults in what the
 #: interpreter sees (tile sizes; it ignores stages and AMD keywords), plus rocm's aiter dispatch
-OPS = {"rocm-gfx942": ("sparse_mqa_attention", "wo_a"),
+OPS = {"rocm-gfx942": ("sparse_mqa_attention", "wo_a", "linear"),
        "rocm-gfx950": ("wo_a", "hc_pre", "hc_post"),
        "xpu": ("sparse_mqa_attention",)}
 
@@ -76,13 +83,18 @@ def test_passes_with_vendor_launch_table(reports, backend, op):
     assert ran == {"float32", "bfloat16"}, res["summary"] if "summary" in res else res["status"]
 
 
-def test_rocm_declines_ocp_fp8_on_gfx942_only(reports):
-    def fp8_status(backend):
-        (res,) = [o for o in reports[backend]["ops"] if o["op"] == "wo_a"]
+def test_rocm_fp8_weights_on_gfx942_run_as_fnuz(reports):
+    def fp8_status(backend, op):
+        (res,) = [o for o in reports[backend]["ops"] if o["op"] == op]
         return {c["status"] for c in res["cases"] if "fp8" in c["tags"]}
 
-    assert fp8_status("rocm-gfx942") == {"declined"}
-    assert fp8_status("rocm-gfx950") == {"passed"}
+    for op in ("wo_a", "linear"):
+        assert fp8_status("rocm-gfx942", op) == {"passed"}, op
+    assert fp8_status("rocm-gfx950", "wo_a") == {"passed"}
+    # gfx942 converted every FP8 weight it ran (fp32 and e8m0 scales); gfx950 none
+    got = reports["rocm-gfx942"]["fnuz_conversions"]
+    assert {"torch.float32", "torch.float8_e8m0fnu"} <= set(got), got
+    assert reports["rocm-gfx950"]["fnuz_conversions"] == []
 
 
 def test_rocm_aiter_paths(reports):

@@ -173,11 +173,12 @@ ASCEND_OPS = ("rms_norm", "rope", "q_norm_rope", "kv_norm_rope", "hc_pre", "hc_p
               "moe_experts")
 
 
-def _ascend(monkeypatch, hf32_hc_pre=None, **kw):
+def _ascend(monkeypatch, hf32_hc_pre=None, sparse_fa=None, **kw):
     install_ascend(monkeypatch, **kw)
     import dsv4core_ascend
 
-    return dsv4core_ascend.make_backend("cpu", available=lambda: (True, ""), hf32_hc_pre=hf32_hc_pre)
+    return dsv4core_ascend.make_backend("cpu", available=lambda: (True, ""), hf32_hc_pre=hf32_hc_pre,
+                                        sparse_fa=sparse_fa)
 
 
 def _by_op(report):
@@ -226,7 +227,8 @@ def test_ascend_hc_pre_hf32_finding(monkeypatch):
 def _cases_of(op, shapes, dtype):
     from dsv4core.hal import catalogue
 
-    return [c for c in catalogue()[op].sample_cases(shapes, dtype, "cpu", seed=0) if c.kwargs["x"].shape[0] > 0]
+    first = {"sparse_mqa_attention": "q"}.get(op, "x")
+    return [c for c in catalogue()[op].sample_cases(shapes, dtype, "cpu", seed=0) if c.kwargs[first].shape[0] > 0]
 
 
 def test_ascend_flash_shapes(monkeypatch):
@@ -243,6 +245,30 @@ def test_ascend_without_vllm_ascend_declines_with_reason(monkeypatch):
     assert "torch.ops._C_ascend" in b.impls["hc_pre"].why_not(**case.kwargs)
     rep = run(b, ops="hc_post,moe_route", shapes="small", dtypes="bfloat16,float32")
     assert all(o.count("passed") == 0 for o in rep.ops) and not rep.failed
+
+
+def test_ascend_sparse_attention_opt_in(monkeypatch):
+    """npu_sparse_flash_attention (zero rope tensors, K = V, sinks) at DSV4-Flash shapes (h 64,
+    d 512, K 640), bf16, under the emulation: every served case within the HAL bound, including
+    -1 entries scattered through a row (the glue moves them to the tail, as the op requires; the
+    emulation raises otherwise) and queries with no row at all (the glue returns the HAL's 0; the
+    emulation returns NaN there, the op's value being undocumented). Declined by default, and
+    for shapes the op is locked out of (small: d 64), each with its reason."""
+    monkeypatch.delenv("DSV4CORE_ASCEND_SPARSE_FA", raising=False)
+    (case,) = [c for c in _cases_of("sparse_mqa_attention", "flash", torch.bfloat16) if c.name == "T5-K640"]
+    b = _ascend(monkeypatch)
+    assert "DSV4CORE_ASCEND_SPARSE_FA=1" in b.impls["sparse_mqa_attention"].why_not(**case.kwargs)
+    b = _ascend(monkeypatch, sparse_fa=True)
+    rep = run(b, ops="sparse_mqa_attention", shapes="flash", dtypes="bfloat16")
+    res = _by_op(rep)["sparse_mqa_attention"]
+    assert not rep.failed, [c.id + ": " + c.message for c in rep.failures()]
+    declined = {c.case for c in res.cases if c.status == "declined"}
+    assert declined == {"T0-K640"} and {"scattered-noncontig", "all-masked"} <= {
+        c.case for c in res.cases if c.status == "passed"}, declined
+    small = [c for c in _cases_of("sparse_mqa_attention", "small", torch.bfloat16)][0]
+    assert "head dim is fixed at 512" in b.impls["sparse_mqa_attention"].why_not(**small.kwargs)
+    f32 = dict(case.kwargs, q=case.kwargs["q"].float(), kv=case.kwargs["kv"].float())
+    assert "bf16" in b.impls["sparse_mqa_attention"].why_not(**f32)
 
 
 def test_ascend_wo_a_weight_transposed_once(monkeypatch):
@@ -339,6 +365,11 @@ def test_extras_never_replace_the_vendor_triton_or_torch():
         # upstream triton would overwrite pytorch-triton-rocm / -xpu; torch-npu breaks `import torch`
         # without CANN; PyPI's amd-aiter has no DSV4 op and needs ROCm to import
         assert not names[vendor] & {"triton", "torch", "torch-npu", "amd-aiter"}, (vendor, names[vendor])
+    # the test dependencies exist without triton (for ROCm / XPU machines); [dev] adds upstream
+    # triton on top (CPU CI's interpreter and AOT gate), so `pip install -e ".[dev]"` still has it
+    assert not names["test"] & {"triton", "torch", "torch-npu", "amd-aiter"}, names["test"]
+    assert names["dev"] == {"dsv4core", "triton"} and "dsv4core[test]" in extras["dev"], extras["dev"]
+    assert {"pytest", "transformers"} <= names["test"]
     assert any(r.split(">")[0].split("=")[0].strip() == "numpy" for r in meta["dependencies"])
     eps = meta["entry-points"]["dsv4core.backends"]
     assert {eps[v] for v in VENDORS} == {f"dsv4core_{v}" for v in VENDORS}
@@ -356,3 +387,26 @@ def test_rocm_keeps_the_portable_kernels_declarations():
     for op, impl in b.impls.items():
         assert impl.native_quantized, op
         assert impl.capturable == (op not in fronted), op
+
+
+def test_rocm_aiter_gate_evaluated_once_per_call(monkeypatch):
+    """The HAL calls supports() then fn(): the aiter gate (arch, limits, library) runs once, in fn."""
+    from dsv4core_rocm import aiter_ops
+
+    b = _rocm(monkeypatch, arch="gfx950")
+    gates, vendor = [], []
+    real_gate, real_pre = aiter_ops.why_not_vendor, sys.modules["aiter.ops.mhc"].mhc_pre
+    monkeypatch.setattr(aiter_ops, "why_not_vendor", lambda *a, **k: gates.append(a[0]) or real_gate(*a, **k))
+    monkeypatch.setattr(sys.modules["aiter.ops.mhc"], "mhc_pre", lambda *a, **k: vendor.append(1) or real_pre(*a, **k))
+    (case,) = [c for c in _cases_of("hc_pre", "small", torch.bfloat16) if c.name == "T7"]
+    impl = b.impls["hc_pre"]
+    assert impl.supports(**case.kwargs)
+    y, post, comb = impl.fn(**case.kwargs)
+    assert gates == ["hc_pre"] and vendor == [1]
+    from dsv4core.hal import catalogue
+
+    ref = catalogue()["hc_pre"].reference(**{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                              else v for k, v in case.kwargs.items()})
+    # y is bf16 (one rounding of an fp32 sum): within 2 bf16 ulps of the fp64 value
+    torch.testing.assert_close(y.double(), ref[0], rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(post.double(), ref[1], rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 TORCH_NPU = ("npu_rms_norm", "npu_rotary_mul", "npu_transpose_batchmatmul", "npu_grouped_matmul",
-             "npu_clipped_swiglu")
+             "npu_clipped_swiglu", "npu_sparse_flash_attention")
 C_ASCEND = ("npu_hc_pre_v2", "npu_hc_post", "moe_gating_top_k_hash")
 
 
@@ -111,6 +111,66 @@ def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, b
     a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, -1)
     a = a.clamp(max=limit)
     return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + bias)).to(x.dtype)
+
+
+def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                               key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                               sparse_mode=3, pre_tokens=2 ** 63 - 1, next_tokens=2 ** 63 - 1, attention_mode=0,
+                               return_softmax_lse=False, sinks=None):
+    """-> (out [B, S1, N1, D] bf16, softmax_max, softmax_sum (empty unless return_softmax_lse)).
+
+    ``out = softmax(scale * (q . k + q_rope . k_rope)) . v`` over each query's selected rows
+    ``sparse_indices[b, s1, 0, :]`` (-1 = none; valid entries must come first), plus ``sinks[h]``
+    as a raw logit in the denominator. Limits (op docs): bf16 / fp16 contiguous inputs, N1 in
+    1..128 (powers of two), N2 1, D 512, D_rope 64, attention_mode 2 only (rope tensors required),
+    int32 indices. Emulated: layout BSND, sparse_block_size 1, no paging, sparse_mode 0 (all rows)
+    or 3 (right-down causal). A query whose first entry is -1 has no row: the docs do not say what
+    the op returns there, so the emulation returns NaN (the glue must not depend on it)."""
+    _need(layout_query == "BSND" and layout_kv == "BSND", "only the BSND layouts are emulated")
+    _need(block_table is None and actual_seq_lengths_query is None and actual_seq_lengths_kv is None,
+          "paged / ragged inputs are not emulated")
+    _need(sparse_block_size == 1 and sparse_mode in (0, 3), "sparse_block_size 1, sparse_mode 0 / 3 emulated")
+    _need(attention_mode == 2, f"attention_mode must be 2 (MLA-absorb), got {attention_mode}")
+    _need(query_rope is not None and key_rope is not None, "attention_mode 2 needs query_rope and key_rope")
+    ts = (query, key, value, query_rope, key_rope)
+    _need(all(t.dtype in (torch.bfloat16, torch.float16) and t.dtype == query.dtype for t in ts),
+          "query / key / value / rope must be bf16 or fp16, one dtype")
+    _need(all(t.is_contiguous() for t in (*ts, sparse_indices)), "inputs must be contiguous")
+    _need(query.dim() == 4 and key.dim() == 4 and value.shape == key.shape, "BSND query / key / value expected")
+    B, S1, N1, D = query.shape
+    _, S2, N2, _ = key.shape
+    _need(N1 in (1, 2, 4, 8, 16, 32, 64, 128), f"query heads must be 1/2/4/.../128 (N1 = {N1})")
+    _need(N2 == 1 and D == 512 and key.shape[3] == 512, f"KV_N must be 1 and D 512 (N2 = {N2}, D = {D})")
+    _need(tuple(query_rope.shape) == (B, S1, N1, 64) and tuple(key_rope.shape) == (B, S2, 1, 64),
+          "query_rope [B, S1, N1, 64] / key_rope [B, S2, 1, 64] expected")
+    _need(sparse_indices.dtype == torch.int32 and sparse_indices.dim() == 4
+          and tuple(sparse_indices.shape[:3]) == (B, S1, 1), "sparse_indices must be int32 [B, S1, 1, K]")
+    idx = sparse_indices[:, :, 0].long()                                      # [B, S1, K]
+    valid = idx >= 0
+    _need(not bool((valid[..., 1:] & ~valid[..., :-1]).any()), "valid indices must come first in each row")
+    _need(bool((idx < S2).all()), "an index is beyond the kv length")
+    if sinks is not None:
+        _need(sinks.dtype == torch.float32 and tuple(sinks.shape) == (N1,), f"sinks must be f32 [{N1}]")
+    b = torch.arange(B)[:, None, None]
+    k = key[:, :, 0].float()[b, idx.clamp_min(0)]                              # [B, S1, K, D]
+    v = value[:, :, 0].float()[b, idx.clamp_min(0)]
+    kr = key_rope[:, :, 0].float()[b, idx.clamp_min(0)]
+    logits = (torch.einsum("bshd,bskd->bshk", query.float(), k)
+              + torch.einsum("bshd,bskd->bshk", query_rope.float(), kr)) * scale_value
+    mask = valid
+    if sparse_mode == 3:          # right-down causal: key position <= S2 - S1 + query position
+        mask = mask & (idx <= (S2 - S1 + torch.arange(S1))[None, :, None])
+    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+    m = logits.amax(-1)
+    if sinks is not None:
+        m = torch.maximum(m, sinks[None, None, :])
+    p = torch.exp(logits - m[..., None])
+    denom = p.sum(-1) + (torch.exp(sinks[None, None, :] - m) if sinks is not None else 0)
+    out = torch.einsum("bshk,bskd->bshd", p, v) / denom[..., None]
+    out = out.masked_fill(~valid[..., :1, None], float("nan"))                # no row: undocumented
+    empty = torch.empty(0, dtype=torch.float32)
+    return out.to(torch.bfloat16), empty, empty
 
 
 # ---- vllm-ascend custom ops (torch.ops._C_ascend)

@@ -11,10 +11,16 @@ Which vendor call serves which op (VENDORS.md B.2 / E.2; :mod:`.ops` has the glu
 | wo_a          | ``torch_npu.npu_transpose_batchmatmul``, weight transposed once to [G, D, R] | fp8 weights; not bf16 |
 | moe_route     | ``torch.ops._C_ascend.moe_gating_top_k_hash`` (sqrtsoftplus = norm_type 2; hash routing via input_ids + tid2eid) | more than 2048 experts |
 | moe_experts   | ``torch_npu.npu_grouped_matmul`` -> ``npu_clipped_swiglu(alpha=1, bias=0, interleaved=False)`` -> ``npu_grouped_matmul`` | not bf16 |
-| everything else (attention, compression, indexer, linear, hc_head) | not implemented here: the reference serves them | — |
+| sparse_mqa_attention | ``torch_npu.npu_sparse_flash_attention`` (adapted: K = V, zero rope tensors, -1 entries moved to the row tail, sinks), opt-in: ``DSV4CORE_ASCEND_SPARSE_FA=1`` | not bf16; d != 512; h not a power of two <= 128; T = 0; not opted in (the DSV4 mapping is read from the docs, not run on an NPU) |
+| everything else (compress_pool, compress_windows, indexer_*, cache_store, linear, hc_head) | not implemented here: the reference serves them | — |
 
-The vendor's fused DSV4 kernels (``npu_sparse_attn_sharedkv``, the lightning indexer, ``compressor``)
-are coarser than the HAL ops (paged caches, fused top-k); they need coarser HAL ops first.
+Declined by design, where a vendor op exists but does not match the HAL op (README.md):
+``npu_lightning_indexer`` / ``npu_quant_lightning_indexer`` fuse ``indexer_scores`` and
+``indexer_topk`` (they return the selected indices, not the scores) and their score formula (ReLU
+and weight placement) is not documented precisely enough to check against the HAL's;
+``torch.ops._C_ascend.compressor`` fuses the kv / gate projections, pooling, norm, rope and the
+state-cache write, which are several HAL ops; ``npu_sparse_attn_sharedkv`` takes paged caches plus
+a window with fixed shapes (64 heads, window 128, top-k 512). These need coarser HAL ops first.
 vllm-ascend's ops live in ``torch.ops._C_ascend`` once its library is loaded: import vllm-ascend's
 extension, or set ``DSV4CORE_ASCEND_OPS_LIB=/path/to/libvllm_ascend_C.so`` (loaded at the first
 call). Collectives: the HAL's torch.distributed path with the "hccl" process-group backend.
@@ -54,9 +60,11 @@ def _available():
     return True, ""
 
 
-def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | None = None) -> Backend:
+def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | None = None,
+                 sparse_fa: bool | None = None) -> Backend:
     """The ascend Backend (``device_type`` / ``available``: for tests on CPU tensors under an
-    emulated torch_npu; ``hf32_hc_pre``: default env DSV4CORE_ASCEND_HF32_HC_PRE == "1")."""
+    emulated torch_npu; the opt-in ops, default from their environment variables:
+    ``hf32_hc_pre`` DSV4CORE_ASCEND_HF32_HC_PRE == "1", ``sparse_fa`` DSV4CORE_ASCEND_SPARSE_FA == "1")."""
     from . import ops
 
     b = Backend(name="ascend", version=__version__, device_types=(device_type,), api_version=HAL_API_VERSION,
@@ -64,7 +72,7 @@ def make_backend(device_type: str = "npu", available=None, hf32_hc_pre: bool | N
                 description="torch_npu / vllm-ascend ops for norms, rope, mHC, wo_a and MoE (Ascend NPU); "
                             "reference for the rest",
                 validated=recorded(Path(__file__).parent / "validation", "ascend"))
-    ops.register(b, device_type, hf32_hc_pre)
+    ops.register(b, device_type, {"hc_pre": hf32_hc_pre, "sparse_mqa_attention": sparse_fa})
     return b
 
 

@@ -28,6 +28,13 @@ HC_PRE_HIDDEN = (4096, 7168)
 #: the HAL's bf16 hc_pre bound (1.6x on the sharp-logits case, docs/conformance.md), so it serves
 #: only when this is set to "1" (e.g. by vendor CI calibrating it on hardware)
 HC_PRE_ENV = "DSV4CORE_ASCEND_HF32_HC_PRE"
+#: npu_sparse_flash_attention (torch_npu 2.14; op docs): query heads N1, head dim D, rope dim
+SFA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+SFA_D = 512
+SFA_ROPE = 64
+#: its DSV4 mapping (zero rope tensors, K = V, sinks) is read from the docs, not run on an NPU:
+#: it serves sparse_mqa_attention only when this is set to "1" (vendor CI validating it)
+SFA_ENV = "DSV4CORE_ASCEND_SPARSE_FA"
 ROTARY_MAX_HEADS = 1000     # npu_rotary_mul interleave: B * N < 1000
 ROTARY_MAX_DIM = 896        # ... and D < 896
 
@@ -119,6 +126,29 @@ def _hc_pre_limits(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
 def _hc_pre_not_opted_in(*args, **kwargs):
     return (f"npu_hc_pre_v2's HF32 round-toward-zero mixes product is outside the hc_pre accuracy "
             f"contract (emulated finding, docs/vendor-ci.md); set {HC_PRE_ENV}=1 to use it")
+
+
+def _sparse_mqa_attention_limits(q, kv, indices, sink, scale):
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return f"npu_sparse_flash_attention's output is bf16: served for bf16 q / kv (got {q.dtype}, {kv.dtype})"
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
+        return "q [T, h, d], kv [N, d], indices [T, K] expected"
+    T, h, d = q.shape
+    if d != SFA_D:
+        return f"npu_sparse_flash_attention's head dim is fixed at {SFA_D} (d = {d})"
+    if h not in SFA_HEADS:
+        return f"npu_sparse_flash_attention takes 1-128 query heads, a power of two (h = {h})"
+    if T == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
+        return "no query, no row or an empty kv"
+    if sink.dtype != torch.float32:
+        return f"sink must be float32 (got {sink.dtype})"
+    return ""
+
+
+def _sfa_not_opted_in(*args, **kwargs):
+    return (f"npu_sparse_flash_attention is built for DSV3.2's MLA-absorb layout (D 512 plus a separate "
+            f"64-wide rope); DSV4 maps to it with zero rope tensors, K = V and its sinks, which is not "
+            f"validated on hardware yet (docs/vendor-ci.md); set {SFA_ENV}=1 to use it")
 
 
 def _hc_post_limits(o, residual, post, comb):
@@ -218,6 +248,32 @@ def kv_norm_rope(kv, weight, positions, inv_freq, eps):
     if kv.shape[0] == 0:
         return kv.clone()
     return _rotate_tail(_rms_f32(kv.to(torch.float32), weight, eps), positions, inv_freq, False).to(kv.dtype)
+
+
+def sparse_mqa_attention(q, kv, indices, sink, scale):
+    """npu_sparse_flash_attention in BSND layout (B 1, S = T queries / N kv rows, KV_N 1):
+
+    * K = V: the kv rows go in as key and value (value=None needs a newer CANN);
+    * the op's MLA rope part (query_rope . key_rope, D_rope 64) is zeros, so the logits are
+      ``scale * q . kv`` as the HAL specifies (attention_mode 2 requires the rope tensors);
+    * indices: the op wants each row's valid entries first and -1 at the tail; the HAL allows -1
+      anywhere, so each row is stably partitioned (order within a softmax does not matter);
+    * sparse_mode 0 (no causal mask: the row lists are the mask), sparse_block_size 1 (a row each);
+    * sink: the op's ``sinks`` (one raw logit per head in the softmax denominator) [read, unverified];
+    * a query with no valid row gets the HAL's 0 (what the op returns there is not documented)."""
+    npu = _torch_npu()
+    T, h, d = q.shape
+    N = kv.shape[0]
+    idx = indices.to(torch.int32)
+    idx = idx.gather(1, torch.argsort((idx < 0).to(torch.int32), dim=1, stable=True)).contiguous()
+    key = kv.contiguous().view(1, N, 1, d)
+    out = npu.npu_sparse_flash_attention(
+        q.contiguous().view(1, T, h, d), key, key, idx.view(1, T, 1, idx.shape[1]), float(scale),
+        query_rope=torch.zeros((1, T, h, SFA_ROPE), dtype=q.dtype, device=q.device),
+        key_rope=torch.zeros((1, N, 1, SFA_ROPE), dtype=q.dtype, device=q.device),
+        sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=0, attention_mode=2,
+        sinks=sink.contiguous())[0]
+    return out.reshape(T, h, d).masked_fill((idx[:, 0] < 0)[:, None, None], 0)
 
 
 def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
@@ -324,6 +380,8 @@ TABLE = {
     "kv_norm_rope": (kv_norm_rope, _kv_norm_rope_limits, (("npu", "npu_rms_norm"), ("npu", "npu_rotary_mul"))),
     "hc_pre": (hc_pre, _hc_pre_limits, (("_C_ascend", "npu_hc_pre_v2"),)),
     "hc_post": (hc_post, _hc_post_limits, (("_C_ascend", "npu_hc_post"),)),
+    "sparse_mqa_attention": (sparse_mqa_attention, _sparse_mqa_attention_limits,
+                             (("npu", "npu_sparse_flash_attention"),)),
     "wo_a": (wo_a, _wo_a_limits, (("npu", "npu_transpose_batchmatmul"),)),
     "moe_route": (moe_route, _moe_route_limits, (("_C_ascend", "moe_gating_top_k_hash"),)),
     "moe_experts": (moe_experts, _moe_experts_limits,
@@ -351,16 +409,23 @@ def _why(op, device_type, limits, needs, args, kwargs) -> str:
     return why or _missing(needs)
 
 
-def register(backend, device_type: str, hf32_hc_pre: bool | None = None) -> None:
-    """Add the TABLE's ops. ``hf32_hc_pre``: serve hc_pre with npu_hc_pre_v2 (default: env
-    DSV4CORE_ASCEND_HF32_HC_PRE == "1", read here, once)."""
-    if hf32_hc_pre is None:
-        hf32_hc_pre = os.environ.get(HC_PRE_ENV) == "1"
+#: ops served only when opted in (op -> environment variable, why it is declined otherwise)
+OPT_IN = {"hc_pre": (HC_PRE_ENV, _hc_pre_not_opted_in),
+          "sparse_mqa_attention": (SFA_ENV, _sfa_not_opted_in)}
+
+
+def register(backend, device_type: str, opt_in: dict[str, bool] | None = None) -> None:
+    """Add the TABLE's ops. ``opt_in``: op -> serve it (the OPT_IN ops; default per op: its
+    environment variable == "1", read here, once)."""
+    opt_in = opt_in or {}
     specs = catalogue()
     for op, (glue, limits, needs) in TABLE.items():
         sig = specs[op].signature
-        if op == "hc_pre" and not hf32_hc_pre:
-            limits = _hc_pre_not_opted_in
+        if op in OPT_IN:
+            env, declined = OPT_IN[op]
+            on = opt_in.get(op)
+            if not (os.environ.get(env) == "1" if on is None else on):
+                limits = declined
 
         def why_not(*args, _op=op, _l=limits, _n=needs, **kwargs):
             return _why(_op, device_type, _l, _n, args, kwargs)

@@ -6,8 +6,11 @@
   (``aiter.ops.mhc``, HIP) and bf16 ``wo_a`` at decode on gfx950
   (``aiter.ops.triton.gemm.batched.batched_gemm_bf16``). Each is gated on its module and the aiter
   version; a call aiter cannot serve runs the portable kernel (logged once, version named).
-* fp8: gfx942's native fp8 is e4m3fnuz; DSV4 checkpoints are OCP e4m3fn, which gfx942 only
-  emulates. On gfx942 the Triton ops decline OCP-fp8 weights (the reference serves them).
+* fp8: gfx942's native fp8 is e4m3fnuz; DSV4 checkpoints are OCP e4m3fn. On gfx942 ``linear`` and
+  ``wo_a`` read the e4m3fn weights as e4m3fnuz with doubled block scales, which is exact (derived
+  in :mod:`.fp8`; the weight's -0 codes are rewritten to +0 once, in place; a weight with NaN
+  codes is declined); FP8 ``moe_experts`` is declined there (the reference serves it). gfx950
+  runs OCP e4m3fn natively.
 * Collectives: the HAL's torch.distributed path; on ROCm the "nccl" process-group backend is RCCL.
 
 Status: NOT VALIDATED ON HARDWARE. The glue is tested on CPU against an emulation of the aiter API,
@@ -65,22 +68,6 @@ def device_arch(index: int = 0) -> str:
     return arch_of(torch.cuda.get_device_properties(index).gcnArchName)
 
 
-def _fp8_guard(get_arch):
-    """gfx942 has no OCP e4m3fn dot (its fp8 is e4m3fnuz; Triton emulates e4m3fn through f16
-    MFMA): the portable ops decline OCP-fp8 weights there, and the reference serves them."""
-
-    def fp8_ok(*args, **kwargs) -> bool:
-        import torch
-
-        e4m3fn = getattr(torch, "float8_e4m3fn", None)
-        if e4m3fn is None or not any(isinstance(v, torch.Tensor) and v.dtype == e4m3fn
-                                     for v in (*args, *kwargs.values())):
-            return True
-        return get_arch() != "gfx942"
-
-    return fp8_ok
-
-
 def make_backend(device_type: str = "cuda", arch=None, available=None, launch=None) -> Backend:
     """The rocm Backend. ``device_type`` / ``arch`` / ``available`` / ``launch`` are for tests and
     tools that run the real glue elsewhere: CPU tensors under an emulated aiter, or the launch
@@ -89,7 +76,7 @@ def make_backend(device_type: str = "cuda", arch=None, available=None, launch=No
     from dsv4core.kernels.triton import OPS
     from dsv4core.kernels.triton.registry import register_ops
 
-    from . import aiter_ops
+    from . import aiter_ops, fp8
     from .launch import table_for
 
     get_arch = arch or device_arch
@@ -98,10 +85,10 @@ def make_backend(device_type: str = "cuda", arch=None, available=None, launch=No
                 description="portable Triton kernels with per-arch ROCm launch tables, aiter mhc / batched "
                             "GEMM where installed (AMD Instinct)",
                 validated=recorded(Path(__file__).parent / "validation", "rocm"))
+    kernels = Backend(name="rocm", device_types=(device_type,))
+    register_ops(kernels, device_type, launch=launch or (lambda: table_for(get_arch())))
     portable = Backend(name="rocm", device_types=(device_type,))
-    fp8_ok = _fp8_guard(get_arch)
-    register_ops(portable, device_type, launch=launch or (lambda: table_for(get_arch())),
-                 supports={op: fp8_ok for op in ("linear", "wo_a", "moe_experts")})   # the ops taking FP8 weights
+    fp8.add_ops(portable, kernels, get_arch)      # gfx942: e4m3fn weights as e4m3fnuz (or declined)
     aiter_ops.register(b, portable, device_type, get_arch)
     return b
 

@@ -221,30 +221,52 @@ def register(backend, portable, device_type: str, get_arch) -> None:
 
 
 def _front(op, sig: inspect.Signature, portable_impl, device_type, get_arch):
+    """(fn, supports, why_not) for an aiter-fronted op, with the vendor gate evaluated once per call.
+
+    The HAL calls ``supports`` and then ``fn`` on every call. Every call aiter serves is one the
+    portable kernel also accepts (the aiter limits above are narrower than the portable
+    predicates), so ``supports`` is the portable predicate alone and ``fn`` evaluates the gate,
+    once, to pick aiter or the portable kernel. Without a portable kernel (none today) the gate is
+    ``supports`` and ``fn`` calls aiter directly."""
     fns, _, call, _ = _OPS[op]
     told = [False]
 
-    def use_vendor(*args, **kwargs) -> bool:
+    def vendor_why(*args, **kwargs) -> str:
         why = why_not_vendor(op, get_arch, device_type, *args, **kwargs)
-        if why and not told[0] and fns[0].resolve()[1]:
-            told[0] = True   # the vendor library itself is missing or too old: say so once
-            log.warning("rocm %s: using the portable Triton kernel: %s", op, fns[0].resolve()[1])
-        return not why
+        if why and not told[0]:
+            lib_why = fns[0].resolve()[1]
+            if lib_why:   # the vendor library itself is missing or too old: say so once
+                told[0] = True
+                log.warning("rocm %s: using the portable Triton kernel: %s", op, lib_why)
+        return why
 
-    def fn(*args, **kwargs):
-        if use_vendor(*args, **kwargs):
-            return call(*(vf.resolve()[0] for vf in fns), *args, **kwargs)
-        return portable_impl.fn(*args, **kwargs)
+    def vendor_call(*args, **kwargs):
+        return call(*(vf.resolve()[0] for vf in fns), *args, **kwargs)
 
-    def supports(*args, **kwargs) -> bool:
-        if use_vendor(*args, **kwargs):
-            return True
-        return portable_impl is not None and (portable_impl.supports is None or
-                                              bool(portable_impl.supports(*args, **kwargs)))
+    if portable_impl is None:
+        def fn(*args, **kwargs):
+            return vendor_call(*args, **kwargs)
 
-    def why_not(*args, **kwargs) -> str:
-        return (f"aiter: {why_not_vendor(op, get_arch, device_type, *args, **kwargs)}; "
-                f"portable Triton kernel: its supports() predicate declined these inputs")
+        def supports(*args, **kwargs) -> bool:
+            return not vendor_why(*args, **kwargs)
+
+        def why_not(*args, **kwargs) -> str:
+            return f"aiter: {why_not_vendor(op, get_arch, device_type, *args, **kwargs)}; no portable kernel"
+    else:
+        portable_fn, portable_ok = portable_impl.fn, portable_impl.supports
+
+        def fn(*args, **kwargs):
+            if vendor_why(*args, **kwargs):
+                return portable_fn(*args, **kwargs)
+            return vendor_call(*args, **kwargs)
+
+        def supports(*args, **kwargs) -> bool:
+            return portable_ok is None or bool(portable_ok(*args, **kwargs))
+
+        def why_not(*args, **kwargs) -> str:
+            why = (portable_impl.why_not(*args, **kwargs) if portable_impl.why_not
+                   else "its supports() predicate declined these inputs")
+            return f"portable Triton kernel: {why} (aiter serves a subset of those calls)"
 
     for f in (fn, supports, why_not):
         f.__signature__ = sig
