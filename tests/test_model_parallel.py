@@ -28,7 +28,8 @@ from _model_hf import CONFIG_A, CONFIG_B
 # (o_b_proj over head groups, the MoE over ranks, one extra rounding per all_reduce), ~1e-7
 # relative per layer (measured max ~3e-7 over these configs); 1e-5 is the issue's bound.
 REL = 1e-5
-STEP_TIMEOUT_S = 4     # the bad-input test's timeout (the ranks are in step: a barrier precedes the step)
+STEP_TIMEOUT_S = 12    # the bad-input test's gloo timeout: it also bounds the ranks' skew while both build models
+                       # (4 s failed on a machine at load 9); rank 1 then sleeps past it
 TIMEOUT_S = 30          # gloo collective timeout: a rank that fails makes the others fail in <= 30 s
 
 LAYOUTS = {  # world size -> [(config name, tp, ep)]
