@@ -64,7 +64,8 @@ def _indexer(f32_stages: int):
 
 
 # cache (cache_store) and compress (compress_pool, compress_windows) have no entry: no tl.dot and no
-# pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950.
+# pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950
+# (benchmarks/results/aot-rocm-<arch>-pool-ops.json, with the indexer entries below).
 TABLES = {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
