@@ -1,6 +1,8 @@
 """Small helpers shared by the portable Triton kernels (no device work at import)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -70,3 +72,10 @@ def rne(out: torch.Tensor) -> bool:
 def interp(t: torch.Tensor) -> bool:
     """The interpreter's bf16 tl.dot is unreliable: upcast dot operands to fp32 there."""
     return t.device.type == "cpu"
+
+
+def interpreting(t: torch.Tensor) -> bool:
+    """``t`` is a CPU tensor AND the Triton interpreter runs the kernels (TRITON_INTERPRET=1).
+    Unlike :func:`interp`, False in an ahead-of-time compile of CPU tensors (aot.py), which then
+    compiles the branch a GPU runs."""
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1"

@@ -1,7 +1,13 @@
-"""compress_pool: per-channel softmax over window slots of score + ape, applied to kv (fp32 math).
+"""compress_pool and compress_windows: per-channel softmax over window slots, applied to kv (fp32 math).
 
-One program = (window w, a block of BD channels). CSA (overlap) pools window w-1's A halves
-(or prev_kv/prev_score for w == 0, or nothing for the first window ever) with window w's B halves.
+compress_pool: one program = (window w, a block of BD channels); the score is score + ape. CSA
+(overlap) pools window w-1's A halves (or prev_kv/prev_score for w == 0, or nothing for the first
+window ever) with window w's B halves.
+
+compress_windows: the windows come gathered (one row of S slots per entry, position bias already
+added, masked slots scored -inf), so one program = (entry e, a block of BD channels) and entries
+of different requests batch into one launch. CSA: slots [0, m) contribute their A halves, slots
+[m, 2m) their B halves. A channel whose slots are all masked pools to 0.
 """
 from __future__ import annotations
 
@@ -85,4 +91,44 @@ def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     _compress_pool_kernel[(Wn, cdiv(DP, BD))](
         kv, score, ape, c(prev_kv) if has_prev else kv, c(prev_score) if has_prev else kv, out, DP,
         M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
+    return out
+
+
+@triton.jit
+def _compress_windows_kernel(kv_ptr, sc_ptr, out_ptr, S, M, DP, skv_e, skv_s, skv_c, ssc_e, ssc_s, ssc_c,
+                             SP: tl.constexpr, OVERLAP: tl.constexpr, BD: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    ch = (tl.program_id(1) * BD + tl.arange(0, BD)).to(tl.int64)
+    sl = tl.arange(0, SP).to(tl.int64)
+    m2 = (sl < S)[:, None] & (ch < DP)[None, :]
+    if OVERLAP:   # slots [0, M): the previous window's A halves; [M, 2M): the own window's B halves
+        col = ch[None, :] + tl.where(sl >= M, DP, 0)[:, None]
+    else:
+        col = ch[None, :] + tl.zeros([SP], dtype=tl.int64)[:, None]
+    kv = tl.load(kv_ptr + e * skv_e + sl[:, None] * skv_s + col * skv_c, mask=m2, other=0.0)
+    s = tl.load(sc_ptr + e * ssc_e + sl[:, None] * ssc_s + col * ssc_c, mask=m2, other=float("-inf"))
+    mx = tl.max(s, axis=0)
+    mx = tl.where((mx > float("-inf")) & (mx < float("inf")), mx, 0.0)   # an all-masked channel pools to 0
+    p = tl.exp(s - mx[None, :])
+    den = tl.sum(p, axis=0)
+    num = tl.sum(p * kv, axis=0)
+    out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(out_ptr + e * DP + ch, out, mask=ch < DP)
+
+
+def compress_windows(kv, score, overlap):
+    """One program per (entry, block of BD channels): the S slots of each channel in registers,
+    one max / exp / sum pass (fp32 in, fp32 out). Inputs are read through their strides."""
+    E, S, CW = kv.shape
+    DP = CW // 2 if overlap else CW
+    out = torch.empty((E, DP), dtype=torch.float32, device=kv.device)
+    if E == 0 or DP == 0:
+        return out
+    if S == 0:
+        return out.zero_()
+    SP = np2(S)
+    BD = min(TUNE.get("windows_BD", max(16, 4096 // SP)), np2(DP))
+    _compress_windows_kernel[(E, cdiv(DP, BD))](
+        kv, score, out, S, S // 2, DP, *kv.stride(), *score.stride(), SP=SP, OVERLAP=bool(overlap), BD=BD,
+        num_warps=TUNE.get("windows_num_warps", 4), **TUNE.options())
     return out

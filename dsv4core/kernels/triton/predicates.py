@@ -134,6 +134,38 @@ def compress_pool_supports(kv, score, ape, overlap, prev_kv=None, prev_score=Non
     return True
 
 
+
+def compress_windows_supports(kv, score, overlap) -> bool:
+    if kv.dim() != 3 or kv.dtype != torch.float32 or score.dtype != torch.float32 or score.shape != kv.shape:
+        return False
+    E, S, CW = kv.shape
+    if not isinstance(overlap, bool) or S > 1024:     # the S slots of a channel block sit in registers
+        return False
+    return not overlap or (S % 2 == 0 and CW % 2 == 0)
+
+
+# ---- cache.py
+def cache_store_supports(pool, index, rows) -> bool:
+    if pool.dim() != 2 or index.dim() != 1 or rows.dim() != 2:
+        return False
+    if pool.dtype not in ACT_DTYPES or rows.dtype not in ACT_DTYPES or index.dtype not in (torch.int32, torch.int64):
+        return False
+    return rows.shape == (index.shape[0], pool.shape[1])
+
+
+# ---- indexer.py
+def indexer_scores_rows_supports(q, k, weights, rows, scale) -> bool:
+    if q.dim() != 3 or k.dim() != 2 or weights.dim() != 2 or rows.dim() != 2:
+        return False
+    T, nI, dI = q.shape
+    if q.dtype not in ACT_DTYPES or k.dtype != q.dtype or k.shape[1] != dI:
+        return False
+    if weights.shape != (T, nI) or weights.dtype != torch.float32:
+        return False
+    if rows.shape[0] != T or rows.dtype not in (torch.int32, torch.int64):
+        return False
+    return nI <= 128          # the [nI, BL] head-by-key tile sits in registers
+
 # ---- wo_a.py
 def wo_a_supports(o, weight, weight_scale=None) -> bool:
     if o.dim() != 3 or weight.dim() != 3 or o.dtype not in ACT_DTYPES:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from dsv4core.hal import Backend, catalogue
+from dsv4core.hal.compare import with_copies, written_values
 
 from .registry import register_ops
 
@@ -46,6 +47,9 @@ def _fp64_eval(spec, kw):
 
 
 def _err(a, b, metric):
+    if metric == "bitwise":
+        same = a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        return 0.0 if same else float("inf")
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     if a64.numel() == 0:
         return 0.0
@@ -81,15 +85,26 @@ def run(device: str, shapes: str, dtypes, ops=None, seed: int = 0, verbose: bool
                     results.append(rec)
                     continue
                 t0 = time.perf_counter()
+                call_kw = with_copies(spec, kw)     # an in-place op writes its own copy of the pool
                 try:
-                    got = _as_tuple(impl.fn(**kw))
+                    got = impl.fn(**call_kw)
                 except Exception as e:  # noqa: BLE001
                     rec.update(status="error", detail=f"{type(e).__name__}: {e}")
                     results.append(rec)
                     continue
                 rec["seconds"] = round(time.perf_counter() - t0, 4)
-                ref = _as_tuple(spec.reference(**kw))
-                exact = _as_tuple(_fp64_eval(spec, kw))
+                if spec.writes:
+                    if got is not None:
+                        rec.update(status="fail", detail=f"returned {type(got).__name__}, not None")
+                        results.append(rec)
+                        continue
+                    # a store has no arithmetic: the reference on its own copy is the exact value
+                    ref_kw = with_copies(spec, kw)
+                    spec.reference(**ref_kw)
+                    got, ref = _as_tuple(written_values(spec, call_kw)), _as_tuple(written_values(spec, ref_kw))
+                    exact = ref
+                else:
+                    got, ref, exact = _as_tuple(got), _as_tuple(spec.reference(**kw)), _as_tuple(_fp64_eval(spec, kw))
                 worst = 0.0
                 ok = True
                 details = []

@@ -54,24 +54,39 @@ def _wo_a(*args, **kwargs):
             "num_stages": 2}
 
 
+def _indexer(f32_stages: int):
+    """indexer_scores_rows: the kernel's tiles (bf16: 64 keys x 128 channels, fp32: 32 x 64, heads
+    padded to >= 16), with ``f32_stages`` pipeline stages for fp32 (gfx950: 2 stages spill 24 SGPRs
+    on a strided q)."""
+    def entry(*args, **kwargs):
+        return {"num_stages": f32_stages if is_f32(args, kwargs) else 2}
+    return entry
+
+
+# cache (cache_store) and compress (compress_pool, compress_windows) have no entry: no tl.dot and no
+# pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950
+# (benchmarks/results/aot-rocm-<arch>-pool-ops.json, with the indexer entries below).
 TABLES = {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
         "mhc": {"num_stages": 1},
         "moe": _moe(64, 1),
         "wo_a": _wo_a,
+        "indexer": _indexer(2),             # bf16 32 KiB LDS, fp32 24 KiB
     },
     "gfx950": {
         "attention": _attention(32, 1),     # 64 KiB; BK 32 x 2 stages spills SGPRs, BK 64 x 2 needs 132 KiB and spills 400 VGPRs
         "mhc": {"num_stages": 2},
         "moe": _moe(64, 2),
         "wo_a": _wo_a,
+        "indexer": _indexer(1),             # bf16 65 KiB LDS; fp32 16 KiB
     },
     "other": {
         "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1},
         "mhc": {"num_stages": 1},
         "moe": _moe(32, 1),
         "wo_a": _wo_a,
+        "indexer": lambda *args, **kwargs: {"num_stages": 1},
     },
 }
 

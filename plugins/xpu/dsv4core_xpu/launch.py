@@ -1,7 +1,7 @@
 """The XPU launch table for the portable Triton kernels (see dsv4core.kernels.triton.launch).
 
 Intel GPUs run Triton programs as work-groups of sub-groups; DPAS (the matrix engine) needs
-sub-group size 16, so the kernels with ``tl.dot`` (attention, mhc mixes, wo_a, moe) ask for 16
+sub-group size 16, so the kernels with ``tl.dot`` (attention, mhc mixes, wo_a, moe, indexer) ask for 16
 (Intel's Triton also forces 16 where it lowers a dot to DPAS). ``num_warps`` (sub-groups per
 work-group) stays <= 8, far below ``max_num_sub_groups``.
 
@@ -51,6 +51,7 @@ def table(slm: int) -> dict:
         "mhc": {"launch": SUBGROUP_16},
         "wo_a": {"launch": SUBGROUP_16},
         "moe": _moe,
+        "indexer": {"launch": SUBGROUP_16},   # indexer_scores_rows: one tl.dot per channel chunk
     }
 
 

@@ -1,0 +1,72 @@
+"""indexer_scores_rows: ``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])``,
+``-inf`` where ``rows[t, w] = -1`` (keys read from a pool by global row index; fp32 accumulation).
+
+One program = (query t, a block of BL key slots). It gathers the BL key rows its slots name (a
+-1 slot is masked, never read), computes the [nI, BL] head-by-key dot products with ``tl.dot`` over
+chunks of BD channels (fp32 accumulate; fp32 inputs with ieee products, never tf32), then the
+ReLU and the weighted sum over heads in registers. The grid is fixed by the shapes (T, L): no host
+read of device data, capturable. Every tensor is read through its strides (a key pool may be a
+region of a larger buffer).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import cdiv, interpreting, np2
+from .launch import Tune
+
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
+TUNE = Tune(__name__)
+
+
+@triton.jit
+def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, L, scale,
+                                sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l,
+                                NIP: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+                                F32: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = (tl.program_id(1) * BL + tl.arange(0, BL)).to(tl.int64)
+    sm = slot < L
+    r = tl.load(rows_ptr + t * sr_t + slot * sr_l, mask=sm, other=-1).to(tl.int64)
+    valid = sm & (r >= 0)
+    r = tl.where(valid, r, 0)
+    heads = tl.arange(0, NIP).to(tl.int64)
+    hm = heads < NI
+    acc = tl.zeros([NIP, BL], dtype=tl.float32)
+    for d0 in range(0, DI, BD):
+        dc = d0 + tl.arange(0, BD).to(tl.int64)
+        dm = dc < DI
+        q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + dc[None, :] * sq_d,
+                    mask=hm[:, None] & dm[None, :], other=0.0)
+        k = tl.load(k_ptr + r[:, None] * sk_n + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
+        if F32:
+            acc += tl.dot(q, tl.trans(k), input_precision="ieee")
+        elif INTERP:   # the interpreter's bf16 dot is unreliable; bf16 products are exact in fp32
+            acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(q, tl.trans(k))
+    w = tl.load(w_ptr + t * sw_t + heads * sw_h, mask=hm, other=0.0)
+    s = tl.sum(w[:, None] * tl.maximum(acc, 0.0), axis=0) * scale
+    tl.store(out_ptr + t * L + slot, tl.where(valid, s, float("-inf")), mask=sm)
+
+
+def indexer_scores_rows(q, k, weights, rows, scale):
+    T, NI, DI = q.shape
+    L = rows.shape[1]
+    out = torch.empty((T, L), dtype=torch.float32, device=q.device)
+    if T == 0 or L == 0:
+        return out
+    if k.shape[0] == 0:   # an empty pool: every row is -1 (the HAL input check)
+        return out.fill_(float("-inf"))
+    f32 = q.dtype == torch.float32
+    # tl.dot needs every tile dimension >= 16: heads are padded (zero q rows, zero weights)
+    NIP = max(16, np2(NI))
+    BD = TUNE.get("BD", max(16, min(np2(DI), 64 if f32 else 128)))
+    BL = TUNE.get("BL", 32 if f32 else 64)
+    _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
+        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride(), *weights.stride(),
+        *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q),
+        num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
+    return out
