@@ -17,6 +17,7 @@ OPS = {
     "kv_norm_rope": "rope",
     "sparse_mqa_attention": "attention",
     "compress_pool": "compress",
+    "indexer_topk": "topk",
     "linear": "linear",
     "wo_a": "wo_a",
     "moe_route": "route",
