@@ -5,7 +5,7 @@ bfloat16): the "triton-interpret" backend must pass every case of every op it im
 TRITON_INTERPRET must be set before triton is imported, so the suite runs in ONE subprocess and
 the rest of the test session is unaffected. (On a GPU the same check is
 ``dsv4core conformance --backend cuda --device cuda``; ``python -m dsv4core.kernels.triton.selftest``
-is a stricter developer check without the conformance suite's output-rounding allowance.)
+is a kernel-level loop judged by the same code, dsv4core.hal.compare.judge.)
 """
 from __future__ import annotations
 

@@ -183,6 +183,15 @@ def wo_a_supports(o, weight, weight_scale=None) -> bool:
     return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
 
 
+# ---- topk.py
+def indexer_topk_supports(scores, k_lengths, topk) -> bool:
+    if scores.dim() != 2 or scores.dtype != torch.float32 or not isinstance(topk, int) or topk < 1:
+        return False
+    if k_lengths.shape != (scores.shape[0],) or k_lengths.dtype not in (torch.int32, torch.int64):
+        return False
+    return scores.shape[1] < 2 ** 31 and topk < 2 ** 31     # positions and slots are int32
+
+
 # ---- route.py
 def moe_route_supports(logits, topk, scaling, correction_bias=None, hash_ids=None) -> bool:
     if logits.dim() != 2 or logits.dtype != torch.float32 or not isinstance(topk, int):

@@ -3,11 +3,13 @@
     TRITON_INTERPRET=1 python -m dsv4core.kernels.triton.selftest --device cpu --shapes small
     python -m dsv4core.kernels.triton.selftest --device cuda --shapes flash --json out.json
 
-Criterion (the conformance rule): per output, ``err_kernel <= k * err_reference + floor`` where both
-errors are measured against an fp64 evaluation of the reference on the same inputs (``k``, ``floor``
-and the metric from the op's Tolerance). Extra checks: every output element written (the output is
-compared in full, NaN fails), right shape and dtype. Cases the kernel's predicate declines are
-reported as ``declined`` (they fall back to the reference in the HAL).
+Criterion: the conformance rule, judged by the same code (:func:`dsv4core.hal.compare.judge`):
+per output ``err_kernel <= k * err_reference + floor`` against an fp64 evaluation of the
+reference on the same inputs, with the op's discrete checks (moe_route: the expert-id sets, then
+the weights aligned by id; indexer_topk: the index sets); right shape and dtype; NaN fails; an op
+that writes in place runs on copies. Cases the kernel's predicate declines are reported as
+``declined`` (they fall back to the reference in the HAL). Without the conformance suite's
+report, CLI and model check: a quick kernel-level loop for kernel work.
 """
 from __future__ import annotations
 
@@ -19,53 +21,38 @@ import time
 import torch
 
 from dsv4core.hal import Backend, catalogue
-from dsv4core.hal.compare import with_copies, written_values
+from dsv4core.hal import compare
 
 from .registry import register_ops
 
 
-def _to64(v):
-    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize >= 2 \
-            and v.dtype not in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e8m0fnu", None)):
-        return v.to(torch.float64)
-    return v
-
-
-def _dequant64(w, s):
-    """fp8 weight [..., N, K] with block scales [..., ceil(N/128), ceil(K/128)] -> fp64 (exact)."""
-    s64 = s.to(torch.float32).to(torch.float64)
-    s64 = s64.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :w.shape[-2], :w.shape[-1]]
-    return w.to(torch.float32).to(torch.float64) * s64
-
-
-def _fp64_eval(spec, kw):
-    kw64 = {k: _to64(v) for k, v in kw.items()}
-    if kw.get("weight_scale") is not None:
-        kw64["weight"] = _dequant64(kw["weight"], kw["weight_scale"])
-        kw64["weight_scale"] = None
-    return spec.reference(**kw64)
-
-
-def _err(a, b, metric):
-    if metric == "bitwise":
-        same = a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-        return 0.0 if same else float("inf")
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    if a64.numel() == 0:
-        return 0.0
-    if torch.isnan(a64).any():
-        return float("inf")
-    d = (a64 - b64).abs()
-    d = torch.where(torch.isinf(a64) & torch.isinf(b64) & (a64 == b64), torch.zeros_like(d), d)
-    if metric == "max_abs":
-        return float(d.max())
-    ref = b64[torch.isfinite(b64)].abs()
-    denom = float(ref.max()) if ref.numel() else 1.0
-    return float(d.max()) / (denom if denom > 0 else 1.0)
-
-
-def _as_tuple(x):
-    return x if isinstance(x, tuple) else (x,)
+def check_case(spec, impl, kw: dict, dtype: torch.dtype) -> dict:
+    """Run one case through ``impl`` and judge it: status pass / fail / declined / error, the worst
+    error / bound ratio and what failed."""
+    if not impl.supports(**kw):
+        return dict(status="declined")
+    t0 = time.perf_counter()
+    ref, exact = compare.expected_outputs(spec, kw)
+    call_kw = compare.with_copies(spec, kw)
+    try:
+        raw = impl.fn(**call_kw)
+    except Exception as e:  # noqa: BLE001
+        return dict(status="error", detail=f"{type(e).__name__}: {e}")
+    if spec.writes:
+        if raw is not None:
+            return dict(status="fail", detail=f"writes {spec.writes} in place but returned {type(raw).__name__}, not None")
+        raw = compare.written_values(spec, call_kw)
+    rec = dict(seconds=round(time.perf_counter() - t0, 4))
+    try:
+        checks = compare.judge(spec, call_kw, raw, ref, exact, dtype)
+    except compare.Mismatch as e:
+        return dict(rec, status="fail", detail=f"{e.kind}: {e}")
+    tol = spec.tolerance
+    bad = [compare.describe_check(c, tol.k, tol.floor_for(dtype)) for c in checks if not c.ok]
+    rec.update(status="fail" if bad else "pass", ratio=round(max((c.ratio for c in checks), default=0.0), 4))
+    if bad:
+        rec["detail"] = "; ".join(bad)
+    return rec
 
 
 def run(device: str, shapes: str, dtypes, ops=None, seed: int = 0, verbose: bool = False):
@@ -75,58 +62,10 @@ def run(device: str, shapes: str, dtypes, ops=None, seed: int = 0, verbose: bool
     results = []
     for op, impl in b.impls.items():
         spec = specs[op]
-        tol = spec.tolerance
         for dtype in dtypes:
             for case in spec.sample_cases(shapes, dtype, device, seed):
-                kw = case.kwargs
                 rec = dict(op=op, case=case.name, dtype=str(dtype).replace("torch.", ""))
-                if not impl.supports(**kw):
-                    rec["status"] = "declined"
-                    results.append(rec)
-                    continue
-                t0 = time.perf_counter()
-                call_kw = with_copies(spec, kw)     # an in-place op writes its own copy of the pool
-                try:
-                    got = impl.fn(**call_kw)
-                except Exception as e:  # noqa: BLE001
-                    rec.update(status="error", detail=f"{type(e).__name__}: {e}")
-                    results.append(rec)
-                    continue
-                rec["seconds"] = round(time.perf_counter() - t0, 4)
-                if spec.writes:
-                    if got is not None:
-                        rec.update(status="fail", detail=f"returned {type(got).__name__}, not None")
-                        results.append(rec)
-                        continue
-                    # a store has no arithmetic: the reference on its own copy is the exact value
-                    ref_kw = with_copies(spec, kw)
-                    spec.reference(**ref_kw)
-                    got, ref = _as_tuple(written_values(spec, call_kw)), _as_tuple(written_values(spec, ref_kw))
-                    exact = ref
-                else:
-                    got, ref, exact = _as_tuple(got), _as_tuple(spec.reference(**kw)), _as_tuple(_fp64_eval(spec, kw))
-                worst = 0.0
-                ok = True
-                details = []
-                if tol.metric == "route":
-                    # ids may differ among tied keys (the conformance suite's route metric checks
-                    # them as sets); here: the weights per token, sorted, with max_rel
-                    got, ref, exact = ((t[0].sort(-1).values,) for t in (got, ref, exact))
-                for i, (g, r, e) in enumerate(zip(got, ref, exact)):
-                    if g.shape != r.shape or g.dtype != r.dtype:
-                        ok = False
-                        details.append(f"out{i}: shape/dtype {tuple(g.shape)} {g.dtype} vs {tuple(r.shape)} {r.dtype}")
-                        continue
-                    metric = "max_rel" if tol.metric == "route" else tol.metric
-                    ek, er = _err(g, e, metric), _err(r, e, metric)
-                    bound = tol.k * er + tol.floor
-                    worst = max(worst, ek / bound if bound > 0 else (0.0 if ek == 0 else float("inf")))
-                    if not ek <= bound:
-                        ok = False
-                        details.append(f"out{i}: err {ek:.3g} > bound {bound:.3g} (ref err {er:.3g})")
-                rec.update(status="pass" if ok else "fail", ratio=round(worst, 4))
-                if details:
-                    rec["detail"] = "; ".join(details)
+                rec.update(check_case(spec, impl, case.kwargs, dtype))
                 results.append(rec)
                 if verbose:
                     print(rec, flush=True)

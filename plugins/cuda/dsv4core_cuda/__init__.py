@@ -16,13 +16,16 @@ from .graphs import CudaGraphCapture
 __version__ = "0.1.0"
 
 
-#: Portable kernels not (yet) served here, left to the reference. moe_route: on the H200 its
-#: Triton kernel failed one conformance case (pro-float32-renorm-eps, 1.12x the bound:
-#: benchmarks/results/conformance-cuda-h200-issue9.json). cache_store, compress_windows,
-#: indexer_scores_rows: written without a GPU and conformance-checked under triton-interpret only;
-#: remove them from this set once ``dsv4core conformance --backend cuda --device cuda --ops
-#: cache_store,compress_windows,indexer_scores_rows`` passes on a GPU. All still run under triton-interpret.
-NOT_SERVED = frozenset({"moe_route", "cache_store", "compress_windows", "indexer_scores_rows"})
+#: Portable kernels not (yet) served here, left to the reference until a GPU conformance run
+#: confirms them (all still run under triton-interpret):
+#: - moe_route: failed pro-float32-renorm-eps on the H200 (1.12x the bound,
+#:   benchmarks/results/conformance-cuda-h200-issue9.json) through tl.exp's fp32 lowering; the
+#:   kernel no longer uses it (issue 10), not yet re-run on a GPU;
+#: - indexer_topk, cache_store, compress_windows, indexer_scores_rows: written without a GPU and
+#:   conformance-checked under triton-interpret only.
+#: Remove a name once ``dsv4core conformance --backend cuda --device cuda --ops NAME --shapes
+#: small,flash,pro`` passes on a GPU.
+NOT_SERVED = frozenset({"moe_route", "indexer_topk", "cache_store", "compress_windows", "indexer_scores_rows"})
 #: The portable kernels this backend serves.
 CUDA_OPS = frozenset(OPS) - NOT_SERVED
 
