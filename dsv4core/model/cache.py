@@ -100,7 +100,7 @@ class _Blocks:
 
     def __init__(self, n: int, what: str) -> None:
         self.n, self.what = n, what
-        self.ref = [0] * n
+        self.ref = np.zeros(n, dtype=np.int64)   # numpy: a step checks the blocks it writes at once
         self.free = list(range(n - 1, 0, -1))   # pop() hands out low ids first
 
     def alloc(self) -> int:
@@ -172,11 +172,13 @@ class RequestState:
 
 @dataclass
 class StepPlan:
-    """Staged host-side changes of one step: undone by `rollback`, made final by `commit`."""
+    """Staged host-side changes of one step: undone by `rollback`, made final by `commit`.
+    `slots` / `new_lengths`: per request (numpy int64, in `states` order)."""
 
     cache: "KVCache"
     states: list[RequestState]
-    new_lengths: list[int]
+    slots: np.ndarray
+    new_lengths: np.ndarray
     undo: list = field(default_factory=list)   # (table, slot, j, old_block, new_block, pool)
 
     def rollback(self) -> None:
@@ -191,10 +193,13 @@ class StepPlan:
 
     def commit(self) -> None:
         c = self.cache
-        for st, E in zip(self.states, self.new_lengths):
+        keep, Bw = c.window_keep, c.window_block
+        for st, E in zip(self.states, self.new_lengths.tolist()):
             st.length = E
-            st.ring_hi = max(st.ring_hi, E)
-            c._free_window_below(st, E)
+            if E > st.ring_hi:
+                st.ring_hi = E
+            if (E - keep) // Bw > st.win_lo // Bw:     # a window block fell out of reach
+                c._free_window_below(st, E)
         self.undo.clear()
 
 
@@ -270,6 +275,7 @@ class KVCache:
         else:
             self.block_tokens = default_block_tokens(config)
         self.window_block = cc.window_block
+        self.window_keep = max(W - 1, 0) + cc.max_rollback   # window rows kept behind a request's length
         self.max_request_tokens = cc.max_request_tokens or min(cfg.max_position_embeddings, cc.max_tokens)
         S = cc.max_requests
         Bc, Bw = self.block_tokens, self.window_block
@@ -454,32 +460,52 @@ class KVCache:
         self._dirty = True
 
     # ------------------------------------------------------------------ steps
-    def prepare(self, states: list[RequestState], counts: list[int]) -> StepPlan:
-        """Stage the blocks a step writes (allocate, or copy-on-write a shared one). Raises
-        PoolFullError / CacheError with nothing changed."""
-        plan = StepPlan(self, list(states), [s.length + n for s, n in zip(states, counts)])
-        try:
-            for st, n in zip(states, counts):
+    def prepare(self, states: list[RequestState], counts) -> StepPlan:
+        """Stage the blocks a step writes (allocate, or copy-on-write a shared one): `counts[k]`
+        new tokens for `states[k]`. Raises PoolFullError / CacheError with nothing changed.
+        Vectorised over the requests: only the blocks that need an allocation are visited one
+        by one (in decode, a request crossing a block boundary)."""
+        states = list(states)
+        slots, lens = np.empty(len(states), dtype=np.int64), np.empty(len(states), dtype=np.int64)
+        for k, st in enumerate(states):
+            if st.released:
                 st._alive("step")
-                L, E = st.length, st.length + n
-                if E > self.max_request_tokens:
-                    raise CacheError(f"request (slot {st.slot}): length {E} exceeds the cache's max_request_tokens="
-                                     f"{self.max_request_tokens}")
-                if n == 0:
-                    continue
-                self._stage(plan, self.window_table, self.win_pool, st.slot, L // self.window_block,
-                            (E - 1) // self.window_block, self._copy_window_block)
-                if self.ratios:
-                    self._stage(plan, self.comp_table, self.comp_pool, st.slot, L // self.block_tokens,
-                                (E - 1) // self.block_tokens, self._copy_comp_block)
+            slots[k], lens[k] = st.slot, st.length
+        n = np.asarray(counts, dtype=np.int64).reshape(-1)
+        E = lens + n
+        if E.size and int(E.max()) > self.max_request_tokens:
+            k = int(np.argmax(E))
+            raise CacheError(f"request (slot {int(slots[k])}): length {int(E[k])} exceeds the cache's "
+                             f"max_request_tokens={self.max_request_tokens}")
+        plan = StepPlan(self, states, slots, E)
+        act = n > 0
+        if not act.all():
+            slots, lens, E = slots[act], lens[act], E[act]
+        try:
+            self._stage(plan, self.window_table, self.win_pool, slots, lens // self.window_block,
+                        (E - 1) // self.window_block, self._copy_window_block)
+            if self.ratios:
+                self._stage(plan, self.comp_table, self.comp_pool, slots, lens // self.block_tokens,
+                            (E - 1) // self.block_tokens, self._copy_comp_block)
         except Exception:
             plan.rollback()
             raise
         return plan
 
-    def _stage(self, plan, table, pool, slot, j0, j1, copy) -> None:
-        for j in range(j0, j1 + 1):
-            old = int(table[slot, j])
+    def _stage(self, plan, table, pool, slots, j0, j1, copy) -> None:
+        """Blocks j0[k]..j1[k] of request slot slots[k]: each one not held alone gets a new block."""
+        cnt = j1 - j0 + 1
+        if cnt.size and int(cnt.max()) == 1:         # decode: one block a request
+            s, js = slots, j0
+        else:
+            s = np.repeat(slots, cnt)
+            js = np.repeat(j0 - np.cumsum(cnt) + cnt, cnt) + np.arange(int(cnt.sum()))
+        held = table[s, js]
+        todo = (held == 0) | (pool.ref[held] != 1)
+        if not todo.any():
+            return
+        for slot, j in zip(s[todo].tolist(), js[todo].tolist()):   # in order: a shared block's last
+            old = int(table[slot, j])                               # holder then writes it in place
             if old and pool.ref[old] == 1:
                 continue
             new = pool.alloc()
@@ -505,7 +531,7 @@ class KVCache:
                 self.keys[i][dst * e:(dst + 1) * e] = self.keys[i][src * e:(src + 1) * e]
 
     def _free_window_below(self, st: RequestState, E: int) -> None:
-        keep_from = max(0, E - max(self.W - 1, 0) - self.cc.max_rollback)
+        keep_from = max(0, E - self.window_keep)
         j_end = keep_from // self.window_block          # blocks [0, j_end) hold only dead rows
         j_lo = st.win_lo // self.window_block          # blocks below were freed before
         if j_end > j_lo:

@@ -135,7 +135,7 @@ class Step:
     cache slot), `start` / `end` (the request's length before / after the step), `valid` (False
     for bucket padding). Host-chosen index lists and widths (static in captured decode steps):
     `emit_tok[m]` the candidate tokens for compressor emission at rate m, `ring_tok` the tokens
-    whose compressor projections are kept, `widths[m]` the entry-table width at rate m.
+    whose compressor projections are kept (both sorted, distinct), `widths[m]` the entry-table width at rate m.
 
     Compressor-ring writes are deferred (`deferred`) and applied after the last layer: a step
     that fails part way leaves the rings as they were."""
@@ -220,15 +220,20 @@ def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: to
     `entry_pool` (rows offset by `base`); queue the ring writes (`step.deferred`)."""
     kv = kv_proj(x, FP32)
     sc = gate_proj(x, FP32) + position_bias[step.positions % ratio]
-    src = step.sources(ratio, overlap, cap, per_block)
-    kv_w = _gather_window(kv, ring_kv, src, 0.0)
-    sc_w = _gather_window(sc, ring_score, src, float("-inf"))
-    pooled = ops.compress_windows(kv_w, sc_w, overlap)
-    entry, dest = step.emissions(ratio, per_block)
-    ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"], kv_norm.eps)
-    ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1), ent)
-    rows = step.ring_rows(cap)
-    step.deferred += [(ring_kv, rows, kv[step.ring_tok]), (ring_score, rows, sc[step.ring_tok])]
+    if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
+        src = step.sources(ratio, overlap, cap, per_block)
+        kv_w = _gather_window(kv, ring_kv, src, 0.0)
+        sc_w = _gather_window(sc, ring_score, src, float("-inf"))
+        pooled = ops.compress_windows(kv_w, sc_w, overlap)
+        entry, dest = step.emissions(ratio, per_block)
+        ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"],
+                               kv_norm.eps)
+        ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1), ent)
+    if step.ring_tok.numel():
+        rows = step.ring_rows(cap)
+        if step.ring_tok.numel() != kv.shape[0]:     # every token (sorted, distinct): no gather needed
+            kv, sc = kv[step.ring_tok], sc[step.ring_tok]
+        step.deferred += [(ring_kv, rows, kv), (ring_score, rows, sc)]
 
 
 class Compressor(nn.Module):
