@@ -5,7 +5,8 @@ Per batch, two paths:
   * eager: the whole step (`step_ms`), split into the host work before the layers (`pre_ms`:
     validation, block staging, table sync, packing the step's metadata), the layers themselves
     (`layers_ms`: on the CPU these are the device work, index builder and ring writes included)
-    and the host work after them (`post_ms`: commit);
+    and the host work after them (`post_ms`: commit); `torch_calls`: the torch functions one
+    eager step calls (counted, not timed: on a GPU each is a dispatch, most a kernel launch);
   * graph: the decode path a recorded device graph takes, with a stand-in capture whose replay
     does nothing (the CPU has no graph capture): everything it still costs is host work outside
     the replay, split into before the replay (`pre_ms`: validation, staging, bucket, filling the
@@ -32,6 +33,21 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+def _count_torch_calls(fn) -> int:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
 
 
 class _HostOnlyCapture:
@@ -102,6 +118,9 @@ def measure(batches, steps: int) -> dict:
             names = {"graph": ("host_ms", "pre_ms", "post_ms")}.get(mode, ("step_ms", "pre_ms", "layers_ms",
                                                                            "post_ms"))
             res[mode] = dict(zip(names, med))
+            if mode == "eager":
+                res[mode]["torch_calls"] = _count_torch_calls(lambda: m.forward_batch(
+                    tok, torch.tensor([st.length for st in sts]), torch.arange(B), sts))
             if new_api:
                 m._graphs, m._graph_why = None, None
         out["batches"][str(B)] = res
@@ -126,11 +145,16 @@ def compare(named: list[str], rounds: int, batches: str, steps: int) -> dict:
         for B in rs[0]["batches"]:
             agg[B] = {mode: {k: statistics.median(x["batches"][B][mode][k] for x in rs) for k in fig}
                       for mode, fig in rs[0]["batches"][B].items()}
+            for mode, fig in agg[B].items():       # the least disturbed round (a shared machine)
+                fig["min_over_rounds"] = {k: min(x["batches"][B][mode][k] for x in rs) for k in list(fig)}
         b1, bl = agg[min(agg, key=int)], agg[max(agg, key=int)]
         top = max(agg, key=int)
         ratios = {f"{mode}_b{top}_over_b1": bl[mode][next(iter(bl[mode]))] / b1[mode][next(iter(b1[mode]))]
                   for mode in b1}
-        out[name] = {"dsv4core": rs[0]["dsv4core"], "rounds": len(rs), "batches": agg, **ratios}
+        git = subprocess.run(["git", "-C", rs[0]["dsv4core"], "describe", "--always", "--dirty"], capture_output=True,
+                             text=True)
+        out[name] = {"dsv4core": rs[0]["dsv4core"], "commit": git.stdout.strip() or None, "rounds": len(rs),
+                     "batches": agg, **ratios}
     return out
 
 

@@ -205,6 +205,10 @@ def test_graph_decode_path_equals_the_eager_one(tiny):
                                     forks, logits_rows=rows if step % 2 else None)
         _close(picked, eager[rows] if step % 2 else eager, eager.abs().max())
     assert tiny._graphs.replays == 10 and [s.length for s in forks] == [s.length for s in sts]
+    c = tiny.cache
+    c.sync_tables()                                      # the device tables mirror the host ones
+    assert torch.equal(c.window_table_dev, torch.from_numpy(c.window_table))
+    assert torch.equal(c.comp_table_dev, torch.from_numpy(c.comp_table))
     replay, inputs, out = tiny._graphs.graphs[next(iter(tiny._graphs.graphs))]
     tiny._graphs.graphs = {k: (lambda: 1 / 0, inputs, out) for k in tiny._graphs.graphs}
     before = [(s.length, s.ring_hi, s.win_lo) for s in forks], tiny.cache.window_table.copy()

@@ -189,7 +189,7 @@ class StepPlan:
             if old:
                 pool.incref(old)
         self.undo.clear()
-        c._dirty = True
+        c._touch(0, c.cc.max_requests)
 
     def commit(self) -> None:
         c = self.cache
@@ -327,7 +327,7 @@ class KVCache:
         self.comp_table = np.zeros((S, self.comp_blocks_per_request), dtype=np.int32)
         self.window_table_dev = torch.zeros(self.window_table.shape, dtype=torch.int32, device=self.device)
         self.comp_table_dev = torch.zeros(self.comp_table.shape, dtype=torch.int32, device=self.device)
-        self._dirty = False
+        self._dirty = (S, 0)               # slots [lo, hi) whose table rows changed since the last sync
         self.free_slots = list(range(S - 1, -1, -1))
         self.live: dict[int, weakref.ref] = {}
 
@@ -402,7 +402,7 @@ class KVCache:
             row[:] = 0
         del self.live[slot]
         self.free_slots.append(slot)
-        self._dirty = True
+        self._touch(slot)
 
     def fork(self, st: RequestState) -> RequestState:
         child = self.new_request()
@@ -418,7 +418,7 @@ class KVCache:
             for ring in rings.values():
                 ring[t * cap:(t + 1) * cap] = ring[s * cap:(s + 1) * cap]
         child.length, child.win_lo, child.ring_hi = st.length, st.win_lo, st.ring_hi
-        self._dirty = True
+        self._touch(t)
         return child
 
     def truncate_limit(self, st: RequestState) -> int:
@@ -457,7 +457,7 @@ class KVCache:
                 pool.decref(b)
             tail[:] = 0
         st.length = n
-        self._dirty = True
+        self._touch(st.slot)
 
     # ------------------------------------------------------------------ steps
     def prepare(self, states: list[RequestState], counts) -> StepPlan:
@@ -514,7 +514,7 @@ class KVCache:
                 pool.decref(old)
             table[slot, j] = new
             plan.undo.append((table, slot, j, old, new, pool))
-            self._dirty = True
+            self._touch(slot)
 
     def _copy_window_block(self, src: int, dst: int) -> None:
         B = self.window_block
@@ -540,12 +540,19 @@ class KVCache:
                 if row[j]:
                     self.win_pool.decref(int(row[j]))
                     row[j] = 0
-                    self._dirty = True
+                    self._touch(st.slot)
             st.win_lo = j_end * self.window_block
 
+    def _touch(self, lo: int, hi: int | None = None) -> None:
+        """Table rows of slots [lo, hi) (default: slot lo) changed: the next sync copies them."""
+        d = self._dirty
+        self._dirty = (min(d[0], lo), max(d[1], lo + 1 if hi is None else hi))
+
     def sync_tables(self) -> None:
-        """Copy the host block tables to the device if they changed (before a forward, never inside)."""
-        if self._dirty:
-            self.window_table_dev.copy_(torch.from_numpy(self.window_table))
-            self.comp_table_dev.copy_(torch.from_numpy(self.comp_table))
-            self._dirty = False
+        """Copy the host block-table rows that changed to the device (one contiguous range of
+        slots per table; before a forward, never inside)."""
+        lo, hi = self._dirty
+        if lo < hi:
+            self.window_table_dev[lo:hi].copy_(torch.from_numpy(self.window_table[lo:hi]))
+            self.comp_table_dev[lo:hi].copy_(torch.from_numpy(self.comp_table[lo:hi]))
+            self._dirty = (self.cc.max_requests, 0)

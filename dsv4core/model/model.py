@@ -176,8 +176,12 @@ class DSV4ForCausalLM(nn.Module):
             bad = ids[(ids < 0) | (ids >= V)][:5].tolist()
             raise InputError(f"input_ids: token ids out of vocabulary [0, {V}): {bad}")
         starts = np.concatenate((_ZERO, np.flatnonzero(rid[1:] != rid[:-1]) + 1))
-        counts = np.diff(starts, append=T)
-        rids = rid[starts]
+        decode = starts.size == T                 # one token a request
+        if decode:
+            counts, rids = np.ones(T, dtype=np.int64), rid
+        else:
+            counts = np.diff(starts, append=T)
+            rids = rid[starts]
         n = len(states)
         if int(rids.min()) < 0 or int(rids.max()) >= n:
             raise InputError(f"request_ids must index states (0..{n - 1}); got {sorted(set(rids.tolist()))}")
@@ -195,7 +199,7 @@ class DSV4ForCausalLM(nn.Module):
         if len({id(s) for s in seg_states}) != len(seg_states):
             raise InputError("two request_ids refer to the same RequestState object")
         start_len = np.array(lens, dtype=np.int64)
-        if starts.size == T:                      # one token a request (decode)
+        if decode:
             bad = np.flatnonzero(pos != start_len)
         else:
             bad = np.flatnonzero(pos != np.repeat(start_len - starts, counts) + np.arange(T))

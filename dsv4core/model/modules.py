@@ -180,6 +180,22 @@ class Step:
         return self.memo(("er", ratio), lambda: ix.entry_reads(c.comp_table_dev, self.slot, self.positions, self.valid,
                                                                ratio, per_block, self.widths[ratio]))
 
+    def attention_rows(self, ratio: int = 0, per_block: int = 0) -> torch.Tensor:
+        """int32 [T, W (+ width)] the rows a sliding (ratio 0) or HCA layer's attention reads in
+        its row pool: the window, then every visible entry (entry region at `cache.Rw`)."""
+        def build():
+            win = self.window_reads()
+            if not ratio:
+                return win.to(torch.int32)
+            ent = ix.entry_reads(self.cache.comp_table_dev, self.slot, self.positions, self.valid, ratio, per_block,
+                                 self.widths[ratio], base=self.cache.Rw)
+            return torch.cat([win, ent], dim=1).to(torch.int32)
+        return self.memo(("ar", ratio), build)
+
+    def pos_mod(self, ratio: int) -> torch.Tensor:
+        """positions % ratio (the compressors' position-bias rows)."""
+        return self.memo(("pm", ratio), lambda: self.positions % ratio)
+
     def emissions(self, ratio: int, per_block: int):
         """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
         c = self.cache
@@ -219,7 +235,7 @@ def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: to
     (`compress_windows`), norm + rope the entries at their window start and store them into
     `entry_pool` (rows offset by `base`); queue the ring writes (`step.deferred`)."""
     kv = kv_proj(x, FP32)
-    sc = gate_proj(x, FP32) + position_bias[step.positions % ratio]
+    sc = gate_proj(x, FP32) + position_bias[step.pos_mod(ratio)]
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
         src = step.sources(ratio, overlap, cap, per_block)
         kv_w = _gather_window(kv, ring_kv, src, 0.0)
@@ -228,7 +244,7 @@ def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: to
         entry, dest = step.emissions(ratio, per_block)
         ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"],
                                kv_norm.eps)
-        ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1), ent)
+        ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1) if base else dest, ent)
     if step.ring_tok.numel():
         rows = step.ring_rows(cap)
         if step.ring_tok.numel() != kv.shape[0]:     # every token (sorted, distinct): no gather needed
@@ -282,8 +298,8 @@ class Indexer(nn.Module):
         self.scorer = IndexerScorer(cfg, dtype, ops)
         self._ops = ops
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step) -> torch.Tensor:
-        """Top-k compressed entries per query as rows of the layer's entry region (0-based),
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step, base: int = 0) -> torch.Tensor:
+        """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
         int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
         compress_step(ops, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio, True, x,
@@ -296,8 +312,8 @@ class Indexer(nn.Module):
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
         picks = ops.indexer_topk(scores, ix.visible_entries(step.positions, step.valid, self.ratio), self.topk).long()
         if rows.shape[1] == 0:
-            return picks
-        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)), -1)
+            return torch.where(picks >= 0, picks + base, -1) if base else picks
+        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)) + base, -1)
 
 
 class CSACompressor(Compressor):
@@ -396,17 +412,14 @@ class Attention(nn.Module):
         q = ops.q_norm_rope(q, pos, inv_freq, self.eps)
         kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
         ops.cache_store(pool, step.window_writes(), kv)       # rows at positions >= start: unread until committed
-        idx = [step.window_reads()]
         if self.compressor is not None:
             self.compressor(x, step)
-            if self.layer_type == CSA:
-                picks = self.compressor.indexer.select(x, q_latent, step)
-                idx.append(torch.where(picks >= 0, picks + c.Rw, -1))
-            else:  # HCA: every visible entry
-                rows = step.entry_reads(self.ratio, c.epb[self.layer])
-                idx.append(torch.where(rows >= 0, rows + c.Rw, -1))
-        index = idx[0] if len(idx) == 1 else torch.cat(idx, dim=1)
-        o = ops.sparse_mqa_attention(q, pool, index.to(torch.int32), self.sinks, self.d ** -0.5)
+        if self.layer_type == CSA:                            # the window, then the indexer's picks
+            picks = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
+            index = torch.cat([step.window_reads(), picks], dim=1).to(torch.int32)
+        else:                                                 # the window (+ HCA: every visible entry)
+            index = step.attention_rows(self.ratio, c.epb[self.layer])
+        o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5)
         o = ops.rope(o, pos, inv_freq, inverse=True)
         g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
         out = self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
