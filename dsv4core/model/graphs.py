@@ -58,7 +58,8 @@ class DecodeGraphs:
         every = torch.arange(b, device=inputs.device)
         return Step(cache=c, input_ids=ids, positions=pos, slot=slot, start=pos, end=pos + 1, valid=valid,
                     emit_tok={r: every for r in c.ratios}, ring_tok=every,
-                    widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device))
+                    widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device),
+                    keep_ring_rows=False)
 
     def _record(self, b: int, ctx: int):
         # rows: ids, positions, slots, valid (0: padding only while recording), and the logits

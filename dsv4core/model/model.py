@@ -301,7 +301,8 @@ class DSV4ForCausalLM(nn.Module):
         saved = []
         try:
             for pool, index, values in step.deferred:
-                saved.append((pool, index, pool[index.clamp_min(0)]))
+                if step.keep_ring_rows:
+                    saved.append((pool, index, pool[index.clamp_min(0)]))
                 self.ops.cache_store(pool, index, values)
         except BaseException:
             for pool, index, old in reversed(saved):   # glue, error path only

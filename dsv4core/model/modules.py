@@ -138,7 +138,9 @@ class Step:
     whose compressor projections are kept (both sorted, distinct), `widths[m]` the entry-table width at rate m.
 
     Compressor-ring writes are deferred (`deferred`) and applied after the last layer: a step
-    that fails part way leaves the rings as they were."""
+    that fails part way leaves the rings as they were (`keep_ring_rows`: the rows a write replaces
+    are kept until every write has landed; off in a recorded decode step, whose replay cannot
+    fail half way and whose recording writes nothing)."""
 
     cache: KVCache
     input_ids: torch.Tensor
@@ -152,6 +154,7 @@ class Step:
     widths: dict[int, int]
     inv_freq: dict[str, torch.Tensor]
     deferred: list = field(default_factory=list)
+    keep_ring_rows: bool = True
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
