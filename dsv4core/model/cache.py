@@ -15,6 +15,7 @@ One `KVCache` owns every request's state (DESIGN.md section 4.1, ENGINES.md sect
                                               last cap_i positions, row `slot * cap_i + pos % cap_i`
                                               (cap = (1 + overlap) * m + max_rollback)
     iring_kv[i], iring_score[i] [S * cap_i, 2*d_I]  fp32  the indexer compressor's rings (CSA)
+                                              (each pair: the two column halves of one tensor)
 
 Block 0 of each block pool is a null block: never handed out, table entries of unheld blocks point
 at it. A request is a slot (its ring rows) plus two block tables (one row each in
@@ -297,6 +298,7 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = []
         self.rings: list[dict[str, torch.Tensor] | None] = []
         self.ring_cap: list[int] = []
+        self.ring_pairs: list[dict[str, torch.Tensor] | None] = []   # "kv" / "ikv": [kv | score] tensors
         self.epb: list[int] = []            # compressed entries per block (0 for sliding layers)
         for i, t in enumerate(cfg.layer_types):
             m = cfg.compress_ratio(i)
@@ -306,18 +308,23 @@ class KVCache:
             if t == SLIDING:
                 self.keys.append(None)
                 self.rings.append(None)
+                self.ring_pairs.append(None)
                 self.ring_cap.append(0)
                 continue
             overlap = t == CSA
             c = 2 if overlap else 1
             cap = ring_capacity(m, overlap, cc.max_rollback)
             self.ring_cap.append(cap)
-            r = {"kv": torch.zeros(S * cap, c * d, dtype=torch.float32, **f),
-                 "score": torch.zeros(S * cap, c * d, dtype=torch.float32, **f)}
+            # a compressor's two rings are the halves of one tensor [kv | score]: a step writes
+            # both with one store
+            both = torch.zeros(S * cap, 2 * c * d, dtype=torch.float32, **f)
+            r = {"kv": both[:, :c * d], "score": both[:, c * d:]}
+            self.ring_pairs.append({"kv": both})
             if overlap:
                 self.keys.append(torch.zeros(self.comp_pool.n * epb, dI, dtype=dtype, **f))
-                r["ikv"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
-                r["iscore"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
+                iboth = torch.zeros(S * cap, 4 * dI, dtype=torch.float32, **f)
+                r["ikv"], r["iscore"] = iboth[:, :2 * dI], iboth[:, 2 * dI:]
+                self.ring_pairs[-1]["ikv"] = iboth
             else:
                 self.keys.append(None)
             self.rings.append(r)

@@ -231,13 +231,16 @@ def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: float) -> t
 
 
 def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: torch.Tensor, kv_norm: "RMSNorm",
-                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring_kv: torch.Tensor,
-                  ring_score: torch.Tensor, entry_pool: torch.Tensor, base: int, per_block: int) -> None:
+                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring: torch.Tensor,
+                  entry_pool: torch.Tensor, base: int, per_block: int) -> None:
     """Feed the step's tokens into a compressor: project (fp32, SPEC section 0), add the position
     bias, pool every window the step completes from the ring and this step's rows
     (`compress_windows`), norm + rope the entries at their window start and store them into
-    `entry_pool` (rows offset by `base`); queue the ring writes (`step.deferred`)."""
+    `entry_pool` (rows offset by `base`); queue the ring write (`step.deferred`). `ring`: the
+    compressor's rings `[kv | score]` (KVCache.ring_pairs), one store writes both."""
     kv = kv_proj(x, FP32)
+    w = kv.shape[1]
+    ring_kv, ring_score = ring[:, :w], ring[:, w:]
     sc = gate_proj(x, FP32) + position_bias[step.pos_mod(ratio)]
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
         src = step.sources(ratio, overlap, cap, per_block)
@@ -249,10 +252,10 @@ def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: to
                                kv_norm.eps)
         ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1) if base else dest, ent)
     if step.ring_tok.numel():
-        rows = step.ring_rows(cap)
+        both = torch.cat([kv, sc], dim=1)
         if step.ring_tok.numel() != kv.shape[0]:     # every token (sorted, distinct): no gather needed
-            kv, sc = kv[step.ring_tok], sc[step.ring_tok]
-        step.deferred += [(ring_kv, rows, kv), (ring_score, rows, sc)]
+            both = both[step.ring_tok]
+        step.deferred.append((ring, step.ring_rows(cap), both))
 
 
 class Compressor(nn.Module):
@@ -275,7 +278,7 @@ class Compressor(nn.Module):
         """Store the entries the step completes into the layer's row pool (after the window rows)."""
         c, i = step.cache, self.layer
         compress_step(self._ops.t, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio,
-                      self.overlap, x, step, c.ring_cap[i], c.rings[i]["kv"], c.rings[i]["score"], c.rows[i], c.Rw,
+                      self.overlap, x, step, c.ring_cap[i], c.ring_pairs[i]["kv"], c.rows[i], c.Rw,
                       c.epb[i])
 
 
@@ -306,7 +309,7 @@ class Indexer(nn.Module):
         int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
         compress_step(ops, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio, True, x,
-                      step, c.ring_cap[i], c.rings[i]["ikv"], c.rings[i]["iscore"], c.keys[i], 0, c.epb[i])
+                      step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], 0, c.epb[i])
         T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, step.positions, step.inv_freq["compress"])
