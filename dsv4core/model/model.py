@@ -35,7 +35,9 @@ def _host_long(a, what: str = "argument") -> np.ndarray:
         raise InputError(f"{what} must hold integers; got dtype {str(t.dtype).removeprefix('torch.')}")
     if t.dim() != 1 and not (t.numel() == 0 and t.dim() <= 1):
         raise InputError(f"{what} must be 1-D (flattened tokens); got shape {tuple(t.shape)}")
-    return t.detach().to("cpu", torch.int64).reshape(-1).numpy()
+    if t.dtype != torch.int64 or t.device.type != "cpu":
+        t = t.to("cpu", torch.int64)
+    return t.reshape(-1).numpy()      # integer tensors carry no gradient: no detach needed
 
 
 _ZERO = np.zeros(1, dtype=np.int64)
