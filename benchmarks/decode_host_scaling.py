@@ -159,6 +159,14 @@ def compare(named: list[str], rounds: int, batches: str, steps: int) -> dict:
     return out
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,64")
@@ -175,7 +183,7 @@ def main() -> None:
     doc = {"what": "tiny model, reference backend, CPU, 1 torch thread: decode step host work at batch "
                    f"{a.batches} (benchmarks/decode_host_scaling.py; per checkout the median over rounds of "
                    "the median of the steps; checkouts alternate in one run)",
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
+           "machine": f"{_cpu_name()}, {os.cpu_count()} cores",
            "torch": torch.__version__, "python": platform.python_version(), "threads": 1, "runs": res}
     text = json.dumps(doc, indent=2)
     print(text)
