@@ -174,6 +174,50 @@ def test_static_decode_step_equals_the_eager_one(tiny):
         _close(static, eager, eager.abs().max())
 
 
+class _ReplayByRerun:
+    """A stand-in graph capture for the CPU: the 'replay' re-runs the recorded function, which
+    reads the static input buffer and refills the static outputs, as a device graph would."""
+
+    def new_pool(self, device):
+        return None
+
+    def capture(self, fn, device, pool=None):
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+def test_graph_decode_path_equals_the_eager_one(tiny):
+    """forward_batch's graph path (bucket padding, the host staging buffer, logits_rows picked
+    after the replay) returns the eager step's logits and leaves the same state; a step that
+    fails in the replay changes nothing."""
+    sts = [tiny.new_state() for _ in range(3)]
+    for i, s in enumerate(sts):
+        _prefill(tiny, s, _seq(13 + 9 * i, i))
+    forks = [s.fork() for s in sts]
+    tiny._graph_why = ((id(tiny.ops), tiny.device), "", _ReplayByRerun())
+    rows = torch.tensor([2, -3, 0, 2])                    # a permutation with a repeat and a negative row
+    for step in range(10):                               # crosses CSA windows (m=4) and a window block (8)
+        toks = [int(t) for t in _seq(3, 100 + step)]
+        tiny.use_graphs = False
+        eager = _decode(tiny, sts, toks)
+        tiny.use_graphs = True
+        picked = tiny.forward_batch(torch.tensor(toks), torch.tensor([s.length for s in forks]), torch.arange(3),
+                                    forks, logits_rows=rows if step % 2 else None)
+        _close(picked, eager[rows] if step % 2 else eager, eager.abs().max())
+    assert tiny._graphs.replays == 10 and [s.length for s in forks] == [s.length for s in sts]
+    c = tiny.cache
+    c.sync_tables()                                      # the device tables mirror the host ones
+    assert torch.equal(c.window_table_dev, torch.from_numpy(c.window_table))
+    assert torch.equal(c.comp_table_dev, torch.from_numpy(c.comp_table))
+    replay, inputs, out = tiny._graphs.graphs[next(iter(tiny._graphs.graphs))]
+    tiny._graphs.graphs = {k: (lambda: 1 / 0, inputs, out) for k in tiny._graphs.graphs}
+    before = [(s.length, s.ring_hi, s.win_lo) for s in forks], tiny.cache.window_table.copy()
+    with pytest.raises(ZeroDivisionError):
+        _decode(tiny, forks, [5, 6, 7])
+    assert [(s.length, s.ring_hi, s.win_lo) for s in forks] == before[0]
+    assert (tiny.cache.window_table == before[1]).all()
+
+
 def test_generate_continuous_batching_equals_one_request_at_a_time(tiny):
     prompts = [list(range(5, 45)), [3, 4], list(range(100, 133)), [7] * 20]
     alone = [tiny.generate([p], 6)[0] for p in prompts]

@@ -15,6 +15,7 @@ One `KVCache` owns every request's state (DESIGN.md section 4.1, ENGINES.md sect
                                               last cap_i positions, row `slot * cap_i + pos % cap_i`
                                               (cap = (1 + overlap) * m + max_rollback)
     iring_kv[i], iring_score[i] [S * cap_i, 2*d_I]  fp32  the indexer compressor's rings (CSA)
+                                              (each pair: the two column halves of one tensor)
 
 Block 0 of each block pool is a null block: never handed out, table entries of unheld blocks point
 at it. A request is a slot (its ring rows) plus two block tables (one row each in
@@ -100,7 +101,7 @@ class _Blocks:
 
     def __init__(self, n: int, what: str) -> None:
         self.n, self.what = n, what
-        self.ref = [0] * n
+        self.ref = np.zeros(n, dtype=np.int64)   # numpy: a step checks the blocks it writes at once
         self.free = list(range(n - 1, 0, -1))   # pop() hands out low ids first
 
     def alloc(self) -> int:
@@ -172,11 +173,13 @@ class RequestState:
 
 @dataclass
 class StepPlan:
-    """Staged host-side changes of one step: undone by `rollback`, made final by `commit`."""
+    """Staged host-side changes of one step: undone by `rollback`, made final by `commit`.
+    `slots` / `new_lengths`: per request (numpy int64, in `states` order)."""
 
     cache: "KVCache"
     states: list[RequestState]
-    new_lengths: list[int]
+    slots: np.ndarray
+    new_lengths: np.ndarray
     undo: list = field(default_factory=list)   # (table, slot, j, old_block, new_block, pool)
 
     def rollback(self) -> None:
@@ -187,14 +190,17 @@ class StepPlan:
             if old:
                 pool.incref(old)
         self.undo.clear()
-        c._dirty = True
+        c._touch(0, c.cc.max_requests)
 
     def commit(self) -> None:
         c = self.cache
-        for st, E in zip(self.states, self.new_lengths):
+        keep, Bw = c.window_keep, c.window_block
+        for st, E in zip(self.states, self.new_lengths.tolist()):
             st.length = E
-            st.ring_hi = max(st.ring_hi, E)
-            c._free_window_below(st, E)
+            if E > st.ring_hi:
+                st.ring_hi = E
+            if (E - keep) // Bw > st.win_lo // Bw:     # a window block fell out of reach
+                c._free_window_below(st, E)
         self.undo.clear()
 
 
@@ -270,6 +276,7 @@ class KVCache:
         else:
             self.block_tokens = default_block_tokens(config)
         self.window_block = cc.window_block
+        self.window_keep = max(W - 1, 0) + cc.max_rollback   # window rows kept behind a request's length
         self.max_request_tokens = cc.max_request_tokens or min(cfg.max_position_embeddings, cc.max_tokens)
         S = cc.max_requests
         Bc, Bw = self.block_tokens, self.window_block
@@ -291,6 +298,7 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = []
         self.rings: list[dict[str, torch.Tensor] | None] = []
         self.ring_cap: list[int] = []
+        self.ring_pairs: list[dict[str, torch.Tensor] | None] = []   # "kv" / "ikv": [kv | score] tensors
         self.epb: list[int] = []            # compressed entries per block (0 for sliding layers)
         for i, t in enumerate(cfg.layer_types):
             m = cfg.compress_ratio(i)
@@ -300,18 +308,23 @@ class KVCache:
             if t == SLIDING:
                 self.keys.append(None)
                 self.rings.append(None)
+                self.ring_pairs.append(None)
                 self.ring_cap.append(0)
                 continue
             overlap = t == CSA
             c = 2 if overlap else 1
             cap = ring_capacity(m, overlap, cc.max_rollback)
             self.ring_cap.append(cap)
-            r = {"kv": torch.zeros(S * cap, c * d, dtype=torch.float32, **f),
-                 "score": torch.zeros(S * cap, c * d, dtype=torch.float32, **f)}
+            # a compressor's two rings are the halves of one tensor [kv | score]: a step writes
+            # both with one store
+            both = torch.zeros(S * cap, 2 * c * d, dtype=torch.float32, **f)
+            r = {"kv": both[:, :c * d], "score": both[:, c * d:]}
+            self.ring_pairs.append({"kv": both})
             if overlap:
                 self.keys.append(torch.zeros(self.comp_pool.n * epb, dI, dtype=dtype, **f))
-                r["ikv"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
-                r["iscore"] = torch.zeros(S * cap, 2 * dI, dtype=torch.float32, **f)
+                iboth = torch.zeros(S * cap, 4 * dI, dtype=torch.float32, **f)
+                r["ikv"], r["iscore"] = iboth[:, :2 * dI], iboth[:, 2 * dI:]
+                self.ring_pairs[-1]["ikv"] = iboth
             else:
                 self.keys.append(None)
             self.rings.append(r)
@@ -321,7 +334,7 @@ class KVCache:
         self.comp_table = np.zeros((S, self.comp_blocks_per_request), dtype=np.int32)
         self.window_table_dev = torch.zeros(self.window_table.shape, dtype=torch.int32, device=self.device)
         self.comp_table_dev = torch.zeros(self.comp_table.shape, dtype=torch.int32, device=self.device)
-        self._dirty = False
+        self._dirty = (S, 0)               # slots [lo, hi) whose table rows changed since the last sync
         self.free_slots = list(range(S - 1, -1, -1))
         self.live: dict[int, weakref.ref] = {}
 
@@ -396,7 +409,7 @@ class KVCache:
             row[:] = 0
         del self.live[slot]
         self.free_slots.append(slot)
-        self._dirty = True
+        self._touch(slot)
 
     def fork(self, st: RequestState) -> RequestState:
         child = self.new_request()
@@ -412,7 +425,7 @@ class KVCache:
             for ring in rings.values():
                 ring[t * cap:(t + 1) * cap] = ring[s * cap:(s + 1) * cap]
         child.length, child.win_lo, child.ring_hi = st.length, st.win_lo, st.ring_hi
-        self._dirty = True
+        self._touch(t)
         return child
 
     def truncate_limit(self, st: RequestState) -> int:
@@ -451,35 +464,55 @@ class KVCache:
                 pool.decref(b)
             tail[:] = 0
         st.length = n
-        self._dirty = True
+        self._touch(st.slot)
 
     # ------------------------------------------------------------------ steps
-    def prepare(self, states: list[RequestState], counts: list[int]) -> StepPlan:
-        """Stage the blocks a step writes (allocate, or copy-on-write a shared one). Raises
-        PoolFullError / CacheError with nothing changed."""
-        plan = StepPlan(self, list(states), [s.length + n for s, n in zip(states, counts)])
-        try:
-            for st, n in zip(states, counts):
+    def prepare(self, states: list[RequestState], counts) -> StepPlan:
+        """Stage the blocks a step writes (allocate, or copy-on-write a shared one): `counts[k]`
+        new tokens for `states[k]`. Raises PoolFullError / CacheError with nothing changed.
+        Vectorised over the requests: only the blocks that need an allocation are visited one
+        by one (in decode, a request crossing a block boundary)."""
+        states = list(states)
+        slots, lens = np.empty(len(states), dtype=np.int64), np.empty(len(states), dtype=np.int64)
+        for k, st in enumerate(states):
+            if st.released:
                 st._alive("step")
-                L, E = st.length, st.length + n
-                if E > self.max_request_tokens:
-                    raise CacheError(f"request (slot {st.slot}): length {E} exceeds the cache's max_request_tokens="
-                                     f"{self.max_request_tokens}")
-                if n == 0:
-                    continue
-                self._stage(plan, self.window_table, self.win_pool, st.slot, L // self.window_block,
-                            (E - 1) // self.window_block, self._copy_window_block)
-                if self.ratios:
-                    self._stage(plan, self.comp_table, self.comp_pool, st.slot, L // self.block_tokens,
-                                (E - 1) // self.block_tokens, self._copy_comp_block)
+            slots[k], lens[k] = st.slot, st.length
+        n = np.asarray(counts, dtype=np.int64).reshape(-1)
+        E = lens + n
+        if E.size and int(E.max()) > self.max_request_tokens:
+            k = int(np.argmax(E))
+            raise CacheError(f"request (slot {int(slots[k])}): length {int(E[k])} exceeds the cache's "
+                             f"max_request_tokens={self.max_request_tokens}")
+        plan = StepPlan(self, states, slots, E)
+        act = n > 0
+        if not act.all():
+            slots, lens, E = slots[act], lens[act], E[act]
+        try:
+            self._stage(plan, self.window_table, self.win_pool, slots, lens // self.window_block,
+                        (E - 1) // self.window_block, self._copy_window_block)
+            if self.ratios:
+                self._stage(plan, self.comp_table, self.comp_pool, slots, lens // self.block_tokens,
+                            (E - 1) // self.block_tokens, self._copy_comp_block)
         except Exception:
             plan.rollback()
             raise
         return plan
 
-    def _stage(self, plan, table, pool, slot, j0, j1, copy) -> None:
-        for j in range(j0, j1 + 1):
-            old = int(table[slot, j])
+    def _stage(self, plan, table, pool, slots, j0, j1, copy) -> None:
+        """Blocks j0[k]..j1[k] of request slot slots[k]: each one not held alone gets a new block."""
+        cnt = j1 - j0 + 1
+        if cnt.size and int(cnt.max()) == 1:         # decode: one block a request
+            s, js = slots, j0
+        else:
+            s = np.repeat(slots, cnt)
+            js = np.repeat(j0 - np.cumsum(cnt) + cnt, cnt) + np.arange(int(cnt.sum()))
+        held = table[s, js]
+        todo = (held == 0) | (pool.ref[held] != 1)
+        if not todo.any():
+            return
+        for slot, j in zip(s[todo].tolist(), js[todo].tolist()):   # in order: a shared block's last
+            old = int(table[slot, j])                               # holder then writes it in place
             if old and pool.ref[old] == 1:
                 continue
             new = pool.alloc()
@@ -488,7 +521,7 @@ class KVCache:
                 pool.decref(old)
             table[slot, j] = new
             plan.undo.append((table, slot, j, old, new, pool))
-            self._dirty = True
+            self._touch(slot)
 
     def _copy_window_block(self, src: int, dst: int) -> None:
         B = self.window_block
@@ -505,7 +538,7 @@ class KVCache:
                 self.keys[i][dst * e:(dst + 1) * e] = self.keys[i][src * e:(src + 1) * e]
 
     def _free_window_below(self, st: RequestState, E: int) -> None:
-        keep_from = max(0, E - max(self.W - 1, 0) - self.cc.max_rollback)
+        keep_from = max(0, E - self.window_keep)
         j_end = keep_from // self.window_block          # blocks [0, j_end) hold only dead rows
         j_lo = st.win_lo // self.window_block          # blocks below were freed before
         if j_end > j_lo:
@@ -514,12 +547,19 @@ class KVCache:
                 if row[j]:
                     self.win_pool.decref(int(row[j]))
                     row[j] = 0
-                    self._dirty = True
+                    self._touch(st.slot)
             st.win_lo = j_end * self.window_block
 
+    def _touch(self, lo: int, hi: int | None = None) -> None:
+        """Table rows of slots [lo, hi) (default: slot lo) changed: the next sync copies them."""
+        d = self._dirty
+        self._dirty = (min(d[0], lo), max(d[1], lo + 1 if hi is None else hi))
+
     def sync_tables(self) -> None:
-        """Copy the host block tables to the device if they changed (before a forward, never inside)."""
-        if self._dirty:
-            self.window_table_dev.copy_(torch.from_numpy(self.window_table))
-            self.comp_table_dev.copy_(torch.from_numpy(self.comp_table))
-            self._dirty = False
+        """Copy the host block-table rows that changed to the device (one contiguous range of
+        slots per table; before a forward, never inside)."""
+        lo, hi = self._dirty
+        if lo < hi:
+            self.window_table_dev[lo:hi].copy_(torch.from_numpy(self.window_table[lo:hi]))
+            self.comp_table_dev[lo:hi].copy_(torch.from_numpy(self.comp_table[lo:hi]))
+            self._dirty = (self.cc.max_requests, 0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from .modules import Step
@@ -36,6 +37,7 @@ class DecodeGraphs:
         self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
         self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why
         self.pool = None                        # the memory these graphs share (made at the first recording)
+        self._host: dict[int, torch.Tensor] = {}  # bucket -> host staging buffer of the static inputs
 
     def bucket(self, B: int) -> int | None:
         for b in self.buckets:
@@ -48,7 +50,7 @@ class DecodeGraphs:
         return min(cap, max(256, 1 << max(0, longest - 1).bit_length()))
 
     def _step(self, inputs: torch.Tensor, b: int, ctx: int | None = None) -> Step:
-        """The step of a recorded graph, built from its static input buffer [4, b]: ids, positions,
+        """The step of a recorded graph, built from its static input buffer [>= 4, b]: ids, positions,
         slots, valid (decode: start = position, end = position + 1; every token is a candidate
         for compressor emission and ring writes; entry tables `ctx // m` wide)."""
         c, m = self.cache, self.model
@@ -56,18 +58,36 @@ class DecodeGraphs:
         every = torch.arange(b, device=inputs.device)
         return Step(cache=c, input_ids=ids, positions=pos, slot=slot, start=pos, end=pos + 1, valid=valid,
                     emit_tok={r: every for r in c.ratios}, ring_tok=every,
-                    widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device))
+                    widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device),
+                    keep_ring_rows=False)
 
     def _record(self, b: int, ctx: int):
-        inputs = torch.zeros(4, b, dtype=torch.int64, device=self.model.device)   # valid = 0: padding only
+        # rows: ids, positions, slots, valid (0: padding only while recording), and the logits
+        # rows to return (read after the replay, not by the graph)
+        inputs = torch.zeros(5, b, dtype=torch.int64, device=self.model.device)
         if self.pool is None:
             self.pool = self.capture.new_pool(self.model.device)
         replay, logits = self.capture.capture(lambda: self.model._forward(self._step(inputs, b, ctx)),
                                               self.model.device, self.pool)
         return replay, inputs, logits
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
-        """Replay the decode step for B = len(ids) requests (host int64 vectors); None when B is
+    def _staging(self, b: int) -> torch.Tensor:
+        """The host buffer the static inputs of bucket b are filled from (page-locked when the
+        model is on an accelerator, so the one copy per step goes straight to the device)."""
+        buf = self._host.get(b)
+        if buf is None:
+            dev = self.model.device
+            try:
+                buf = torch.zeros(5, b, dtype=torch.int64, pin_memory=dev.type != "cpu")
+            except RuntimeError as e:          # no page-locked memory for this device: pageable
+                log.info("decode graphs: pageable input staging (%s)", e)
+                buf = torch.zeros(5, b, dtype=torch.int64)
+            self._host[b] = buf
+        return buf
+
+    def run(self, ids, pos, slot, rows=None) -> torch.Tensor | None:
+        """Replay the decode step for B = len(ids) requests (host int64 numpy vectors: ids,
+        positions, slots; `rows`: the logits rows to return, default all); None when B is
         larger than the largest bucket (the caller runs it eagerly)."""
         B = ids.shape[0]
         b = self.bucket(B)
@@ -88,9 +108,19 @@ class DecodeGraphs:
                 self.eager += 1
                 return None
         replay, inputs, logits = self.graphs[key]
-        host = torch.zeros(4, b, dtype=torch.int64)
-        host[0, :B], host[1, :B], host[2, :B], host[3, :B] = ids, pos, slot, 1
-        inputs.copy_(host)
+        buf = self._staging(b)
+        h = buf.numpy()
+        h[0, :B], h[1, :B], h[2, :B] = ids, pos, slot
+        h[3, :B] = 1
+        h[:4, B:] = 0                              # padding: every write skipped
+        R = b + 1 if rows is None else rows.shape[0]
+        if R <= b:
+            h[4, :R] = np.where(rows < 0, rows + B, rows)
+        inputs.copy_(buf)                          # one host->device copy (blocking: the buffer is reused)
         replay()
         self.replays += 1
-        return logits[:B].clone()
+        if rows is None:
+            return logits[:B].clone()
+        if R <= b:
+            return logits.index_select(0, inputs[4, :R])
+        return logits[:B][torch.from_numpy(rows).to(logits.device)]

@@ -12,6 +12,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,15 +27,20 @@ class InputError(ValueError):
     """Bad request input (out-of-vocabulary id, empty prompt, too long, malformed batch)."""
 
 
-def _host_long(a, what: str = "argument") -> torch.Tensor:
-    """A 1-D int64 CPU tensor from a 1-D integer list / tensor (one copy if the tensor lives on a
-    device). Floats and other shapes are refused, not rounded or flattened."""
+def _host_long(a, what: str = "argument") -> np.ndarray:
+    """A 1-D int64 numpy vector (host metadata) from a 1-D integer list / tensor (one copy if the
+    tensor lives on a device). Floats and other shapes are refused, not rounded or flattened."""
     t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
     if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
         raise InputError(f"{what} must hold integers; got dtype {str(t.dtype).removeprefix('torch.')}")
     if t.dim() != 1 and not (t.numel() == 0 and t.dim() <= 1):
         raise InputError(f"{what} must be 1-D (flattened tokens); got shape {tuple(t.shape)}")
-    return t.detach().to("cpu", torch.int64)
+    if t.dtype != torch.int64 or t.device.type != "cpu":
+        t = t.to("cpu", torch.int64)
+    return t.reshape(-1).numpy()      # integer tensors carry no gradient: no detach needed
+
+
+_ZERO = np.zeros(1, dtype=np.int64)
 
 
 class DSV4Model(nn.Module):
@@ -160,49 +166,55 @@ class DSV4ForCausalLM(nn.Module):
         return self._graph_why[1]
 
     # ------------------------------------------------------------------ validation
-    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+    def _segments(self, ids, pos, rid, states):
+        """Validate a step on host metadata (numpy int64 vectors, vectorised over the tokens);
+        returns (starts, counts, segment states, start lengths), numpy but for the states."""
+        T = ids.shape[0]
+        if pos.shape[0] != T or rid.shape[0] != T:
+            raise InputError(f"input_ids ({T}), positions ({pos.shape[0]}) and request_ids "
+                             f"({rid.shape[0]}) must have the same length")
         V = self.config.vocab_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
             bad = ids[(ids < 0) | (ids >= V)][:5].tolist()
-            raise InputError(f"{what}: token ids out of vocabulary [0, {V}): {bad}")
-
-    def _segments(self, ids_h, pos_h, rid_h, states):
-        """Validate a step on host metadata; returns (starts, counts, segment states, start lengths)."""
-        T = ids_h.shape[0]
-        if pos_h.shape[0] != T or rid_h.shape[0] != T:
-            raise InputError(f"input_ids ({T}), positions ({pos_h.shape[0]}) and request_ids "
-                             f"({rid_h.shape[0]}) must have the same length")
-        self._check_ids(ids_h, "input_ids")
-        brk = torch.nonzero(rid_h[1:] != rid_h[:-1]).flatten() + 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), brk])
-        counts = torch.diff(torch.cat([starts, torch.tensor([T])]))
-        rids = rid_h[starts].tolist()
-        if len(set(rids)) != len(rids):
+            raise InputError(f"input_ids: token ids out of vocabulary [0, {V}): {bad}")
+        starts = np.concatenate((_ZERO, np.flatnonzero(rid[1:] != rid[:-1]) + 1))
+        decode = starts.size == T                 # one token a request
+        if decode:
+            counts, rids = np.ones(T, dtype=np.int64), rid
+        else:
+            counts = np.diff(starts, append=T)
+            rids = rid[starts]
+        n = len(states)
+        if int(rids.min()) < 0 or int(rids.max()) >= n:
+            raise InputError(f"request_ids must index states (0..{n - 1}); got {sorted(set(rids.tolist()))}")
+        if starts.size > 1 and int(np.bincount(rids, minlength=n).max()) > 1:
             raise InputError("each request's tokens must be contiguous in the flattened batch")
-        if any(r < 0 or r >= len(states) for r in rids):
-            raise InputError(f"request_ids must index states (0..{len(states) - 1}); got {sorted(set(rids))}")
-        seg_states = [states[r] for r in rids]
-        if len({id(s) for s in seg_states}) != len(seg_states):
-            raise InputError("two request_ids refer to the same RequestState object")
+        seg_states = [states[r] for r in rids.tolist()]
         cache = self.cache
-        for r, s in zip(rids, seg_states):
+        lens = []
+        for r, s in zip(rids.tolist(), seg_states):
             if not isinstance(s, RequestState) or s.cache is not cache:
                 raise InputError(f"request {r}: not a request of this model's cache (use model.new_state())")
             if s.released:
                 raise InputError(f"request {r} (slot {s.slot}) was released")
-        start_len = torch.tensor([s.length for s in seg_states], dtype=torch.int64)
-        expect = torch.repeat_interleave(start_len - starts, counts) + torch.arange(T)
-        bad = torch.nonzero(pos_h != expect).flatten()
-        if bad.numel():
+            lens.append(s.length)
+        if len({id(s) for s in seg_states}) != len(seg_states):
+            raise InputError("two request_ids refer to the same RequestState object")
+        start_len = np.array(lens, dtype=np.int64)
+        if decode:
+            bad = np.flatnonzero(pos != start_len)
+        else:
+            bad = np.flatnonzero(pos != np.repeat(start_len - starts, counts) + np.arange(T))
+        if bad.size:
             t = int(bad[0])
-            k = int(torch.searchsorted(starts, torch.tensor([t]), right=True)[0]) - 1
-            s0, n, L = int(starts[k]), int(counts[k]), int(start_len[k])
-            raise InputError(f"request {rids[k]}: positions must continue its state ({L}..{L + n - 1}); "
-                             f"got {int(pos_h[s0])}..{int(pos_h[s0 + n - 1])}")
+            k = int(np.searchsorted(starts, t, side="right")) - 1
+            s0, c, L = int(starts[k]), int(counts[k]), int(start_len[k])
+            raise InputError(f"request {rids[k]}: positions must continue its state ({L}..{L + c - 1}); "
+                             f"got {int(pos[s0])}..{int(pos[s0 + c - 1])}")
         ends = start_len + counts
         maxpos = self.config.max_position_embeddings
         if int(ends.max()) > maxpos:
-            k = int(torch.argmax(ends))
+            k = int(np.argmax(ends))
             raise InputError(f"request {rids[k]}: length {int(ends[k])} exceeds max_position_embeddings={maxpos}")
         return starts, counts, seg_states, start_len
 
@@ -220,62 +232,59 @@ class DSV4ForCausalLM(nn.Module):
         forward; a step that raises (bad input, full pool, an op error) leaves every request as
         it was. Decode steps (one token per request) replay a recorded device graph when possible.
         """
-        ids_h, pos_h, rid_h = (_host_long(a, w) for a, w in ((input_ids, "input_ids"), (positions, "positions"),
-                                                              (request_ids, "request_ids")))
-        T = ids_h.shape[0]
-        rows_h = None
+        ids, pos, rid = (_host_long(a, w) for a, w in ((input_ids, "input_ids"), (positions, "positions"),
+                                                        (request_ids, "request_ids")))
+        T = ids.shape[0]
+        rows = None
         if logits_rows is not None:
-            rows_h = _host_long(logits_rows, "logits_rows")
-            if rows_h.numel() and (int(rows_h.min()) < -T or int(rows_h.max()) >= T):
-                raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows_h.tolist()[:8]}")
+            rows = _host_long(logits_rows, "logits_rows")
+            if rows.size and (int(rows.min()) < -T or int(rows.max()) >= T):
+                raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows.tolist()[:8]}")
         if T == 0:
-            if pos_h.shape[0] or rid_h.shape[0]:
-                raise InputError(f"input_ids (0), positions ({pos_h.shape[0]}) and request_ids "
-                                 f"({rid_h.shape[0]}) must have the same length")
-            n = 0 if rows_h is None else rows_h.numel()
+            if pos.shape[0] or rid.shape[0]:
+                raise InputError(f"input_ids (0), positions ({pos.shape[0]}) and request_ids "
+                                 f"({rid.shape[0]}) must have the same length")
+            n = 0 if rows is None else rows.size
             return torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        starts, counts, seg_states, start_len = self._segments(ids_h, pos_h, rid_h, states)
+        starts, counts, seg_states, start_len = self._segments(ids, pos, rid, states)
         cache = self.cache
-        plan = cache.prepare(seg_states, counts.tolist())     # raises with nothing changed
+        plan = cache.prepare(seg_states, counts)     # raises with nothing changed
         try:
             cache.sync_tables()
             logits = None
-            if bool((counts == 1).all()) and not self.graph_status():
+            if starts.size == T and not self.graph_status():     # decode: one token a request
                 if self._graphs is None:
                     self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
-                logits = self._graphs.run(ids_h, pos_h, torch.tensor([s.slot for s in seg_states]))
-                if logits is not None and rows_h is not None:
-                    logits = logits[rows_h.to(logits.device)]
+                logits = self._graphs.run(ids, pos, plan.slots, rows)
             if logits is None:                        # prefill / mixed steps, or no graph for this batch
-                logits = self._eager(ids_h, pos_h, counts, seg_states, start_len, rows_h)
+                logits = self._eager(ids, pos, counts, plan.slots, start_len, rows)
         except BaseException:
             plan.rollback()
             raise
         plan.commit()
         return logits
 
-    def _eager(self, ids_h, pos_h, counts, seg_states, start_len, rows_h) -> torch.Tensor:
-        """Build the step's metadata on the host, copy it to the device once, run the layers."""
+    def _eager(self, ids, pos, counts, slots, start_len, rows) -> torch.Tensor:
+        """Build the step's metadata on the host (numpy), copy it to the device once, run the layers."""
         cache, dev = self.cache, self.device
-        T = ids_h.shape[0]
-        slot = torch.repeat_interleave(torch.tensor([s.slot for s in seg_states], dtype=torch.int64), counts)
-        start = torch.repeat_interleave(start_len, counts)
-        end = torch.repeat_interleave(start_len + counts, counts)
-        emit = {m: torch.nonzero((pos_h + 1) % m == 0).flatten() for m in cache.ratios}
+        T = ids.shape[0]
+        end_len = start_len + counts
+        if counts.size == T:                     # one token a request: nothing to repeat
+            slot, start, end = slots, start_len, end_len
+        else:
+            slot, start, end = (np.repeat(a, counts) for a in (slots, start_len, end_len))
+        emit = [np.flatnonzero((pos + 1) % m == 0) for m in cache.ratios]
         caps = [c for c in cache.ring_cap if c]
-        ring_tok = torch.nonzero(pos_h >= end - max(caps)).flatten() if caps else torch.zeros(0, dtype=torch.int64)
-        widths = {m: int((start_len + counts).max()) // m for m in cache.ratios}
-        parts = [ids_h, pos_h, slot, start, end, ring_tok] + [emit[m] for m in cache.ratios]
-        if rows_h is not None:
-            parts.append(rows_h)
-        packed = torch.cat(parts).to(dev)                    # one host->device copy per step
-        sizes = [p.numel() for p in parts]
-        v = list(torch.split(packed, sizes))
+        ring_tok = np.flatnonzero(pos >= end - max(caps)) if caps else _ZERO[:0]
+        widths = {m: int(end_len.max()) // m for m in cache.ratios}
+        parts = [ids, pos, slot, start, end, ring_tok, *emit] + ([rows] if rows is not None else [])
+        packed = torch.from_numpy(np.concatenate(parts)).to(dev)   # one host->device copy per step
+        v = torch.split(packed, [p.shape[0] for p in parts])
         step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4],
                     valid=torch.ones(T, dtype=torch.bool, device=dev), ring_tok=v[5],
                     emit_tok=dict(zip(cache.ratios, v[6:6 + len(cache.ratios)])), widths=widths,
                     inv_freq=self._freqs(dev))
-        return self._forward(step, v[-1] if rows_h is not None else None)
+        return self._forward(step, v[-1] if rows is not None else None)
 
     def _forward(self, step: Step, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The layers over a prepared step; the deferred compressor-ring writes last."""
@@ -294,7 +303,8 @@ class DSV4ForCausalLM(nn.Module):
         saved = []
         try:
             for pool, index, values in step.deferred:
-                saved.append((pool, index, pool[index.clamp_min(0)]))
+                if step.keep_ring_rows:
+                    saved.append((pool, index, pool[index.clamp_min(0)]))
                 self.ops.cache_store(pool, index, values)
         except BaseException:
             for pool, index, old in reversed(saved):   # glue, error path only

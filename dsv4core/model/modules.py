@@ -135,10 +135,12 @@ class Step:
     cache slot), `start` / `end` (the request's length before / after the step), `valid` (False
     for bucket padding). Host-chosen index lists and widths (static in captured decode steps):
     `emit_tok[m]` the candidate tokens for compressor emission at rate m, `ring_tok` the tokens
-    whose compressor projections are kept, `widths[m]` the entry-table width at rate m.
+    whose compressor projections are kept (both sorted, distinct), `widths[m]` the entry-table width at rate m.
 
     Compressor-ring writes are deferred (`deferred`) and applied after the last layer: a step
-    that fails part way leaves the rings as they were."""
+    that fails part way leaves the rings as they were (`keep_ring_rows`: the rows a write replaces
+    are kept until every write has landed; off in a recorded decode step, whose replay cannot
+    fail half way and whose recording writes nothing)."""
 
     cache: KVCache
     input_ids: torch.Tensor
@@ -152,6 +154,7 @@ class Step:
     widths: dict[int, int]
     inv_freq: dict[str, torch.Tensor]
     deferred: list = field(default_factory=list)
+    keep_ring_rows: bool = True
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -179,6 +182,22 @@ class Step:
         c = self.cache
         return self.memo(("er", ratio), lambda: ix.entry_reads(c.comp_table_dev, self.slot, self.positions, self.valid,
                                                                ratio, per_block, self.widths[ratio]))
+
+    def attention_rows(self, ratio: int = 0, per_block: int = 0) -> torch.Tensor:
+        """int32 [T, W (+ width)] the rows a sliding (ratio 0) or HCA layer's attention reads in
+        its row pool: the window, then every visible entry (entry region at `cache.Rw`)."""
+        def build():
+            win = self.window_reads()
+            if not ratio:
+                return win.to(torch.int32)
+            ent = ix.entry_reads(self.cache.comp_table_dev, self.slot, self.positions, self.valid, ratio, per_block,
+                                 self.widths[ratio], base=self.cache.Rw)
+            return torch.cat([win, ent], dim=1).to(torch.int32)
+        return self.memo(("ar", ratio), build)
+
+    def pos_mod(self, ratio: int) -> torch.Tensor:
+        """positions % ratio (the compressors' position-bias rows)."""
+        return self.memo(("pm", ratio), lambda: self.positions % ratio)
 
     def emissions(self, ratio: int, per_block: int):
         """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
@@ -212,23 +231,31 @@ def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: float) -> t
 
 
 def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: torch.Tensor, kv_norm: "RMSNorm",
-                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring_kv: torch.Tensor,
-                  ring_score: torch.Tensor, entry_pool: torch.Tensor, base: int, per_block: int) -> None:
+                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring: torch.Tensor,
+                  entry_pool: torch.Tensor, base: int, per_block: int) -> None:
     """Feed the step's tokens into a compressor: project (fp32, SPEC section 0), add the position
     bias, pool every window the step completes from the ring and this step's rows
     (`compress_windows`), norm + rope the entries at their window start and store them into
-    `entry_pool` (rows offset by `base`); queue the ring writes (`step.deferred`)."""
+    `entry_pool` (rows offset by `base`); queue the ring write (`step.deferred`). `ring`: the
+    compressor's rings `[kv | score]` (KVCache.ring_pairs), one store writes both."""
     kv = kv_proj(x, FP32)
-    sc = gate_proj(x, FP32) + position_bias[step.positions % ratio]
-    src = step.sources(ratio, overlap, cap, per_block)
-    kv_w = _gather_window(kv, ring_kv, src, 0.0)
-    sc_w = _gather_window(sc, ring_score, src, float("-inf"))
-    pooled = ops.compress_windows(kv_w, sc_w, overlap)
-    entry, dest = step.emissions(ratio, per_block)
-    ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"], kv_norm.eps)
-    ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1), ent)
-    rows = step.ring_rows(cap)
-    step.deferred += [(ring_kv, rows, kv[step.ring_tok]), (ring_score, rows, sc[step.ring_tok])]
+    w = kv.shape[1]
+    ring_kv, ring_score = ring[:, :w], ring[:, w:]
+    sc = gate_proj(x, FP32) + position_bias[step.pos_mod(ratio)]
+    if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
+        src = step.sources(ratio, overlap, cap, per_block)
+        kv_w = _gather_window(kv, ring_kv, src, 0.0)
+        sc_w = _gather_window(sc, ring_score, src, float("-inf"))
+        pooled = ops.compress_windows(kv_w, sc_w, overlap)
+        entry, dest = step.emissions(ratio, per_block)
+        ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"],
+                               kv_norm.eps)
+        ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1) if base else dest, ent)
+    if step.ring_tok.numel():
+        both = torch.cat([kv, sc], dim=1)
+        if step.ring_tok.numel() != kv.shape[0]:     # every token (sorted, distinct): no gather needed
+            both = both[step.ring_tok]
+        step.deferred.append((ring, step.ring_rows(cap), both))
 
 
 class Compressor(nn.Module):
@@ -251,7 +278,7 @@ class Compressor(nn.Module):
         """Store the entries the step completes into the layer's row pool (after the window rows)."""
         c, i = step.cache, self.layer
         compress_step(self._ops.t, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio,
-                      self.overlap, x, step, c.ring_cap[i], c.rings[i]["kv"], c.rings[i]["score"], c.rows[i], c.Rw,
+                      self.overlap, x, step, c.ring_cap[i], c.ring_pairs[i]["kv"], c.rows[i], c.Rw,
                       c.epb[i])
 
 
@@ -277,12 +304,12 @@ class Indexer(nn.Module):
         self.scorer = IndexerScorer(cfg, dtype, ops)
         self._ops = ops
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step) -> torch.Tensor:
-        """Top-k compressed entries per query as rows of the layer's entry region (0-based),
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step, base: int = 0) -> torch.Tensor:
+        """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
         int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
         compress_step(ops, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio, True, x,
-                      step, c.ring_cap[i], c.rings[i]["ikv"], c.rings[i]["iscore"], c.keys[i], 0, c.epb[i])
+                      step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], 0, c.epb[i])
         T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, step.positions, step.inv_freq["compress"])
@@ -291,8 +318,8 @@ class Indexer(nn.Module):
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
         picks = ops.indexer_topk(scores, ix.visible_entries(step.positions, step.valid, self.ratio), self.topk).long()
         if rows.shape[1] == 0:
-            return picks
-        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)), -1)
+            return torch.where(picks >= 0, picks + base, -1) if base else picks
+        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)) + base, -1)
 
 
 class CSACompressor(Compressor):
@@ -391,17 +418,14 @@ class Attention(nn.Module):
         q = ops.q_norm_rope(q, pos, inv_freq, self.eps)
         kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
         ops.cache_store(pool, step.window_writes(), kv)       # rows at positions >= start: unread until committed
-        idx = [step.window_reads()]
         if self.compressor is not None:
             self.compressor(x, step)
-            if self.layer_type == CSA:
-                picks = self.compressor.indexer.select(x, q_latent, step)
-                idx.append(torch.where(picks >= 0, picks + c.Rw, -1))
-            else:  # HCA: every visible entry
-                rows = step.entry_reads(self.ratio, c.epb[self.layer])
-                idx.append(torch.where(rows >= 0, rows + c.Rw, -1))
-        index = idx[0] if len(idx) == 1 else torch.cat(idx, dim=1)
-        o = ops.sparse_mqa_attention(q, pool, index.to(torch.int32), self.sinks, self.d ** -0.5)
+        if self.layer_type == CSA:                            # the window, then the indexer's picks
+            picks = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
+            index = torch.cat([step.window_reads(), picks], dim=1).to(torch.int32)
+        else:                                                 # the window (+ HCA: every visible entry)
+            index = step.attention_rows(self.ratio, c.epb[self.layer])
+        o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5)
         o = ops.rope(o, pos, inv_freq, inverse=True)
         g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
         out = self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))
