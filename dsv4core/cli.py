@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a clean one-line error for users; -v shows the traceback
         if args.verbose:
             raise
-        print(f"dsv4core {args.command}: error{_rank_tag()}: {e}", file=sys.stderr)
+        # one write, newline included: ranks under a launcher share stderr, and print()'s separate
+        # write of the newline let two ranks' lines run together
+        sys.stderr.write(f"dsv4core {args.command}: error{_rank_tag()}: {e}\n")
+        sys.stderr.flush()
         from dsv4core.hal import HALError
 
         return 2 if isinstance(e, (HALError, ValueError)) else 1

@@ -89,7 +89,8 @@ def test_torchrun_bad_layout_fails_with_the_layout_error(nproc, args, message):
     r = _torchrun(nproc, *args, monitor_s=2)
     assert r.returncode != 0, f"torchrun exited 0 for a bad layout {args}:\n{r.stdout[-2000:]}"
     assert r.stdout == "", r.stdout
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("dsv4core generate: error")]
+    # the ranks write to one stderr pipe: each error is one write, so it is a whole line
+    lines = [ln for ln in r.stderr.splitlines() if "dsv4core generate: error" in ln]
     ranks = sorted(int(m.group(1)) for ln in lines
                    if (m := re.fullmatch(rf"dsv4core generate: error \(rank (\d) of {nproc}\): {re.escape(message)}",
                                          ln)))
