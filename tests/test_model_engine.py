@@ -224,15 +224,17 @@ def test_graph_decode_path_equals_the_eager_one(tiny):
         _prefill(tiny, s, _seq(13 + 9 * i, i))
     forks = [s.fork() for s in sts]
     tiny._graph_why = ((id(tiny.ops), tiny.device), "", _ReplayByRerun())
-    rows = torch.tensor([2, -3, 0, 2])                    # a permutation with a repeat and a negative row
+    # rows: a permutation with a repeat and a negative row; more rows than the bucket (4) holds
+    choices = (None, torch.tensor([2, -3, 0, 2]), torch.tensor([1, -1, 0, 2, 2, -2]))
     for step in range(10):                               # crosses CSA windows (m=4) and a window block (8)
         toks = [int(t) for t in _seq(3, 100 + step)]
         tiny.use_graphs = False
         eager = _decode(tiny, sts, toks)
         tiny.use_graphs = True
+        rows = choices[step % 3]
         picked = tiny.forward_batch(torch.tensor(toks), torch.tensor([s.length for s in forks]), torch.arange(3),
-                                    forks, logits_rows=rows if step % 2 else None)
-        _close(picked, eager[rows] if step % 2 else eager, eager.abs().max())
+                                    forks, logits_rows=rows)
+        _close(picked, eager if rows is None else eager[rows], eager.abs().max())
     assert tiny._graphs.replays == 10 and [s.length for s in forks] == [s.length for s in sts]
     c = tiny.cache
     c.sync_tables()                                      # the device tables mirror the host ones
