@@ -148,6 +148,35 @@ def test_failure_in_a_late_layer_then_retry_gives_clean_logits(tiny, monkeypatch
     _close(_prefill(tiny, st, ids[41:]), ref[41:], ref.abs().max())
 
 
+def test_failed_step_leaves_a_block_shared_with_a_longer_holder_intact(tiny):
+    """A fork and its truncated original share the blocks holding positions 42..44, which only
+    the fork has committed. A step writing both (the fork first) copies the block for the fork
+    and used to let the original, then its last holder, write it in place; when the step then
+    failed, the rollback handed the block back to the fork with the original's rows at 42..45
+    (window rows and compressed entry 10). No holder writes a shared block in place."""
+    ids = _seq(60, 7)
+    ref = tiny.logits(ids)
+    a = tiny.new_state()
+    _prefill(tiny, a, ids[:45])
+    b = a.fork()
+    a.truncate(42)                               # mid window block and mid compressed block
+    layer = tiny.model.layers[3].mlp             # the last layer: every compressor has stored
+
+    def boom(x, input_ids):
+        raise RuntimeError("injected MoE failure")
+
+    layer.forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            tiny.forward_batch(torch.cat([ids[45:46], _seq(4, 9)]), torch.tensor([45, 42, 43, 44, 45]),
+                               torch.tensor([0, 1, 1, 1, 1]), [b, a])
+    finally:
+        del layer.forward
+    assert (a.length, b.length) == (42, 45)
+    _close(_prefill(tiny, b, ids[45:]), ref[45:], ref.abs().max())
+    _close(_prefill(tiny, a, ids[42:]), ref[42:], ref.abs().max())
+
+
 def test_static_decode_step_equals_the_eager_one(tiny):
     """The step a recorded graph replays (bucket padding, every token an emission candidate,
     entry tables at full capacity) computes what the eager step computes: run here without
@@ -195,15 +224,17 @@ def test_graph_decode_path_equals_the_eager_one(tiny):
         _prefill(tiny, s, _seq(13 + 9 * i, i))
     forks = [s.fork() for s in sts]
     tiny._graph_why = ((id(tiny.ops), tiny.device), "", _ReplayByRerun())
-    rows = torch.tensor([2, -3, 0, 2])                    # a permutation with a repeat and a negative row
+    # rows: a permutation with a repeat and a negative row; more rows than the bucket (4) holds
+    choices = (None, torch.tensor([2, -3, 0, 2]), torch.tensor([1, -1, 0, 2, 2, -2]))
     for step in range(10):                               # crosses CSA windows (m=4) and a window block (8)
         toks = [int(t) for t in _seq(3, 100 + step)]
         tiny.use_graphs = False
         eager = _decode(tiny, sts, toks)
         tiny.use_graphs = True
+        rows = choices[step % 3]
         picked = tiny.forward_batch(torch.tensor(toks), torch.tensor([s.length for s in forks]), torch.arange(3),
-                                    forks, logits_rows=rows if step % 2 else None)
-        _close(picked, eager[rows] if step % 2 else eager, eager.abs().max())
+                                    forks, logits_rows=rows)
+        _close(picked, eager if rows is None else eager[rows], eager.abs().max())
     assert tiny._graphs.replays == 10 and [s.length for s in forks] == [s.length for s in sts]
     c = tiny.cache
     c.sync_tables()                                      # the device tables mirror the host ones

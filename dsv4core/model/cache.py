@@ -185,10 +185,8 @@ class StepPlan:
     def rollback(self) -> None:
         c = self.cache
         for table, slot, j, old, new, pool in reversed(self.undo):
-            table[slot, j] = old
+            table[slot, j] = old            # the shared block kept its reference (see _stage)
             pool.decref(new)
-            if old:
-                pool.incref(old)
         self.undo.clear()
         c._touch(0, c.cc.max_requests)
 
@@ -201,6 +199,9 @@ class StepPlan:
                 st.ring_hi = E
             if (E - keep) // Bw > st.win_lo // Bw:     # a window block fell out of reach
                 c._free_window_below(st, E)
+        for _, _, _, old, _, pool in self.undo:     # the copied-from shared blocks: one holder less
+            if old:
+                pool.decref(old)
         self.undo.clear()
 
 
@@ -511,14 +512,14 @@ class KVCache:
         todo = (held == 0) | (pool.ref[held] != 1)
         if not todo.any():
             return
-        for slot, j in zip(s[todo].tolist(), js[todo].tolist()):   # in order: a shared block's last
-            old = int(table[slot, j])                               # holder then writes it in place
-            if old and pool.ref[old] == 1:
-                continue
+        # A shared block keeps its reference until commit, so every holder this step writes gets
+        # its own copy: none writes the shared block in place, which a failed step could not undo
+        # (another holder may have committed rows there beyond the writer's length).
+        for slot, j in zip(s[todo].tolist(), js[todo].tolist()):
+            old = int(table[slot, j])
             new = pool.alloc()
             if old:
                 copy(old, new)              # shared: copy-on-write (into a block no one reads yet)
-                pool.decref(old)
             table[slot, j] = new
             plan.undo.append((table, slot, j, old, new, pool))
             self._touch(slot)
