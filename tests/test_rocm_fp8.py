@@ -83,13 +83,33 @@ def test_conversion_is_exact(scale_dtype):
     assert int((before == 0x80).sum()) > 0                                  # -0 codes present
     want = _dequant64(before, fn64, s.to(torch.float64))
     wz, s2 = fp8.to_fnuz(w, s)
-    assert wz.dtype == FNUZ and s2.dtype == s.dtype and wz.data_ptr() == w.data_ptr()   # a view, no copy
+    assert wz.dtype == FNUZ and s2.dtype == s.dtype
     got = _dequant64(wz.view(torch.uint8), fnuz64, s2.to(torch.float64))
     assert not got.isnan().any() and torch.equal(got, want)                 # exact, every element
-    # the rewrite changed only -0 codes, to +0: the e4m3fn values every other reader sees are equal
+    # -0 codes present: a converted copy; the caller's weight is not written (bitwise)
+    assert wz.data_ptr() != w.data_ptr() and torch.equal(w.view(torch.uint8), before)
+    # without -0 codes: the same bytes, a view
+    w2 = torch.where(before == 0x80, torch.zeros_like(before), before).view(FN)
+    wz2, _ = fp8.to_fnuz(w2, s)
+    assert wz2.data_ptr() == w2.data_ptr() and wz2.dtype == FNUZ
+
+
+def test_in_place_rewrite_only_when_asked_and_never_on_the_cpu(monkeypatch):
+    """DSV4CORE_ROCM_FNUZ_IN_PLACE=1 rewrites -0 codes to +0 in the weight (no copy) on an
+    accelerator; a CPU weight (possibly a read-only mapping) is copied even then."""
+    w = torch.zeros(4, 4, dtype=torch.uint8)
+    w[0, 0], w[1, 1] = 0x80, 0x38
+    before = w.clone()
+    w = w.view(FN)
+    monkeypatch.setenv(fp8.IN_PLACE_ENV, "1")
+    wz, _ = fp8.to_fnuz(w, torch.ones(1, 1))
+    assert wz.data_ptr() != w.data_ptr() and torch.equal(w.view(torch.uint8), before)     # CPU: copied
+    monkeypatch.setattr(fp8, "_in_place_allowed", lambda t: True)                          # as on a GPU
+    wz, s2 = fp8.to_fnuz(w, torch.ones(1, 1))
     after = w.view(torch.uint8)
-    assert int((after == 0x80).sum()) == 0 and torch.equal(after[before != 0x80], before[before != 0x80])
-    assert torch.equal(w.to(torch.float64), before.view(FN).to(torch.float64))
+    assert wz.data_ptr() == w.data_ptr() and after[0, 0] == 0 and after[1, 1] == 0x38
+    assert torch.equal(w.to(torch.float64), before.view(FN).to(torch.float64))             # same values
+    assert torch.equal(wz.to(torch.float64) * s2.double(), w.to(torch.float64))
 
 
 @pytest.mark.parametrize("what,weight_codes,scale,reason", [
@@ -252,8 +272,8 @@ def test_fnuz_only_where_kernels_read_it(monkeypatch):
 
 
 def test_a_weight_that_cannot_be_written_is_converted_as_a_copy(monkeypatch):
-    """If the in-place -0 rewrite raises (a storage torch refuses to write), the conversion uses
-    an e4m3fnuz copy instead: still exact, the weight untouched."""
+    """If the opted-in in-place -0 rewrite raises (a storage torch refuses to write), the
+    conversion uses an e4m3fnuz copy instead: still exact, the weight untouched."""
     w = torch.zeros(4, 4, dtype=torch.uint8)
     w[0, 0], w[1, 1] = 0x80, 0x38
     w = w.view(FN)
@@ -261,6 +281,7 @@ def test_a_weight_that_cannot_be_written_is_converted_as_a_copy(monkeypatch):
     def refuse(self, *a, **k):
         raise RuntimeError("not writable")
 
+    monkeypatch.setattr(fp8, "_in_place_allowed", lambda t: True)
     monkeypatch.setattr(torch.Tensor, "masked_fill_", refuse)
     wz, s2 = fp8.to_fnuz(w, torch.ones(1, 1))
     assert w.view(torch.uint8)[0, 0] == 0x80 and wz.data_ptr() != w.data_ptr()       # untouched, copied

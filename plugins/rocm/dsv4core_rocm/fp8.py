@@ -3,7 +3,8 @@
 DSV4 checkpoints store FP8 weights as OCP e4m3fn codes with 128x128 block scales. gfx942 converts
 e4m3fnuz codes in hardware and only emulates OCP e4m3fn (Triton's AMD backend, in software). On
 gfx942 the rocm backend therefore feeds ``linear`` and ``wo_a`` the same bytes read as e4m3fnuz,
-with the block scale doubled: no copy of the weight, and the product is exactly the same.
+with the block scale doubled (a copy only for weights holding -0 codes, below), and the product is
+exactly the same.
 
 Why that is exact (from the two formats' definitions; code c = sign s, exponent e (4 bits),
 mantissa m (3 bits)):
@@ -18,9 +19,14 @@ two, normal and subnormal alike: fnuz(c) = fn(c) / 2. So ``fn(c) * S == fnuz(c) 
 block scale S, with no rounding anywhere (doubling a float is exact unless it overflows).
 The three special codes:
 
-* 0x80 is -0 in e4m3fn but NaN in e4m3fnuz: it is rewritten to 0x00 (+0) IN PLACE, once. That
-  changes no value any reader sees (-0 == +0 in every product and sum), so the model, the
-  reference and the verify mode read the same numbers as before.
+* 0x80 is -0 in e4m3fn but NaN in e4m3fnuz: the kernel must read 0x00 (+0) there, which changes
+  no value (-0 == +0 in every product and sum). A weight with no 0x80 code is read as it is (a
+  view). One with such codes is, by default, read from a converted copy (cached per weight, its
+  size logged once): an op never writes its caller's inputs, and the caller's tensor may be
+  read-only memory (a memory-mapped checkpoint) or shared with another backend. A deployment that
+  owns its weights can set ``DSV4CORE_ROCM_FNUZ_IN_PLACE=1`` to rewrite the codes in place
+  instead (no extra memory; accelerator tensors only, never a CPU tensor, whose storage may be a
+  read-only mapping that torch cannot detect).
 * 0x7F / 0xFF are NaN in e4m3fn but +-240 in e4m3fnuz: a weight holding them is declined (the
   reference serves it, and propagates the NaN as the HAL specifies).
 * Range: the largest finite e4m3fn code, 0x7E = 448, reads as 224 in e4m3fnuz (max 240), so the
@@ -43,6 +49,7 @@ which gfx942 serves through the portable kernel.)
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -78,11 +85,18 @@ def doubled_scale(scale: torch.Tensor):
     return s2
 
 
+IN_PLACE_ENV = "DSV4CORE_ROCM_FNUZ_IN_PLACE"
+
+
+def _in_place_allowed(weight: torch.Tensor) -> bool:
+    return os.environ.get(IN_PLACE_ENV, "0") == "1" and weight.device.type != "cpu"
+
+
 def to_fnuz(weight: torch.Tensor, scale: torch.Tensor):
     """(the weight's bytes viewed as e4m3fnuz, 2 * scale), or the reason it cannot be done.
 
-    Rewrites the weight's -0 codes (0x80) to +0 in place (value-preserving; see the module
-    docstring); leaves the weight untouched when it declines."""
+    The weight is never written unless ``DSV4CORE_ROCM_FNUZ_IN_PLACE=1`` (and it is not on the
+    CPU): with -0 codes (0x80) present the result is a converted copy (see the module docstring)."""
     if E4M3FNUZ is None:
         return f"torch {torch.__version__} has no float8_e4m3fnuz"
     codes = weight.view(torch.uint8)
@@ -94,14 +108,16 @@ def to_fnuz(weight: torch.Tensor, scale: torch.Tensor):
     neg0 = codes == 0x80
     if not bool(neg0.any()):
         return weight.view(E4M3FNUZ), s2
-    try:
-        with torch.no_grad():
-            codes.masked_fill_(neg0, 0)
-    except RuntimeError as e:   # e.g. an inference tensor outside inference mode: convert a copy
-        log.warning("rocm: e4m3fn weight %s could not be rewritten in place (%s); using an e4m3fnuz copy "
-                    "(+%d bytes)", tuple(weight.shape), e, weight.numel())
-        return codes.masked_fill(neg0, 0).view(E4M3FNUZ), s2
-    return weight.view(E4M3FNUZ), s2
+    if _in_place_allowed(weight):
+        try:
+            with torch.no_grad():
+                codes.masked_fill_(neg0, 0)
+            return weight.view(E4M3FNUZ), s2
+        except RuntimeError as e:   # e.g. an inference tensor outside inference mode: convert a copy
+            log.warning("rocm: e4m3fn weight %s could not be rewritten in place (%s)", tuple(weight.shape), e)
+    log.info("rocm: e4m3fn weight %s holds -0 codes (NaN in e4m3fnuz): using an e4m3fnuz copy (+%d bytes; "
+             "%s=1 rewrites them in place instead)", tuple(weight.shape), weight.numel(), IN_PLACE_ENV)
+    return codes.masked_fill(neg0, 0).view(E4M3FNUZ), s2
 
 
 class FnuzCache:
