@@ -8,7 +8,8 @@
   version; a call aiter cannot serve runs the portable kernel (logged once, version named).
 * fp8: gfx942's native fp8 is e4m3fnuz; DSV4 checkpoints are OCP e4m3fn. On gfx942 ``linear`` and
   ``wo_a`` read the e4m3fn weights as e4m3fnuz with doubled block scales, which is exact (derived
-  in :mod:`.fp8`; the weight's -0 codes are rewritten to +0 once, in place; a weight with NaN
+  in :mod:`.fp8`; a weight with -0 codes is read from a converted copy, or rewritten
+  in place with DSV4CORE_ROCM_FNUZ_IN_PLACE=1; a weight with NaN
   codes is declined); FP8 ``moe_experts`` is declined there (the reference serves it). gfx950
   runs OCP e4m3fn natively.
 * Collectives: the HAL's torch.distributed path; on ROCm the "nccl" process-group backend is RCCL.
