@@ -133,18 +133,22 @@ def test_failure_in_a_late_layer_then_retry_gives_clean_logits(tiny, monkeypatch
     ref = tiny.logits(ids)
     st = tiny.new_state()
     _prefill(tiny, st, ids[:41])
-    layer = tiny.model.layers[3].mlp
-    real = type(layer).forward
+    layer = tiny.model.layers[3].mlp              # this layer's module only (every MoE shares the class)
+    reached = []
 
-    def boom(self, x, input_ids):
+    def boom(x, input_ids):
+        reached.append(3)
         raise RuntimeError("injected MoE failure")
 
     for n in (1, 9):                              # a decode step and a prefill chunk
-        monkeypatch.setattr(type(layer), "forward", boom)
-        with pytest.raises(RuntimeError, match="injected"):
-            _prefill(tiny, st, ids[41:41 + n])
-        monkeypatch.setattr(type(layer), "forward", real)
+        layer.forward = boom
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                _prefill(tiny, st, ids[41:41 + n])
+        finally:
+            del layer.forward                     # the class's forward again
         assert st.length == 41
+    assert reached == [3, 3]                      # the failure fired in layer 3, after layers 0..2 ran
     _close(_prefill(tiny, st, ids[41:]), ref[41:], ref.abs().max())
 
 
