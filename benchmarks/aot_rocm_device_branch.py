@@ -3,8 +3,8 @@
     python benchmarks/aot_rocm_device_branch.py [--archs gfx942,gfx950] [--dtypes bfloat16,float32]
         [--shapes flash] [--out benchmarks/results/aot-rocm-device-branch.json]
 
-Why: ``python -m dsv4core.kernels.triton.aot`` (and tests/test_rocm_aot.py) launch the kernels on
-CPU tensors, and the launchers pick their branch by the tensors' device, through helpers of
+Why: ``python -m dsv4core.kernels.triton.aot`` launches the kernels on CPU tensors, and the
+launchers pick their branch by the tensors' device, through helpers of
 dsv4core/kernels/triton/_util.py that each kernel module imports by name:
 
 - ``interp(t)`` (attention, linear, mhc, moe, wo_a): True on CPU -> fp32-upcast / ``ieee`` dots
@@ -18,21 +18,21 @@ dsv4core/kernels/triton/_util.py that each kernel module imports by name:
   specialisations and the partial-sum kernels).
 
 This script replaces those names, in each kernel module's namespace (where the launchers look
-them up; the kernel sources are not edited), with the device answers: ``interp`` /
-``interpreting`` / ``rne`` -> False, ``accurate`` -> True, ``target_programs`` -> 2 x the compute
-units of the arch's flagship part (gfx942: MI300X, 304 CUs; gfx950: MI355X, 256 CUs). Then it
+them up; the kernel sources are not edited), with the device answers (``aot.device_branch``,
+also ``python -m dsv4core.kernels.triton.aot --device-branch``): ``interp`` / ``interpreting`` /
+``rne`` -> False, ``accurate`` -> True, ``target_programs`` -> 2 x the compute units of the
+arch's largest part (gfx942: MI300X, 304 CUs; gfx950: MI355X, 256 CUs). Then it
 compiles, through the rocm plugin's ``aot_backend`` (its launch tables and ``supports``), every
 conformance case for the arch, one arch per subprocess, one after the other (one compile peaks
 at several GB of host memory). Per arch it records the kernels (LDS, VGPRs, spills, ok), the
 wall time, CPU time and the peak resident memory of the compiling process.
 
-Compile-only evidence: nothing runs on an AMD device.
+tests/test_rocm_aot.py (the CI gate) compiles the same branch, bf16 cases only; this script adds
+fp32 and the time / memory figures. Compile-only evidence: nothing runs on an AMD device.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import os
 import subprocess
@@ -40,42 +40,18 @@ import sys
 import time
 from pathlib import Path
 
-#: compute units of the flagship part per arch (AMD's MI300X / MI355X data sheets): what
-#: ``_util.target_programs`` would read from the device's properties
-COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256}
+from dsv4core.kernels.triton import aot
+
 HERE = Path(__file__).resolve().parent
-
-
-@contextlib.contextmanager
-def device_branch(arch: str):
-    """Within: the kernel modules' launchers answer their device questions as on an ``arch`` GPU."""
-    from dsv4core.kernels.triton import OPS, _util
-
-    programs = 2 * COMPUTE_UNITS[arch]
-    answers = {"interp": lambda t: False, "interpreting": lambda t: False, "rne": lambda out: False,
-               "accurate": lambda t: True, "target_programs": lambda device, cpu=16: programs}
-    saved = []
-    for modname in sorted(set(OPS.values())):
-        mod = importlib.import_module(f"dsv4core.kernels.triton.{modname}")
-        for name, fn in answers.items():
-            if getattr(mod, name, None) is getattr(_util, name):   # imported from _util: patch it here
-                saved.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, fn)
-    try:
-        yield [f"{m.__name__.rsplit('.', 1)[1]}.{n}" for m, n, _ in saved]
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
 
 
 def _child(arch: str, dtypes: str, shapes: str, out: str) -> int:
     import torch
 
     import dsv4core_rocm
-    from dsv4core.kernels.triton import aot
 
     target = aot.parse_target(f"hip:{arch}")
-    with device_branch(arch) as patched:
+    with aot.device_branch(target) as patched:
         recs = aot.compile_all(target, backend=dsv4core_rocm.aot_backend(arch), shapes=shapes,
                                dtypes=tuple(getattr(torch, d) for d in dtypes.split(",")),
                                progress=lambda s: print(f"[{arch}] {s}", file=sys.stderr, flush=True))
@@ -98,9 +74,9 @@ def _run_arch(arch: str, a) -> dict:
         raise SystemExit(f"{arch}: the compile process failed (rc {p.returncode})")
     rep = json.loads(tmp.read_text())
     tmp.unlink()
-    return {"target": f"hip:{arch}", "compute_units_assumed": COMPUTE_UNITS[arch], "patched": rep["patched"],
+    return {"target": f"hip:{arch}", "compute_units_assumed": aot.COMPUTE_UNITS[arch], "patched": rep["patched"],
             "wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
-            "peak_rss_gb": round(ru.ru_maxrss / 2**20, 2), "kernels": rep["kernels"]}
+            "peak_rss_gib": round(ru.ru_maxrss / 2**20, 2), "kernels": rep["kernels"]}
 
 
 def main(argv=None) -> int:
@@ -127,7 +103,7 @@ def main(argv=None) -> int:
                   f"LDS {r['lds_bytes']}/{r['lds_limit']}, VGPR spills {r['vgpr_spills']}, "
                   f"SGPR spills {r['sgpr_spills']}"), file=sys.stderr)
         print(f"[{arch}] {len(rep['kernels'])} kernels, {len(bad)} failing; {rep['wall_s']} s wall, "
-              f"{rep['cpu_s']} s CPU, peak RSS {rep['peak_rss_gb']} GB", file=sys.stderr, flush=True)
+              f"{rep['cpu_s']} s CPU, peak RSS {rep['peak_rss_gib']} GiB", file=sys.stderr, flush=True)
         rc |= bool(bad)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return rc
