@@ -9,7 +9,7 @@ with the tables below every kernel fits and spills nothing (benchmarks/results/a
 
 How the entries were chosen: the largest tiles that compile for the arch with LDS within the
 limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot
---target hip:<arch> --table dsv4core_rocm.launch:TABLES.<arch>``; tests/test_rocm_aot.py keeps
+--target hip:<arch> --backend dsv4core_rocm:aot_backend --device-branch``; tests/test_rocm_aot.py keeps
 that true). Compile-checked only: nothing here was timed on AMD hardware, so the AMD-only
 keywords are the conservative ones (``waves_per_eu`` 0 = compiler's choice is NOT set, MFMA
 16x16 where the kernel's tile is 16 rows). Vendor CI tunes these with timings.
