@@ -3,10 +3,17 @@ gfx942 (MI300) and gfx950 (MI355) with the plugin's launch tables, on this CPU m
 stock wheel carries the AMD backend; no ROCm needed). Asserts LDS within the arch's limit and
 zero VGPR / SGPR spills for every kernel specialisation reached by the DSV4-Flash bf16 cases.
 
+The DEVICE branch compiles (``--device-branch``): the launchers choose bf16 MFMA vs fp32-upcast
+dots, software vs hardware bf16 rounding, libdevice sin / cos and split-K factors by their
+tensors' device, which is the CPU here; ``aot.device_branch`` answers those helpers as the GPU
+would (patched in the kernel modules' namespaces, sources untouched). Without it the gate would
+compile the interpreter's branch, which no AMD device runs.
+
 Compile-only: no AMD device runs anything here. The two archs compile in subprocesses, one after
 the other (no TRITON_INTERPRET: the interpreter replaces the jit functions): one compile peaks at
-~12.5 GB of host memory (measured, gfx950, all ops), two at once exceed a 24 GiB CI machine. Full records (bf16 and fp32):
-benchmarks/results/aot-rocm-gfx942.json / aot-rocm-gfx950.json.
+~12.1 GiB of host memory (measured: benchmarks/aot_rocm_device_branch.py, bf16), two at once exceed
+a 24 GiB CI machine. Full records (bf16 and fp32, time and memory):
+benchmarks/results/aot-rocm-device-branch.json.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ def compiled(tmp_path_factory):
     out = {}
     for a in ARCHS:
         p = subprocess.Popen([sys.executable, "-m", "dsv4core.kernels.triton.aot", "--target", f"hip:{a}",
-                              "--backend", "dsv4core_rocm:aot_backend", "--dtypes", "bfloat16",
+                              "--backend", "dsv4core_rocm:aot_backend", "--dtypes", "bfloat16", "--device-branch",
                               "--json", str(d / f"{a}.json")], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
         stdout, stderr = p.communicate(timeout=900)
@@ -53,3 +60,9 @@ def test_rocm_kernels_fit_and_do_not_spill(compiled, arch):
     assert {r["op"] for r in recs} >= set(OPS) - {"q_norm_rope", "kv_norm_rope"}   # these share rope's kernel
     bk = {r["constexprs"].get("BK") for r in recs if r["kernel"] == "_smqa_kernel"}
     assert bk == {16 if arch == "gfx942" else 32}, bk
+    # ... and the device branch compiled: bf16 MFMA dots, hardware bf16 rounding, libdevice sin / cos
+    cx = [r["constexprs"] for r in recs]
+    for key, device in (("INTERP", False), ("IEEE", False), ("RNE", False), ("ACCURATE", True)):
+        seen = {c[key] for c in cx if key in c}
+        assert seen == {device}, (key, seen)
+    assert "linear.interp" in compiled[arch]["device_branch"]

@@ -9,6 +9,11 @@ Python launcher with the launches turned into compiles, so every kernel speciali
 launcher picks (with a plugin's launch table active) is compiled exactly as it would be on the
 device. Nothing runs: outputs are never read.
 
+``--device-branch``: the launchers choose some specialisations by their tensors' device (CPU here),
+through helpers of ``_util`` that each kernel module imports by name; :func:`device_branch`
+answers them as the target GPU would, so the branch a GPU runs is what compiles (without it, e.g.
+bf16 dots compile as the interpreter's fp32 upcast, which no GPU runs).
+
 Compile-only evidence: syntax, dtypes, resource use. Not a correctness or speed result.
 Must run in a process without ``TRITON_INTERPRET=1`` (the interpreter replaces the jit functions).
 """
@@ -39,6 +44,10 @@ XPU_PROPERTIES = {"architecture": 0, "sub_group_sizes": [16, 32], "max_num_sub_g
                   "has_subgroup_matrix_multiply_accumulate_tensor_float32": False,
                   "local_mem_size": 64 * 1024}
 XPU_SLM_LIMIT = 64 * 1024
+
+#: compute units of the arch's largest part (AMD data sheets: MI300X 304, MI355X 256): what
+#: ``_util.target_programs`` reads from a device's properties, which sets the split-K factors
+COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256}
 
 
 def parse_target(text: str):
@@ -96,6 +105,35 @@ def _compile_only(target, sink: list):
         driver._active = prev
         for jit, _ in sink:   # their binders hold the fake target
             jit.device_caches.clear()
+
+
+@contextlib.contextmanager
+def device_branch(target):
+    """Within: each kernel module's device helpers (names it imported from ``_util``) answer as on a
+    ``target`` GPU: ``interp`` / ``interpreting`` / ``rne`` False (bf16 / FP8 MFMA dots, hardware
+    bf16 rounding), ``accurate`` True (libdevice sin / cos), ``target_programs`` 2 per compute
+    unit. The kernel modules' own source is untouched; the names are restored on exit. Yields the
+    patched ``module.name`` list."""
+    from . import _util
+
+    cus = COMPUTE_UNITS.get(getattr(target, "arch", None))
+    if cus is None:
+        raise ValueError(f"aot: --device-branch needs the compute-unit count of {target}; known: "
+                         f"{', '.join('hip:' + a for a in COMPUTE_UNITS)}")
+    answers = {"interp": lambda t: False, "interpreting": lambda t: False, "rne": lambda out: False,
+               "accurate": lambda t: True, "target_programs": lambda device, cpu=16: 2 * cus}
+    saved = []
+    for modname in sorted(set(OPS.values())):
+        mod = importlib.import_module(f"{__package__}.{modname}")
+        for name, fn in answers.items():
+            if getattr(mod, name, None) is getattr(_util, name):
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, fn)
+    try:
+        yield [f"{m.__name__.rsplit('.', 1)[1]}.{n}" for m, n, _ in saved]
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def _amdgcn_stats(asm: str) -> dict:
@@ -214,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--shapes", default="flash")
     ap.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
+    ap.add_argument("--device-branch", action="store_true",
+                    help="compile the branch a GPU runs (device_branch), not the one CPU tensors select")
     ap.add_argument("--json", default=None, help="write the records here")
     a = ap.parse_args(argv)
     target = parse_target(a.target)
@@ -230,15 +270,17 @@ def main(argv=None) -> int:
         backend = getattr(importlib.import_module(modname), attr)(target.arch)
     ops = a.ops.split(",") if a.ops else None
     dtypes = tuple(getattr(torch, d) for d in a.dtypes.split(","))
-    recs = compile_all(target, table, backend=backend, shapes=a.shapes, dtypes=dtypes, ops=ops,
-                       progress=lambda s: print(s, file=sys.stderr))
+    with device_branch(target) if a.device_branch else contextlib.nullcontext() as patched:
+        recs = compile_all(target, table, backend=backend, shapes=a.shapes, dtypes=dtypes, ops=ops,
+                           progress=lambda s: print(s, file=sys.stderr))
     for r in recs:
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['op']:22s} {r['kernel']:24s} LDS {r.get('lds_bytes', '-')}"
               f"/{r.get('lds_limit', '-')} VGPR {r.get('vgprs', '-')} spills {r.get('vgpr_spills', '-')}"
               f"{'  ' + r['error'] if 'error' in r else ''}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"target": a.target, "table": a.table, "backend": a.backend, "shapes": a.shapes,
+            json.dump({"target": a.target, "table": a.table, "backend": a.backend, "device_branch": patched,
+                       "shapes": a.shapes,
                        "dtypes": a.dtypes, "triton": _triton_version(), "kernels": recs}, f, indent=1)
     return 0 if all(r["ok"] for r in recs) else 1
 

@@ -9,7 +9,7 @@ with the tables below every kernel fits and spills nothing (benchmarks/results/a
 
 How the entries were chosen: the largest tiles that compile for the arch with LDS within the
 limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot
---target hip:<arch> --table dsv4core_rocm.launch:TABLES.<arch>``; tests/test_rocm_aot.py keeps
+--target hip:<arch> --backend dsv4core_rocm:aot_backend --device-branch``; tests/test_rocm_aot.py keeps
 that true). Compile-checked only: nothing here was timed on AMD hardware, so the AMD-only
 keywords are the conservative ones (``waves_per_eu`` 0 = compiler's choice is NOT set, MFMA
 16x16 where the kernel's tile is 16 rows). Vendor CI tunes these with timings.
@@ -45,11 +45,28 @@ def _moe(bf16_bn: int, stages: int):
     return entry
 
 
+def _fp8(args, kwargs) -> bool:
+    """Any one-byte tensor among the arguments: FP8 weights."""
+    return any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 for v in (*args, *kwargs.values()))
+
+
+def _linear(fp8_tiles: dict):
+    """linear: the kernel's own tiles, except with FP8 weights: ``fp8_tiles``. The kernel's FP8
+    16 x 64 x 128 x 3-stage tile spills SGPRs in its masked-K specialisation (EVEN_K false: 63 on
+    gfx942, 148 on gfx950; device-branch compile, benchmarks/results/aot-rocm-device-branch.json).
+    EVEN_K follows the split-K factor, i.e. the device's CU count, not only K % 128, so the entry
+    covers every FP8 call."""
+    def entry(*args, **kwargs):
+        x = activation(args, kwargs)
+        return dict(fp8_tiles) if x is not None and x.dtype != torch.float32 and _fp8(args, kwargs) else {}
+    return entry
+
+
 def _wo_a(*args, **kwargs):
     o = activation(args, kwargs)
     if o is None or o.dtype == torch.float32:
         return {}
-    fp8 = any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 for v in (*args, *kwargs.values()))
+    fp8 = _fp8(args, kwargs)
     return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
             "num_stages": 2}
 
@@ -69,7 +86,8 @@ def _indexer(f32_stages: int):
 TABLES = {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
-        "mhc": {"num_stages": 1},
+        "mhc": {"num_stages": 1, "BK": 64},  # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs
+        "linear": _linear({"BK": 64}),
         "moe": _moe(64, 1),
         "wo_a": _wo_a,
         "indexer": _indexer(2),             # bf16 32 KiB LDS, fp32 24 KiB
@@ -77,6 +95,7 @@ TABLES = {
     "gfx950": {
         "attention": _attention(32, 1),     # 64 KiB; BK 32 x 2 stages spills SGPRs, BK 64 x 2 needs 132 KiB and spills 400 VGPRs
         "mhc": {"num_stages": 2},
+        "linear": _linear({"BK": 32, "num_stages": 2}),   # FP8 BK 64 still spills 87-91 SGPRs
         "moe": _moe(64, 2),
         "wo_a": _wo_a,
         "indexer": _indexer(1),             # bf16 65 KiB LDS; fp32 16 KiB
