@@ -128,7 +128,7 @@ def test_full_pool_is_an_error_with_nothing_changed(tiny):
     assert (tiny.cache.comp_table == snap[1]).all() and len(tiny.cache.comp_pool.free) == snap[2]
 
 
-def test_failure_in_a_late_layer_then_retry_gives_clean_logits(tiny, monkeypatch):
+def test_failure_in_a_late_layer_then_retry_gives_clean_logits(tiny):
     ids = _seq(50, 3)
     ref = tiny.logits(ids)
     st = tiny.new_state()

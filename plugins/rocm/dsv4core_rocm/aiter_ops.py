@@ -106,16 +106,24 @@ WO_A_MAX_TOKENS = 64
 
 # ---- shape / dtype limits (what the aiter kernels accept; VENDORS.md A.2)
 
+def _hc_dims(kernel: str, t) -> str:
+    """The [T, n, H] limits aiter's mhc kernels share: hc_mult 4, H % 256 == 0, T > 0."""
+    T, n, H = t.shape
+    if n != 4:
+        return f"aiter {kernel} is built for hc_mult 4 only (n = {n})"
+    if H % 256:
+        return f"aiter {kernel} needs H % 256 == 0 (H = {H})"
+    if T == 0:
+        return "T = 0"
+    return ""
+
+
 def _hc_pre_shape(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0) -> str:
     if x.dim() != 3 or x.dtype != torch.bfloat16:
         return f"x must be a bf16 [T, n, H] tensor (got {x.dtype}, {tuple(x.shape)})"
-    T, n, H = x.shape
-    if n != 4:
-        return f"aiter mhc_pre is built for hc_mult 4 only (n = {n})"
-    if H % 256:
-        return f"aiter mhc_pre needs H % 256 == 0 (H = {H})"
-    if T == 0:
-        return "T = 0"
+    why = _hc_dims("mhc_pre", x)
+    if why:
+        return why
     if fn.dtype != torch.float32 or scale.dtype != torch.float32 or base.dtype != torch.float32:
         return "fn / scale / base must be float32"
     if int(iters) < 1:
@@ -126,13 +134,9 @@ def _hc_pre_shape(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0) -> 
 def _hc_post_shape(o, residual, post, comb) -> str:
     if residual.dim() != 3 or residual.dtype != torch.bfloat16 or o.dtype != torch.bfloat16:
         return f"residual and o must be bf16 (got {residual.dtype}, {o.dtype})"
-    T, n, H = residual.shape
-    if n != 4:
-        return f"aiter mhc_post is built for hc_mult 4 only (n = {n})"
-    if H % 256:
-        return f"aiter mhc_post needs H % 256 == 0 (H = {H})"
-    if T == 0:
-        return "T = 0"
+    why = _hc_dims("mhc_post", residual)
+    if why:
+        return why
     if post.dtype != torch.float32 or comb.dtype != torch.float32:
         return "post / comb must be float32"
     return ""
