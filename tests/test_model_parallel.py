@@ -155,6 +155,10 @@ def _bad_input_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         time.sleep(STEP_TIMEOUT_S + 2)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(msgs, f)
+    # A process group whose peer left mid-collective cannot be torn down cleanly: gloo's
+    # destructor may abort ("terminate called without an active exception", seen in CI). What
+    # this test checks is written above; leave without running the C++ destructors.
+    os._exit(0)
 
 
 def test_bad_input_fails_every_rank_and_a_rank_leaving_fails_the_others(tmp_path):
