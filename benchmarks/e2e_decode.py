@@ -9,8 +9,11 @@ Per backend and (batch B, context): B random prompts prefilled (whole requests p
 of <= `--prefill-chunk` tokens), then greedy decode, one token per request (argmax -> next ids):
   * step ms: median wall time of `--steps` steps after `--warmup` (graph capture, Triton JIT); mode
     "graph" replays the decode graph (`graph_status() == ''`), then "eager" (`use_graphs = False`);
-  * GPU-busy ms, kernels: one more step under torch.profiler: summed device events (kernels, memcpy,
-    memset), kernel count; "n/a" on the CPU or when the profiler sees no device event;
+  * GPU-busy ms, GPU span ms, kernels: one more step under torch.profiler: summed device events
+    (kernels, memcpy, memset); first event's start to the last one's end (busy plus the gaps between
+    kernels: span close to busy and step well above span means host time, span well above busy
+    means launch gaps); kernel count, and `kernel_top` in the JSON (launches and us per kernel
+    name); "n/a" on the CPU or when the profiler sees no device event;
   * floor ms: the bytes a step must read at the copy rate (a large device-to-device copy in the same
     run, bytes read + written / time, or `--copy-rate`): all parameters but routed experts and the
     embedding table, B embedding rows, and per layer the expected distinct experts of B tokens under
@@ -121,21 +124,31 @@ def floor_bytes(cfg, wb: dict, B: int) -> float:
 
 
 def profile_step(step, dev: torch.device) -> dict:
+    """One step under torch.profiler: summed device-event time (busy), the span from the first
+    device event's start to the last one's end (busy plus the gaps between kernels), the kernel
+    count, and the kernels by name (count, total us; the 30 with the most launches)."""
     if dev.type != "cuda":
         return {"busy_ms": "n/a", "kernels": "n/a", "profile_note": "no device profile on the CPU"}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         sync(dev)
-    busy_us, kernels, launches = 0.0, 0, 0
+    busy_us, kernels, launches, t0, t1, by_name = 0.0, 0, 0, None, None, {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-            busy_us += e.time_range.elapsed_us()
+            us = e.time_range.elapsed_us()
+            busy_us += us
             kernels += not e.name.startswith(("Memcpy", "Memset"))
+            t0 = e.time_range.start if t0 is None else min(t0, e.time_range.start)
+            t1 = e.time_range.end if t1 is None else max(t1, e.time_range.end)
+            n, tot = by_name.get(e.name[:90], (0, 0.0))
+            by_name[e.name[:90]] = (n + 1, tot + us)
         elif "LaunchKernel" in e.name or "GraphLaunch" in e.name:
             launches += 1
     if not busy_us:
         return {"busy_ms": "n/a", "kernels": "n/a", "profile_note": "the profiler recorded no device event"}
-    return {"busy_ms": busy_us / 1e3, "kernels": kernels, "host_launch_calls": launches}
+    top = sorted(by_name.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:30]
+    return {"busy_ms": busy_us / 1e3, "span_ms": (t1 - t0) / 1e3, "kernels": kernels, "host_launch_calls": launches,
+            "kernel_top": [{"name": k, "count": n, "us": round(us, 1)} for k, (n, us) in top]}
 
 
 def time_steps(step, dev: torch.device, warmup: int, steps: int) -> dict:
@@ -262,7 +275,7 @@ def fmt(v, spec: str) -> str:
 
 COLUMNS = [("backend", "backend", ""), ("mode", "mode", ""), ("batch", "batch", ""), ("context", "context", ""),
            ("prefill tok/s", "prefill_tok_s", ",.0f"), ("decode step ms", "step_ms", ".2f"),
-           ("GPU-busy ms", "busy_ms", ".2f"), ("kernels / step", "kernels", ","), ("floor ms", "floor_ms", ".2f"),
+           ("GPU-busy ms", "busy_ms", ".2f"), ("GPU span ms", "span_ms", ".2f"), ("kernels / step", "kernels", ","), ("floor ms", "floor_ms", ".2f"),
            ("% of floor", "pct_floor", ".1f"), ("decode tok/s", "decode_tok_s", ",.1f"),
            ("x b1 step", "x_b1_step", ".2f")]
 
@@ -277,7 +290,7 @@ def markdown(res: dict) -> str:
            f"torch {m['torch']}, {m['threads']} threads. Each backend first ran one short untimed request; "
            f"prefill shapes it did not cover compile (Triton JIT) in their first row.", "",
            "| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    out += ["| " + " | ".join(fmt(r[k], f) for _, k, f in COLUMNS) + " |" for r in res["rows"]]
+    out += ["| " + " | ".join(fmt(r.get(k, "n/a"), f) for _, k, f in COLUMNS) + " |" for r in res["rows"]]
     notes = [f"- graph status, {b}: {s or 'decode steps replay CUDA graphs'}" for b, s in m["graph_status"].items()]
     notes += [f"- skipped {s['backend']} batch {s['batch']} context {s['context']}: {s['reason']}"
               for s in res["skipped"]]

@@ -4,19 +4,36 @@
 # pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
 #   bash benchmarks/h200_run.sh e2e     # graph-vs-eager test + benchmarks/e2e_decode.py
 #   bash benchmarks/h200_run.sh conf    # conformance --backend cuda (small, flash, pro) + bench_model mid
+#   bash benchmarks/h200_run.sh cand    # the kernels cuda leaves to the reference (NOT_SERVED), served in
+#                                       # this copy: their conformance; those that fail stay unserved; then e2e
 set -uo pipefail
-what=${1:-e2e}
+what=${1:-e2e} peer="--peer --peer-combos 1x1024,8x1024,32x1024" budget=240 limit=420
 OUT=${OUT:-/tmp/dsv4core-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/dsv . >/dev/null || exit 1
 export PYTHONPATH=/tmp/site:/tmp/dsv PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+if [ "$what" = cand ]; then
+  init=plugins/cuda/dsv4core_cuda/__init__.py
+  ops=$(python3 -c "import re;print(','.join(sorted(re.findall(r'\"(\w+)\"', re.search(r'^NOT_SERVED = frozenset\(\{(.*)\}\)', open('$init').read(), re.M).group(1)))))")
+  sed -i 's/^NOT_SERVED = frozenset({.*})$/NOT_SERVED = frozenset()/' $init
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/dsv . >/dev/null || exit 1
+  echo "candidates: $ops"
+  timeout 200 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro --ops "$ops" \
+    --json "$OUT/conformance-cuda-h200-candidates.json" --markdown "$OUT/conformance-cuda-h200-candidates.md" 2>&1 | tail -12
+  failed=$(python3 -c "import json;d=json.load(open('$OUT/conformance-cuda-h200-candidates.json'));print(','.join(sorted(o['op'] for o in d['ops'] if o['status']!='passed')))")
+  echo "still not served: ${failed:-none}"
+  python3 -c "import sys;f=[x for x in sys.argv[1].split(',') if x];s=open('$init').read();open('$init','w').write(s.replace('NOT_SERVED = frozenset()','NOT_SERVED = frozenset({'+', '.join(repr(x).replace(chr(39),chr(34)) for x in f)+'})'))" "$failed"
+  grep -n '^NOT_SERVED' $init; cp $init $OUT/cuda-init-as-run.py
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/dsv . >/dev/null || exit 1
+  what=e2e peer="" budget=200 limit=300
+fi
 if [ "$what" = e2e ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
-  timeout 420 python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
+  timeout $limit python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
     --backend cuda --combos 1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192 \
-    --steps 16 --warmup 3 --peer --peer-combos 1x1024,8x1024,32x1024 --time-budget 240 \
+    --steps 16 --warmup 3 $peer --time-budget $budget \
     --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -40
 else
   timeout 330 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
