@@ -2,44 +2,70 @@
 # How the H200 figures in benchmarks/results/ were produced (device machine: Python 3.12, torch 2.11,
 # Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
 # pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
-#   bash benchmarks/h200_run.sh e2e     # graph-vs-eager test + benchmarks/e2e_decode.py
-#   bash benchmarks/h200_run.sh conf    # conformance --backend cuda (small, flash, pro) + bench_model mid
-#   bash benchmarks/h200_run.sh cand    # the kernels cuda leaves to the reference (NOT_SERVED), served in
-#                                       # this copy: their conformance; those that fail stay unserved; then e2e
+#   bash benchmarks/h200_run.sh STEP[,STEP...]    results under $OUT (default /tmp/dsv4core-out)
+# steps:
+#   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
+#           conformance; those that fail stay unserved for the steps after it
+#   conf    conformance --backend cuda (small, flash, pro)
+#   e2e     graph-vs-eager test + benchmarks/e2e_decode.py (PEER=1: transformers eager too)
+#   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
+#   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
+#   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
 set -uo pipefail
-what=${1:-e2e} peer="--peer --peer-combos 1x1024,8x1024,32x1024" budget=240 limit=420
+steps=${1:-e2e}
 OUT=${OUT:-/tmp/dsv4core-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/dsv . >/dev/null || exit 1
+install() { python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/dsv . >/dev/null; }
+install || exit 1
 export PYTHONPATH=/tmp/site:/tmp/dsv PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-if [ "$what" = cand ]; then
-  init=plugins/cuda/dsv4core_cuda/__init__.py
+init=plugins/cuda/dsv4core_cuda/__init__.py
+
+cand() {
+  local ops failed
   ops=$(python3 -c "import re;print(','.join(sorted(re.findall(r'\"(\w+)\"', re.search(r'^NOT_SERVED = frozenset\(\{(.*)\}\)', open('$init').read(), re.M).group(1)))))")
+  [ -n "$ops" ] || { echo "cand: nothing in NOT_SERVED"; return; }
   sed -i 's/^NOT_SERVED = frozenset({.*})$/NOT_SERVED = frozenset()/' $init
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/dsv . >/dev/null || exit 1
+  install || exit 1
   echo "candidates: $ops"
   timeout 200 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro --ops "$ops" \
     --json "$OUT/conformance-cuda-h200-candidates.json" --markdown "$OUT/conformance-cuda-h200-candidates.md" 2>&1 | tail -12
   failed=$(python3 -c "import json;d=json.load(open('$OUT/conformance-cuda-h200-candidates.json'));print(','.join(sorted(o['op'] for o in d['ops'] if o['status']!='passed')))")
   echo "still not served: ${failed:-none}"
   python3 -c "import sys;f=[x for x in sys.argv[1].split(',') if x];s=open('$init').read();open('$init','w').write(s.replace('NOT_SERVED = frozenset()','NOT_SERVED = frozenset({'+', '.join(repr(x).replace(chr(39),chr(34)) for x in f)+'})'))" "$failed"
-  grep -n '^NOT_SERVED' $init; cp $init $OUT/cuda-init-as-run.py
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/dsv . >/dev/null || exit 1
-  what=e2e peer="" budget=200 limit=300
-fi
-if [ "$what" = e2e ]; then
+  grep -n '^NOT_SERVED' $init; cp $init "$OUT/cuda-init-as-run.py"
+  install || exit 1
+}
+conf() {
+  timeout ${CONF_LIMIT:-330} python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
+    --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -30
+}
+e2e() {
+  local peer=""
+  [ "${PEER:-0}" = 1 ] && peer="--peer --peer-combos 1x1024,8x1024,32x1024"
   python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
-  timeout $limit python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
+  timeout ${E2E_LIMIT:-420} python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
     --backend cuda --combos 1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192 \
-    --steps 16 --warmup 3 $peer --time-budget $budget \
-    --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -40
-else
-  timeout 330 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
-    --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -45
+    --steps 16 --warmup 3 $peer --time-budget ${E2E_BUDGET:-240} \
+    --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -22
+}
+ops() {
+  for b in 1 32; do
+    timeout 150 python3 benchmarks/step_ops.py --device cuda --dims flash --experts 32 --batch $b \
+      --json "$OUT/step-ops-h200-flash-b$b.json" 2>&1 | head -${OPS_LINES:-40}
+  done
+}
+mid() {
   timeout 200 python3 benchmarks/bench_model.py --configs mid --backend cuda --device cuda --dtype bfloat16 \
-    --batch 32 --prompt 1024 --json 2>&1 > "$OUT/bench-model-mid-h200.json" | tail -5; tail -c 1500 "$OUT/bench-model-mid-h200.json"
-  timeout 150 python3 benchmarks/vendor_tables_on_cuda.py --shapes small \
-    --json "$OUT/conformance-vendor-tables-h200.json" 2>&1 | tail -8
-fi
+    --batch 32 --prompt 1024 --json 2>&1 > "$OUT/bench-model-mid-h200.json" | tail -5; tail -c 1200 "$OUT/bench-model-mid-h200.json"; echo
+}
+vendor() {
+  timeout ${VENDOR_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes ${VENDOR_SHAPES:-small,flash} \
+    --json "$OUT/conformance-vendor-tables-h200.json" 2>&1 | tail -12
+}
+for s in ${steps//,/ }; do
+  echo "=== $s $(date +%T)"
+  $s
+done
+echo "=== done $(date +%T)"
