@@ -24,7 +24,7 @@ init=plugins/cuda/dsv4core_cuda/__init__.py
 
 cand() {
   local ops failed
-  ops=$(python3 -c "import re;print(','.join(sorted(re.findall(r'\"(\w+)\"', re.search(r'^NOT_SERVED = frozenset\(\{(.*)\}\)', open('$init').read(), re.M).group(1)))))")
+  ops=$(python3 -c "import re;print(','.join(sorted(re.findall(r'\"(\w+)\"', re.search(r'^NOT_SERVED = frozenset\((.*)\)', open('$init').read(), re.M).group(1)))))")
   [ -n "$ops" ] || { echo "cand: nothing in NOT_SERVED"; return; }
   sed -i 's/^NOT_SERVED = frozenset({.*})$/NOT_SERVED = frozenset()/' $init
   install || exit 1

@@ -78,8 +78,8 @@ def main(argv=None):
                                   "failures": [c.id + ": " + c.message for c in rep.failures()]}
         failed |= d["failed"]
         print(f"{name}: {'FAILED' if d['failed'] else 'passed'}", flush=True)
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
+        with open(a.json, "w") as f:          # after every table: a cut-short run keeps what finished
+            json.dump(result, f, indent=1)
     print(f"wrote {a.json}")
     return 1 if failed else 0
 

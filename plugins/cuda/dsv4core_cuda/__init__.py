@@ -17,16 +17,12 @@ __version__ = "0.1.0"
 
 
 #: Portable kernels not (yet) served here, left to the reference until a GPU conformance run
-#: confirms them (all still run under triton-interpret):
-#: - moe_route: failed pro-float32-renorm-eps on the H200 (1.12x the bound,
-#:   benchmarks/results/conformance-cuda-h200-issue9.json) through tl.exp's fp32 lowering; the
-#:   kernel no longer uses it (issue 10), not yet re-run on a GPU;
-#: - indexer_topk, cache_store, compress_windows, indexer_scores_rows: written without a GPU and
-#:   conformance-checked under triton-interpret only. compress_windows calls tl.exp, whose GPU
-#:   lowering (the moe_route finding) adds ~|s - max| * 2^-24 that the interpreter does not show.
-#: Remove a name once ``dsv4core conformance --backend cuda --device cuda --ops NAME --shapes
-#: small,flash,pro`` passes on a GPU.
-NOT_SERVED = frozenset({"moe_route", "indexer_topk", "cache_store", "compress_windows", "indexer_scores_rows"})
+#: confirms them (they still run under triton-interpret). Empty since the H200 run of
+#: benchmarks/results/conformance-cuda-h200-candidates.json (moe_route, indexer_topk, cache_store,
+#: compress_windows, indexer_scores_rows: all passed at small, flash and pro shapes). A new portable
+#: kernel starts here; remove its name once ``dsv4core conformance --backend cuda --device cuda
+#: --ops NAME --shapes small,flash,pro`` passes on a GPU (`benchmarks/h200_run.sh cand` does that).
+NOT_SERVED = frozenset()
 #: The portable kernels this backend serves.
 CUDA_OPS = frozenset(OPS) - NOT_SERVED
 
