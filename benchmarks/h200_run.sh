@@ -3,6 +3,7 @@
 # Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
 # pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
 #   bash benchmarks/h200_run.sh STEP[,STEP...]    results under $OUT (default /tmp/dsv4core-out)
+#   (STEP+STEP runs those steps at the same time: for numerics-only steps, never around a timing)
 # steps:
 #   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
 #           conformance; those that fail stay unserved for the steps after it
@@ -64,8 +65,14 @@ vendor() {
   timeout ${VENDOR_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes ${VENDOR_SHAPES:-small,flash} \
     --json "$OUT/conformance-vendor-tables-h200.json" 2>&1 | tail -12
 }
-for s in ${steps//,/ }; do
-  echo "=== $s $(date +%T)"
-  $s
+for group in ${steps//,/ }; do
+  echo "=== $group $(date +%T)"
+  if [[ $group == *+* ]]; then
+    for s in ${group//+/ }; do $s > "$OUT/$s.log" 2>&1 & done
+    wait
+    for s in ${group//+/ }; do echo "--- $s"; tail -${LOG_LINES:-25} "$OUT/$s.log"; done
+  else
+    $group
+  fi
 done
 echo "=== done $(date +%T)"
