@@ -84,14 +84,14 @@ def main(argv=None):
     by_file = collections.Counter()
     for n_, k, _ in rows:
         by_file[k.split(":")[0]] += n_
+    if a.json:                  # first: a reader that stops early (| head) loses nothing
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), total=total, by_file=dict(by_file),
+                                                lines=[dict(n=n_, where=k, ops=o) for n_, k, o in rows]), indent=1))
     print(f"aten ops issuing device work in one eager decode step ({backend}, {a.dims}, batch {B}): {total}")
     for f, n_ in by_file.most_common():
         print(f"{n_:5d}  {f}")
     for n_, k, ops in rows[:60]:
         print(f"{n_:5d}  {k}  {ops}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), total=total, by_file=dict(by_file),
-                                                lines=[dict(n=n_, where=k, ops=o) for n_, k, o in rows]), indent=1))
 
 
 if __name__ == "__main__":
