@@ -7,8 +7,8 @@ the bf16 activation on the tensor cores; the block scale multiplies each 128-wid
 fp32, so the result equals the exact dequantisation followed by the fp32 product.
 
 Small T (decode): the weight is streamed once; when the N tiles alone cannot fill the GPU, K is
-split over programs (split-K) and a second kernel sums the fp32 partials in split order (a fixed
-order: the result does not depend on scheduling). ``grouped_gemm`` takes G groups (the ``wo_a``
+split over programs (split-K) and a second kernel sums the fp32 partials in a fixed order (one
+tree sum over the splits: the result does not depend on scheduling). ``grouped_gemm`` takes G groups (the ``wo_a``
 shape); wo_a keeps its own kernel (wo_a.py) for now: on the H200 this one measured 29.8 / 32.0 µs
 at T = 1 / 64 against wo_a.py's 25.3 / 29.3 µs (and 444 vs 468 µs at T = 4096; see
 benchmarks/results/cuda-h200-issue10.md).
@@ -79,7 +79,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
         elif IEEE:
             acc += blk
     if SPLIT:
-        # partials [S, M, G, N] in fp32; _reduce_kernel sums them in split order
+        # partials [S, M, G, N] in fp32; _reduce_kernel sums them (a fixed order)
         off = ((sp * M + rows.to(tl.int64))[:, None] * G + g) * N + cols[None, :]
         tl.store(part_ptr + off, acc, mask=rm[:, None] & cm[None, :])
     else:
@@ -88,14 +88,16 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, RNE: tl.constexpr):
+def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexpr, RNE: tl.constexpr):
+    # the S partials of BLOCK outputs loaded at once ([SP, BLOCK], SP = next power of 2 >= S) and
+    # summed by one tl.sum: a fixed order for a given S (no dependence on scheduling), and one
+    # memory latency instead of S in a row
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < R
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(S):
-        acc += tl.load(part_ptr + s * R + offs, mask=m, other=0.0)
-    tl.store(out_ptr + offs, to_out(acc, out_ptr, RNE), mask=m)
+    sp = tl.arange(0, SP)
+    p = tl.load(part_ptr + sp[:, None].to(tl.int64) * R + offs[None, :], mask=(sp[:, None] < S) & m[None, :], other=0.0)
+    tl.store(out_ptr + offs, to_out(tl.sum(p, axis=0), out_ptr, RNE), mask=m)
 
 
 def _config(M: int, ieee: bool, scaled: bool):
@@ -153,8 +155,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
                        EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns, **TUNE.options())
     if S > 1:
         R = M * G * N
-        BLOCK = 1024
-        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, RNE=rne(out), num_warps=4, **TUNE.options())
+        SP = triton.next_power_of_2(S)
+        BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program
+        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **TUNE.options())
     return out
 
 
