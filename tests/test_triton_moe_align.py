@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from launch_recorder import Recorder
 
 pytest.importorskip("triton")
 
@@ -94,25 +95,12 @@ def test_align_kernel_matches_the_torch_routing_bitwise(tmp_path):
     assert int(proc.stdout.split()[1]) == 46
 
 
-class _Recorder:
-    """Stands in for the jitted kernel: ``kernel[grid](*args, **kw)`` records the launch."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            assert all(type(n) is int for n in grid), f"grid {grid!r} is not plain ints (read from a tensor?)"
-            self.launches.append((grid, args, kwargs))
-        return launch
-
-
 def test_align_launch_reads_no_device_data(monkeypatch):
     """On meta tensors (shapes, no data: any host read of device data raises) the routing is one
     launch of one program, sized from shapes, with the caller's ids; no torch routing op runs."""
     from dsv4core.kernels.triton import moe
 
-    rec = _Recorder()
+    rec = Recorder()
     monkeypatch.setattr(moe, "_moe_align_kernel", rec)
     monkeypatch.setattr(moe, "_route_torch", lambda *a: pytest.fail("torch routing used within the bound"))
     ids = torch.empty((341, 6), dtype=torch.int64, device="meta")
