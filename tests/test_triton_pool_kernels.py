@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from launch_recorder import Recorder
 
 pytest.importorskip("triton")
 
@@ -177,19 +178,6 @@ def test_indexer_scores_rows_edges_within_derived_bound(results, dtype):
 
 # ---- capture safety: the launchers on meta tensors, kernel launches recorded --------------------
 
-class _Recorder:
-    """Stands in for a jitted kernel: ``kernel[grid](*args, **kw)`` records the launch."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            assert all(type(n) is int for n in grid), f"grid {grid!r} is not plain ints (read from a tensor?)"
-            self.launches.append((grid, args, kwargs))
-        return launch
-
-
 def _meta(*shape, dtype=torch.float32):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -202,7 +190,7 @@ def test_launchers_read_no_device_data(monkeypatch, op):
     with a grid of plain ints and the caller's own tensors (no staging copy of the pool)."""
     from dsv4core.kernels.triton import cache, compress, indexer
 
-    rec = _Recorder()
+    rec = Recorder()
     if op == "cache_store":
         monkeypatch.setattr(cache, "_cache_store_kernel", rec)
         pool, index, rows = _meta(64, 48, dtype=torch.bfloat16), _meta(7, dtype=torch.int64), _meta(7, 48)

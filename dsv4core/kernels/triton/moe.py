@@ -4,8 +4,11 @@ then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values).
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
-(``torch.sort``, stable; dropped slots sort last), ``searchsorted`` gives each expert's first
-row and a cumulative tile count. The grid is sized from shapes only, by the upper bound
+(stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
+Up to ``ALIGN_MAX_PAIRS`` pairs (decode, small prefill) one single-program kernel builds this
+routing (``_moe_align_kernel``); larger batches use torch ops (``_route_torch``: sort,
+searchsorted, cumsum, scatter), whose result it reproduces bit for bit. The choice depends on
+shapes only. The grid is sized from shapes only, by the upper bound
 ``ceil(P / BM) + min(E, P)`` on the tile count; a program finds its (expert, tile) by binary
 search over the cumulative counts and programs past the real count do no work.
 
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, cdiv, interp, rne, to_out
+from ._util import c, cdiv, interp, np2, rne, to_out
 from .launch import Tune
 from .predicates import _E8M0, _FP8
 
@@ -247,15 +250,74 @@ def _scale_arg(scale, fmt, e8, fallback):
     return scale
 
 
-_ARANGE: dict = {}
+#: the most (token, slot) pairs ``_moe_align_kernel`` sorts: one program holds the pairs in
+#: registers and its bitonic sort costs O(P log^2 P) steps, so past a few thousand pairs the torch
+#: ops of ``_route_torch`` (many kernels, each parallel) are as fast; 2048 covers decode up to
+#: 341 tokens with 6 routed slots
+ALIGN_MAX_PAIRS = 2048
 
 
-def _arange(n: int, device) -> torch.Tensor:
-    key = (n, device)
-    t = _ARANGE.get(key)
-    if t is None:
-        t = _ARANGE[key] = torch.arange(n, device=device)
-    return t
+@triton.jit
+def _moe_align_kernel(ids_ptr, starts_ptr, tcum_ptr, tok_ptr, inv_ptr, P, K, E,
+                      BP: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr):
+    """One program: the routing of ``_route_torch`` for P <= BP pairs (BP, EB powers of two,
+    EB > E, (E + 1) * BP < 2^31). Key = expert id, E for a dropped slot and for the padding lanes
+    p >= P; sorting the distinct composites key * BP + p orders pairs by key, then pair index
+    (a stable sort), and puts the padding after every real pair."""
+    p = tl.arange(0, BP)
+    pm = p < P
+    eid = tl.load(ids_ptr + p, mask=pm, other=0)
+    key = tl.where(pm & (eid >= 0) & (eid < E), eid, E).to(tl.int32)
+    # per-expert counts: every key lies in [0, E] within the EB bins (the GPU lowering reads only
+    # the low log2(EB) bits of a value, so none may lie outside); bin E and above are dropped
+    e = tl.arange(0, EB)
+    counts = tl.where(e < E, tl.histogram(key, EB), 0)
+    incl = tl.cumsum(counts, 0)
+    tl.store(starts_ptr + e, incl - counts, mask=e <= E)   # exclusive prefix; starts[E] = kept pairs
+    tl.store(tcum_ptr + e, tl.cumsum((counts + (BM - 1)) // BM, 0), mask=e < E)
+    order = tl.sort(key * BP + p) & (BP - 1)               # sorted position i holds pair order[i]
+    tl.store(tok_ptr + p, order // K, mask=pm)
+    tl.store(inv_ptr + order, p, mask=pm)
+
+
+def _route_torch(ids, E: int, BM: int):
+    """(starts [E+1], tcum [E], tok [P], inv [P]), int32: pairs (ids flattened, p = t * K + slot)
+    sorted stably by expert, dropped slots (ids outside [0, E)) last; starts[e] = first sorted
+    row of expert e (starts[E] = kept pairs), tcum = cumsum of ceil(count_e / BM), tok[i] = token
+    of sorted row i, inv[p] = sorted row of pair p."""
+    dev = ids.device
+    K = ids.shape[1]
+    P = ids.numel()
+    flat = ids.reshape(-1).to(torch.int64)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)
+    skey, order = torch.sort(key, stable=True)
+    starts = torch.searchsorted(skey, torch.arange(E + 1, device=dev)).to(torch.int32)
+    counts = starts[1:] - starts[:-1]
+    tcum = torch.cumsum(torch.div(counts + (BM - 1), BM, rounding_mode="floor"), 0).to(torch.int32)
+    tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
+    inv = torch.empty(P, dtype=torch.int32, device=dev).scatter_(0, order, torch.arange(P, dtype=torch.int32, device=dev))
+    return starts, tcum, tok, inv
+
+
+def _align_fits(P: int, E: int) -> bool:
+    return P <= ALIGN_MAX_PAIRS and (E + 1) * max(16, np2(P)) < 2 ** 31
+
+
+def _route(ids, E: int, BM: int):
+    """``_route_torch``'s result; one kernel launch when ``_align_fits`` (shapes only)."""
+    K = ids.shape[1]
+    P = ids.numel()
+    if not _align_fits(P, E):
+        return _route_torch(ids, E, BM)
+    dev = ids.device
+    starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    tcum = torch.empty(E, dtype=torch.int32, device=dev)
+    tok = torch.empty(P, dtype=torch.int32, device=dev)
+    inv = torch.empty(P, dtype=torch.int32, device=dev)
+    BP = max(16, np2(P))
+    _moe_align_kernel[(1,)](c(ids), starts, tcum, tok, inv, P, K, E, BP=BP, EB=max(64, np2(E + 1)), BM=BM,
+                            num_warps=4, **TUNE.options())
+    return starts, tcum, tok, inv
 
 
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
@@ -301,14 +363,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
-    flat = ids.reshape(-1).to(torch.int64)
-    key = torch.where((flat >= 0) & (flat < E), flat, E)
-    skey, order = torch.sort(key, stable=True)
-    starts = torch.searchsorted(skey, _arange(E + 1, dev)).to(torch.int32)
-    counts = starts[1:] - starts[:-1]
-    tcum = torch.cumsum(torch.div(counts + (BM - 1), BM, rounding_mode="floor"), 0).to(torch.int32)
-    tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
-    inv = torch.empty(P, dtype=torch.int32, device=dev).scatter_(0, order, _arange(P, dev).to(torch.int32))
+    starts, tcum, tok, inv = _route(ids, E, BM)
 
     ntiles = cdiv(P, BM) + min(E, P)  # upper bound on sum_e ceil(count_e / BM)
     LOGE = max(1, int(E).bit_length())
