@@ -271,19 +271,19 @@ def test_index_builder_against_a_python_model():
     slot = torch.tensor([2, 0, 1, 1])
     pos = torch.tensor([0, 5, 13, 22])
     valid = torch.tensor([True, True, True, False])
-    win = ix.window_reads(table, slot, pos, valid, B, 5)
+    win = ix.window_reads(table, slot, pos, ~valid, B, 5)
     for t in range(4):
         for j in range(5):
             q = int(pos[t]) - 4 + j
             want = -1 if (q < 0 or not valid[t]) else int(table[slot[t], q // B]) * B + q % B
             assert int(win[t, j]) == want
-    ent = ix.entry_reads(table, slot, pos, valid, 4, 2, 7, base=100)
+    ent = ix.entry_reads(table, slot, pos, ~valid, 4, 2, 7, base=100)
     for t in range(4):
         vis = (int(pos[t]) + 1) // 4 if valid[t] else 0
         for w in range(7):
             want = 100 + int(table[slot[t], w // 2]) * 2 + w % 2 if w < vis else -1
             assert int(ent[t, w]) == want
-    e, dest = ix.emissions(table, slot, pos, valid, torch.arange(4), 2, 8)
+    e, dest = ix.emissions(table, slot, pos, ~valid, torch.arange(4), 2, 8)
     for t in range(4):
         p = int(pos[t])
         emits = (p + 1) % 2 == 0 and bool(valid[t])
@@ -296,11 +296,17 @@ def test_index_builder_against_a_python_model():
             q = int(e[t]) * 2 - 2 + s
             assert bool(masked[t, s]) == (q < 0)
             assert bool(from_new[t, s]) == (q >= int(start[t]))
-            assert int(new[t, s]) == t + q - int(pos[t])
+            assert int(new[t, s]) == min(max(t + q - int(pos[t]), 0), 3)   # clamped to a flat index of the step
             if q >= 0:
                 assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
-    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), valid, torch.arange(4), 3)
+    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), ~valid, torch.arange(4), 3)
     assert rw.tolist() == [2 * 3 + 0, 0 * 3 + 2, 1 * 3 + 1, -1]
+    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 19, 23]), ~valid, torch.tensor([1, 2, 3]), 3)
+    assert rw.tolist() == [0 * 3 + 2, -1, -1]                 # 13 < 19 - 3: not among the last 3
+    # a decode step (end=None: each token its request's last) and no padding (pad=None)
+    assert ix.ring_writes(slot, pos, None, None, torch.arange(4), 3).tolist() == [6, 2, 4, 4]
+    assert ix.window_reads(table, slot, pos, None, B, 5)[:3].tolist() == win[:3].tolist()
+    assert ix.entry_reads(table, slot, pos, None, 4, 2, 7, base=100)[:3].tolist() == ent[:3].tolist()
 
 
 def test_cache_config_errors():
