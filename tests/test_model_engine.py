@@ -352,6 +352,39 @@ def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
     _close(_prefill(tiny, a, ids[45:]), ref[45:], ref.abs().max())
 
 
+def test_failed_decode_ring_write_then_deepest_truncation_gives_clean_logits(tiny):
+    """A one-token step overwrites the ring row of position length - cap, which a truncation to
+    `truncate_limit` can still need (CSA here: the previous window's A halves, at 48 for a
+    truncation of 64 to 55): a decode step too keeps the rows it replaces until every ring write
+    has landed, and puts them back when one fails."""
+    ids = _seq(80, 5)
+    ref = tiny.logits(ids)
+    a = tiny.new_state()
+    _prefill(tiny, a, ids[:64])
+    c, ops = tiny.cache, tiny.ops
+    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
+    real, calls = ops.cache_store, [0]
+
+    def flaky(pool, index, rows):
+        if pool.data_ptr() in rings:
+            calls[0] += 1
+            if calls[0] == 5:                    # the last ring write: the others have landed
+                raise RuntimeError("injected ring-write failure")
+        return real(pool, index, rows)
+
+    object.__setattr__(ops, "cache_store", flaky)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            _decode(tiny, [a], [int(ids[64])])
+    finally:
+        object.__setattr__(ops, "cache_store", real)
+    assert a.length == 64 and calls[0] == 5
+    n = c.truncate_limit(a)
+    assert n <= 55                               # deep enough to read position 64 - cap = 48 again
+    a.truncate(n)
+    _close(_prefill(tiny, a, ids[n:]), ref[n:], ref.abs().max())
+
+
 def test_generate_with_resources_held_outside_it(tiny):
     """generate waits for blocks other live requests hold, and says so when nothing can run."""
     tiny.configure_cache(max_requests=3, max_tokens=320, max_request_tokens=512, block_tokens=32)
