@@ -287,7 +287,8 @@ def test_index_builder_against_a_python_model():
     for t in range(4):
         p = int(pos[t])
         emits = (p + 1) % 2 == 0 and bool(valid[t])
-        assert int(e[t]) == (p + 1) // 2 - 1
+        if valid[t]:                             # (a padding token's entry is never used)
+            assert int(e[t]) == max((p + 1) // 2 - 1, 0)
         assert int(dest[t]) == (int(table[slot[t], int(e[t]) // 8]) * 8 + int(e[t]) % 8 if emits else -1)
     start = torch.tensor([0, 3, 12, 20])
     new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e, 2, True, 5)
@@ -299,6 +300,12 @@ def test_index_builder_against_a_python_model():
             assert int(new[t, s]) == min(max(t + q - int(pos[t]), 0), 3)   # clamped to a flat index of the step
             if q >= 0:
                 assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
+    # a decode step (start = pos): the one slot from the step is the candidate itself
+    full = ix.window_sources(slot, pos, pos, torch.arange(4), e, 2, True, 5)
+    dec = ix.window_sources(slot, pos, pos, torch.arange(4), e, 2, True, 5, decode=True)
+    assert dec[0].tolist() == [[0], [1], [2], [3]]
+    assert all(torch.equal(a, b) for a, b in zip(full[1:], dec[1:]))
+    assert all(int(full[0][t, s]) == t for t in range(4) for s in range(4) if full[2][t, s] and int(e[t]) * 2 + s - 2 <= int(pos[t]))
     rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), ~valid, torch.arange(4), 3)
     assert rw.tolist() == [2 * 3 + 0, 0 * 3 + 2, 1 * 3 + 1, -1]
     rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 19, 23]), ~valid, torch.tensor([1, 2, 3]), 3)

@@ -79,30 +79,40 @@ def entry_reads(table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, pad:
 
 
 def emissions(table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None,
-              emit_tok: torch.Tensor, ratio: int, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+              emit_tok: torch.Tensor, ratio: int, per_block: int, visible: torch.Tensor | None = None,
+              pos_mod: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For the candidate tokens `emit_tok` [E]: (entry number [E], destination entry row [E]). A
     token emits entry e = (pos+1)/ratio - 1 when its position completes a window
     ((pos+1) % ratio == 0); other candidates get destination -1 (captured steps pass every token
-    as a candidate, eager steps only the emitting ones)."""
-    p1 = take(pos, emit_tok) + 1
-    e = torch.div(p1, ratio, rounding_mode="floor") - 1
-    skip = p1 % ratio != 0                 # implies e >= 0 where not skipped
+    as a candidate, eager steps only the emitting ones) and entry max(e, 0). `visible`
+    (visible_entries) and `pos_mod` (pos % ratio): the same values, when the caller has them."""
+    if visible is None:
+        visible = visible_entries(pos, pad, ratio)
+    if pos_mod is None:
+        pos_mod = pos % ratio
+    e = (take(visible, emit_tok) - 1).clamp_min_(0)
+    skip = take(pos_mod, emit_tok) != ratio - 1
     if pad is not None:
         skip |= take(pad, emit_tok)
-    return e, paged_rows(table, take(slot, emit_tok), e.clamp_min(0), per_block, skip=skip)
+    return e, paged_rows(table, take(slot, emit_tok), e, per_block, skip=skip)
 
 
 def window_sources(slot: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, emit_tok: torch.Tensor,
-                   entry: torch.Tensor, ratio: int, overlap: bool, cap: int):
+                   entry: torch.Tensor, ratio: int, overlap: bool, cap: int, decode: bool = False):
     """Where the slots of each candidate's pooling window come from: positions
     ``entry*ratio - overlap*ratio + s`` for s < (1+overlap)*ratio. Returns (new [E, S], ring [E, S],
     from_new [E, S], masked [E, S]): the flat index of the slot's token in this step (positions
     >= start; clamped into [0, T-1], so it is a valid index also where `from_new` is False), its
-    compressor-ring row ``slot*cap + q % cap`` (earlier positions), and positions < 0."""
+    compressor-ring row ``slot*cap + q % cap`` (earlier positions), and positions < 0.
+    `decode` (one token a request, start = pos): `new` is [E, 1], the candidate itself, the one
+    slot of its window in the step (slots past pos only occur in windows nothing emits)."""
     S, lo = (1 + int(overlap)) * ratio, int(overlap) * ratio
     q = (entry * ratio)[:, None] + torch.arange(-lo, S - lo, device=pos.device)[None, :]
     from_new = q >= take(start, emit_tok)[:, None]
-    new = (q - take(pos, emit_tok)[:, None] + emit_tok[:, None]).clamp_(0, max(pos.shape[0] - 1, 0))
+    if decode:
+        new = emit_tok[:, None]
+    else:
+        new = (q - take(pos, emit_tok)[:, None] + emit_tok[:, None]).clamp_(0, max(pos.shape[0] - 1, 0))
     ring = torch.add(q.clamp_min(0) % cap, take(slot, emit_tok)[:, None], alpha=cap)
     return new, ring, from_new, q < 0
 

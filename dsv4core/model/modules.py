@@ -209,16 +209,17 @@ class Step:
         """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
         c = self.cache
         return self.memo(("em", ratio, per_block), lambda: ix.emissions(
-            c.comp_table_dev, self.slot, self.positions, self.pad, self.emit_tok[ratio], ratio, per_block))
+            c.comp_table_dev, self.slot, self.positions, self.pad, self.emit_tok[ratio], ratio, per_block,
+            self.visible(ratio), self.pos_mod(ratio)))
 
     def entry_starts(self, ratio: int, per_block: int) -> torch.Tensor:
-        """[E] the first position of each candidate's entry (its rope position; 0 for non-emitters)."""
-        return self.memo(("es", ratio), lambda: self.emissions(ratio, per_block)[0].clamp_min(0) * ratio)
+        """[E] the first position of each candidate's entry (its rope position)."""
+        return self.memo(("es", ratio), lambda: self.emissions(ratio, per_block)[0] * ratio)
 
     def sources(self, ratio: int, overlap: bool, cap: int, per_block: int):
         return self.memo(("src", ratio, overlap, cap), lambda: ix.window_sources(
             self.slot, self.positions, self.start, self.emit_tok[ratio], self.emissions(ratio, per_block)[0], ratio,
-            overlap, cap))
+            overlap, cap, self.decode))
 
     def ring_rows(self, cap: int) -> torch.Tensor:
         return self.memo(("rw", cap), lambda: ix.ring_writes(self.slot, self.positions, None if self.decode else self.end,
@@ -266,7 +267,12 @@ def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: torch.Tenso
     in the step, the ring's rows before, `fill` [width] before position 0 (glue: two gathers + two
     selects)."""
     new_i, ring_i, from_new, masked = src
-    a = new[new_i] if new.shape[0] else new.new_zeros(new_i.shape + new.shape[1:])
+    if not new.shape[0]:
+        a = new.new_zeros(new_i.shape + new.shape[1:])
+    elif new_i.shape[1] == 1:                  # a decode step: each candidate's own row
+        a = ix.take(new, new_i[:, 0])[:, None]
+    else:
+        a = new[new_i]
     out = torch.where(from_new[..., None], a, ring[ring_i])
     return torch.where(masked[..., None], fill, out)
 
