@@ -38,16 +38,11 @@ def paged_rows(table: torch.Tensor, slot: torch.Tensor, index: torch.Tensor, per
     return rows if skip is None else rows.masked_fill(skip, -1)
 
 
-def window_writes(table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None,
-                  block: int) -> torch.Tensor:
-    """[T] the window row each token's K=V row is stored at (-1 for padding)."""
-    return paged_rows(table, slot, pos, block, skip=pad)
-
-
 def window_reads(table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None,
                  block: int, window: int) -> torch.Tensor:
     """[T, window] rows of positions pos-window+1 .. pos (the sliding window, the token itself
-    included); -1 before position 0 and for padding."""
+    included); -1 before position 0 and for padding. The last column is where each token's own
+    row is written."""
     q = pos[:, None] + torch.arange(1 - window, 1, device=pos.device)[None, :]
     skip = q < 0
     if pad is not None:

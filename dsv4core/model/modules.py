@@ -172,9 +172,9 @@ class Step:
         return v
 
     def window_writes(self) -> torch.Tensor:
-        c = self.cache
-        return self.memo("ww", lambda: ix.window_writes(c.window_table_dev, self.slot, self.positions, self.pad,
-                                                       c.window_block))
+        """[T] the window row of each token (-1 for padding): the last column of `window_reads`
+        (window >= 1), a strided view."""
+        return self.window_reads()[:, -1]
 
     def window_reads(self) -> torch.Tensor:
         c = self.cache
@@ -277,21 +277,31 @@ def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: torch.Tenso
     return torch.where(masked[..., None], fill, out)
 
 
+def _project(ops, comp: nn.Module, x: torch.Tensor, extra: "Linear | None") -> torch.Tensor:
+    """fp32 [T, 2w (+ extra's width)] = x [kv_proj; gate_proj (; extra)]^T, in one GEMM over the
+    packed weights (`comp._wkg`, see `packed_weight`) where they can be packed; else `extra`
+    separately, or (an FP8 kv / gate projection) every projection on its own."""
+    lins = (comp.kv_proj, comp.gate_proj) + ((extra,) if extra is not None else ())
+    wkg = comp._wkg = packed_weight(lins, comp._wkg)
+    if wkg is not None:
+        return ops.linear(x, wkg, None, FP32)
+    return torch.cat([lin(x, FP32) for lin in lins], dim=1)
+
+
 def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: Step, cap: int,
-                  ring: torch.Tensor, entry_pool: torch.Tensor, per_block: int) -> None:
+                  ring: torch.Tensor, entry_pool: torch.Tensor, per_block: int,
+                  extra: "Linear | None" = None) -> torch.Tensor | None:
     """Feed the step's tokens into a compressor `comp` (a `Compressor` or an `Indexer`: `kv_proj`,
     `gate_proj`, `position_bias`, `kv_norm`, `ratio`): project (fp32, SPEC section 0; both
-    projections in one GEMM, see `packed_weight`), add the position bias to the scores, pool every
+    projections in one GEMM, `_project`), add the position bias to the scores, pool every
     window the step completes from the ring and this step's rows (`compress_windows`), norm + rope
     the entries at their window start and store them into `entry_pool` (entry rows); queue the
     ring write (`step.deferred`). `ring`: the compressor's rings `[kv | score]`
-    (KVCache.ring_pairs), whose row layout the projections `both = [kv | score]` already have."""
+    (KVCache.ring_pairs), whose row layout the projections `both = [kv | score]` already have.
+    `extra`: one more projection of x (fp32) computed in the same GEMM and returned (else None)."""
     ratio, w = comp.ratio, comp.kv_proj.weight.shape[0]
-    wkg = comp._wkg = packed_weight((comp.kv_proj, comp.gate_proj), comp._wkg)
-    if wkg is not None:
-        both = ops.linear(x, wkg, None, FP32)
-    else:                                  # an FP8 projection: two GEMMs
-        both = torch.cat([comp.kv_proj(x, FP32), comp.gate_proj(x, FP32)], dim=1)
+    out = _project(ops, comp, x, extra)
+    both = out[:, :2 * w]                  # a view: the ring write and the window gather read strides
     both[:, w:].add_(comp.position_bias[step.pos_mod(ratio)])
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
         win = _gather_window(both, ring, step.sources(ratio, overlap, cap, per_block), step.cache.ring_fill(w))
@@ -301,6 +311,7 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
         ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent)
     if step.ring_tok.numel():
         step.deferred.append((ring, step.ring_rows(cap), ix.take(both, step.ring_tok)))
+    return out[:, 2 * w:] if extra is not None else None
 
 
 class Compressor(nn.Module):
@@ -348,17 +359,18 @@ class Indexer(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, nI * dI, dtype, ops)
         self.scorer = IndexerScorer(cfg, dtype, ops)
         self._ops = ops
-        self._wkg: torch.Tensor | None = None      # [kv_proj; gate_proj] weights (packed_weight)
+        self._wkg: torch.Tensor | None = None      # [kv_proj; gate_proj; scorer.weights_proj] (packed_weight)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step, base: int = 0) -> torch.Tensor:
         """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
         int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
-        compress_step(ops, self, True, x, step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], c.epb[i])
+        hw = compress_step(ops, self, True, x, step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], c.epb[i],
+                           extra=self.scorer.weights_proj)        # + the head weights, same GEMM
         T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, step.positions, step.inv_freq["compress"])
-        w = self.scorer.weights_proj(x, FP32) * (self.n_heads ** -0.5)
+        w = hw * (self.n_heads ** -0.5)
         rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
         picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk).long()
