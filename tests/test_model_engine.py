@@ -291,7 +291,7 @@ def test_index_builder_against_a_python_model():
             assert int(e[t]) == max((p + 1) // 2 - 1, 0)
         assert int(dest[t]) == (int(table[slot[t], int(e[t]) // 8]) * 8 + int(e[t]) % 8 if emits else -1)
     start = torch.tensor([0, 3, 12, 20])
-    new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e, 2, True, 5)
+    new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e * 2, 2, True, 5)
     for t in range(4):
         for s in range(4):
             q = int(e[t]) * 2 - 2 + s
@@ -301,8 +301,8 @@ def test_index_builder_against_a_python_model():
             if q >= 0:
                 assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
     # a decode step (start = pos): the one slot from the step is the candidate itself
-    full = ix.window_sources(slot, pos, pos, torch.arange(4), e, 2, True, 5)
-    dec = ix.window_sources(slot, pos, pos, torch.arange(4), e, 2, True, 5, decode=True)
+    full = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5)
+    dec = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5, decode=True)
     assert dec[0].tolist() == [[0], [1], [2], [3]]
     assert all(torch.equal(a, b) for a, b in zip(full[1:], dec[1:]))
     assert all(int(full[0][t, s]) == t for t in range(4) for s in range(4) if full[2][t, s] and int(e[t]) * 2 + s - 2 <= int(pos[t]))

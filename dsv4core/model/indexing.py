@@ -93,16 +93,17 @@ def emissions(table: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, pad: t
 
 
 def window_sources(slot: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, emit_tok: torch.Tensor,
-                   entry: torch.Tensor, ratio: int, overlap: bool, cap: int, decode: bool = False):
+                   first: torch.Tensor, ratio: int, overlap: bool, cap: int, decode: bool = False):
     """Where the slots of each candidate's pooling window come from: positions
-    ``entry*ratio - overlap*ratio + s`` for s < (1+overlap)*ratio. Returns (new [E, S], ring [E, S],
+    ``first - overlap*ratio + s`` for s < (1+overlap)*ratio, `first` [E] the first position of the
+    candidate's entry (entry * ratio). Returns (new [E, S], ring [E, S],
     from_new [E, S], masked [E, S]): the flat index of the slot's token in this step (positions
     >= start; clamped into [0, T-1], so it is a valid index also where `from_new` is False), its
     compressor-ring row ``slot*cap + q % cap`` (earlier positions), and positions < 0.
     `decode` (one token a request, start = pos): `new` is [E, 1], the candidate itself, the one
     slot of its window in the step (slots past pos only occur in windows nothing emits)."""
     S, lo = (1 + int(overlap)) * ratio, int(overlap) * ratio
-    q = (entry * ratio)[:, None] + torch.arange(-lo, S - lo, device=pos.device)[None, :]
+    q = first[:, None] + torch.arange(-lo, S - lo, device=pos.device)[None, :]
     from_new = q >= take(start, emit_tok)[:, None]
     if decode:
         new = emit_tok[:, None]

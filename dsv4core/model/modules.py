@@ -201,6 +201,21 @@ class Step:
             return torch.cat([win, self.entry_reads(ratio, per_block, self.cache.Rw)], dim=1).to(torch.int32)
         return self.memo(("ar", ratio), build)
 
+    def token_col(self) -> torch.Tensor:
+        """int64 [T, 1] the token numbers 0..T-1 (row selector for per-token gathers)."""
+        return self.memo("tok", lambda: torch.arange(self.num_tokens, device=self.positions.device)[:, None])
+
+    def csa_rows(self, topk: int) -> torch.Tensor:
+        """int32 [T, W + topk] a CSA layer's attention rows: the window, filled once per step, then
+        `topk` columns each CSA layer overwrites with its picks before its attention reads them
+        (the layers run one after another on one stream, so they share the buffer)."""
+        def build():
+            win = self.window_reads()
+            out = torch.empty(win.shape[0], win.shape[1] + topk, dtype=torch.int32, device=win.device)
+            out[:, :win.shape[1]] = win
+            return out
+        return self.memo(("csa", topk), build)
+
     def pos_mod(self, ratio: int) -> torch.Tensor:
         """positions % ratio (the compressors' position-bias rows)."""
         return self.memo(("pm", ratio), lambda: self.positions % ratio)
@@ -218,7 +233,7 @@ class Step:
 
     def sources(self, ratio: int, overlap: bool, cap: int, per_block: int):
         return self.memo(("src", ratio, overlap, cap), lambda: ix.window_sources(
-            self.slot, self.positions, self.start, self.emit_tok[ratio], self.emissions(ratio, per_block)[0], ratio,
+            self.slot, self.positions, self.start, self.emit_tok[ratio], self.entry_starts(ratio, per_block), ratio,
             overlap, cap, self.decode))
 
     def ring_rows(self, cap: int) -> torch.Tensor:
@@ -363,7 +378,7 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step, base: int = 0) -> torch.Tensor:
         """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
-        int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
+        integer [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
         hw = compress_step(ops, self, True, x, step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], c.epb[i],
                            extra=self.scorer.weights_proj)        # + the head weights, same GEMM
@@ -373,11 +388,11 @@ class Indexer(nn.Module):
         w = hw * (self.n_heads ** -0.5)
         rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
-        picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk).long()
-        unused = picks < 0
-        if rows.shape[1]:
-            picks = rows.gather(1, picks.clamp_min(0))
-        return (picks + base if base else picks).masked_fill(unused, -1)
+        picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk)      # int32, -1 = unused
+        if not rows.shape[1]:                                             # no entry yet: every pick -1
+            return picks
+        got = rows[step.token_col(), picks]       # a -1 pick reads the last column (wrap-around): dropped next
+        return (got + base if base else got).masked_fill(picks < 0, -1)
 
 
 class CSACompressor(Compressor):
@@ -479,8 +494,8 @@ class Attention(nn.Module):
         if self.compressor is not None:
             self.compressor(x, step)
         if self.layer_type == CSA:                            # the window, then the indexer's picks
-            picks = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
-            index = torch.cat([step.window_reads(), picks], dim=1).to(torch.int32)
+            index = step.csa_rows(self.compressor.indexer.topk)
+            index[:, c.W:] = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
         else:                                                 # the window (+ HCA: every visible entry)
             index = step.attention_rows(self.ratio, c.epb[self.layer])
         o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5)
