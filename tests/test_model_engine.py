@@ -331,6 +331,28 @@ def test_cache_config_errors():
         m.forward_batch(_seq(17), torch.arange(17), torch.zeros(17, dtype=torch.long), [m.new_state()])
 
 
+def _ring_write_fails(model, nth: int, run) -> None:
+    """Run `run()` with the `nth` compressor-ring store of the step raising; returns after the raise."""
+    c, ops = model.cache, model.ops
+    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
+    real, calls = ops.cache_store, [0]
+
+    def flaky(pool, index, rows):
+        if pool.data_ptr() in rings:
+            calls[0] += 1
+            if calls[0] == nth:
+                raise RuntimeError("injected ring-write failure")
+        return real(pool, index, rows)
+
+    object.__setattr__(ops, "cache_store", flaky)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            run()
+    finally:
+        object.__setattr__(ops, "cache_store", real)
+    assert calls[0] == nth
+
+
 def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
     """The compressor-ring writes come last; a 32-token chunk overwrites ring rows the committed
     state reads, so a failure part way through them must put those rows back."""
@@ -338,23 +360,7 @@ def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
     ref = tiny.logits(ids)
     a = tiny.new_state()
     _prefill(tiny, a, ids[:45])
-    c, ops = tiny.cache, tiny.ops
-    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
-    real, calls = ops.cache_store, [0]
-
-    def flaky(pool, index, rows):
-        if pool.data_ptr() in rings:
-            calls[0] += 1
-            if calls[0] == 3:
-                raise RuntimeError("injected ring-write failure")
-        return real(pool, index, rows)
-
-    object.__setattr__(ops, "cache_store", flaky)
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            _prefill(tiny, a, ids[45:77])
-    finally:
-        object.__setattr__(ops, "cache_store", real)
+    _ring_write_fails(tiny, 3, lambda: _prefill(tiny, a, ids[45:77]))
     assert a.length == 45
     _close(_prefill(tiny, a, ids[45:]), ref[45:], ref.abs().max())
 
@@ -368,25 +374,10 @@ def test_failed_decode_ring_write_then_deepest_truncation_gives_clean_logits(tin
     ref = tiny.logits(ids)
     a = tiny.new_state()
     _prefill(tiny, a, ids[:64])
-    c, ops = tiny.cache, tiny.ops
-    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
-    real, calls = ops.cache_store, [0]
-
-    def flaky(pool, index, rows):
-        if pool.data_ptr() in rings:
-            calls[0] += 1
-            if calls[0] == 5:                    # the last ring write: the others have landed
-                raise RuntimeError("injected ring-write failure")
-        return real(pool, index, rows)
-
-    object.__setattr__(ops, "cache_store", flaky)
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            _decode(tiny, [a], [int(ids[64])])
-    finally:
-        object.__setattr__(ops, "cache_store", real)
-    assert a.length == 64 and calls[0] == 5
-    n = c.truncate_limit(a)
+    # the last of the 5 ring writes (layers 1, 2, 3; CSA: compressor and indexer) fails
+    _ring_write_fails(tiny, 5, lambda: _decode(tiny, [a], [int(ids[64])]))
+    assert a.length == 64
+    n = tiny.cache.truncate_limit(a)
     assert n <= 55                               # deep enough to read position 64 - cap = 48 again
     a.truncate(n)
     _close(_prefill(tiny, a, ids[n:]), ref[n:], ref.abs().max())
