@@ -298,8 +298,7 @@ def test_index_builder_against_a_python_model():
             assert bool(masked[t, s]) == (q < 0)
             assert bool(from_new[t, s]) == (q >= int(start[t]))
             assert int(new[t, s]) == min(max(t + q - int(pos[t]), 0), 3)   # clamped to a flat index of the step
-            if q >= 0:
-                assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
+            assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5   # Python's floor modulo, as torch's
     # a decode step (start = pos): the one slot from the step is the candidate itself
     full = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5)
     dec = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5, decode=True)

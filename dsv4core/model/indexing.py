@@ -99,7 +99,8 @@ def window_sources(slot: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, e
     candidate's entry (entry * ratio). Returns (new [E, S], ring [E, S],
     from_new [E, S], masked [E, S]): the flat index of the slot's token in this step (positions
     >= start; clamped into [0, T-1], so it is a valid index also where `from_new` is False), its
-    compressor-ring row ``slot*cap + q % cap`` (earlier positions), and positions < 0.
+    compressor-ring row ``slot*cap + q % cap`` (earlier positions; floor modulo, so a row of the
+    request's own ring also where q < 0), and positions < 0.
     `decode` (one token a request, start = pos): `new` is [E, 1], the candidate itself, the one
     slot of its window in the step (slots past pos only occur in windows nothing emits)."""
     S, lo = (1 + int(overlap)) * ratio, int(overlap) * ratio
@@ -109,7 +110,7 @@ def window_sources(slot: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, e
         new = emit_tok[:, None]
     else:
         new = (q - take(pos, emit_tok)[:, None] + emit_tok[:, None]).clamp_(0, max(pos.shape[0] - 1, 0))
-    ring = torch.add(q.clamp_min(0) % cap, take(slot, emit_tok)[:, None], alpha=cap)
+    ring = torch.add(q % cap, take(slot, emit_tok)[:, None], alpha=cap)   # q < 0: a row of its own ring, unused
     return new, ring, from_new, q < 0
 
 
