@@ -406,3 +406,43 @@ def test_positions_and_ids_must_be_1d_integers(tiny):
     with pytest.raises(InputError, match="input_ids must be 1-D"):
         tiny.forward_batch(torch.tensor([[3, 4]]), torch.arange(2), torch.zeros(2, dtype=torch.long), [st])
     assert st.length == 0
+
+
+# ------------------------------------------------------------------ packed projections
+
+def test_packed_projections_are_views_and_follow_replaced_weights():
+    """A compressor's kv / gate projections (and the CSA indexer's head weights) run as one GEMM
+    over one packed tensor whose row blocks the parameters become; state-dict names and values
+    stay, an in-place load writes through, a replaced weight is packed again, and an FP8
+    projection (block scale) is not packed: its outputs come from separate GEMMs, the same values."""
+    from dsv4core.model.modules import FP8, _project, packed_weight
+
+    m = load_model("tiny", backend="reference")
+    ix_mod = m.model.layers[1].self_attn.compressor.indexer
+    lins = (ix_mod.kv_proj, ix_mod.gate_proj, ix_mod.scorer.weights_proj)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(5, m.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    want = torch.cat([x @ lin.weight.T for lin in lins], dim=1)
+    got = _project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj)
+    # fp32 throughout; a GEMM's blocking may depend on its width, so fp32 rounding (assert_close's
+    # fp32 defaults, rtol 1.3e-6) rather than bit equality
+    torch.testing.assert_close(got, want)
+    packed = ix_mod._wkg
+    assert all(lin.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for lin in lins)
+    assert m.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    with torch.no_grad():
+        ix_mod.gate_proj.weight.mul_(2)                          # in place: seen by the packed GEMM
+    assert packed_weight(lins, packed) is packed
+    g = slice(2 * m.config.index_head_dim, 4 * m.config.index_head_dim)   # the gate columns
+    torch.testing.assert_close(_project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj)[:, g], 2 * want[:, g])
+    ix_mod.kv_proj.weight = torch.nn.Parameter(torch.zeros_like(ix_mod.kv_proj.weight), requires_grad=False)
+    assert packed_weight(lins, packed) is not packed             # replaced: packed again, zeros included
+    assert not _project(m.ops, ix_mod, x, None)[:, :2 * m.config.index_head_dim].any()
+    ix_mod.kv_proj.keep_fp8()                                    # FP8 + block scale: not packable
+    with torch.no_grad():
+        ix_mod.kv_proj.weight.copy_(torch.randn(ix_mod.kv_proj.weight.shape, generator=torch.Generator().manual_seed(2)).to(FP8))
+        ix_mod.kv_proj.weight_scale_inv.fill_(0.5)
+    assert packed_weight(lins, ix_mod._wkg) is None
+    sep = torch.cat([lin(x, torch.float32) for lin in lins], dim=1)
+    torch.testing.assert_close(_project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj), sep, rtol=0, atol=0)  # same GEMMs
