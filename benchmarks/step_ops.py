@@ -3,6 +3,7 @@ grouped by the innermost dsv4core frame (model core, HAL, kernel launchers, plug
 
     python benchmarks/step_ops.py --device cuda --dims flash --backend cuda --batch 1 --json ops.json
     TRITON_INTERPRET=1 python benchmarks/step_ops.py --device cpu --dims tiny --backend triton-interpret
+    python benchmarks/step_ops.py --device cpu --dims tiny --backend reference --graph-step   # what a graph records
 
 Views and allocations (no kernel) are left out; what is left is roughly one device kernel per aten
 op (sort, cumsum and the like launch several). Kernel launches themselves (Triton) are not aten ops:
@@ -57,6 +58,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--graph-step", action="store_true",
+                    help="count the step a decode graph records (every token an emission / ring candidate, "
+                         "padding masks, entry tables of the context bucket) instead of the eager one")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -76,8 +80,17 @@ def main(argv=None):
         box[0] = model.forward_batch(box[0].argmax(-1), pos, torch.arange(B), states)
 
     step(), step()
+    if a.graph_step:                   # the graph's forward, run eagerly (its last use of the states)
+        from dsv4core.model.graphs import DecodeGraphs
+
+        g = DecodeGraphs(model, (B,), None)
+        inputs = torch.zeros(5, B, dtype=torch.int64, device=dev)
+        inputs[0], inputs[1] = box[0].argmax(-1), torch.tensor([s.length for s in states])
+        inputs[2], inputs[3] = torch.tensor([s.slot for s in states]), 1
+        ctx = g.context_bucket(int(inputs[1].max()) + 1)
+        step = lambda: model._forward(g._step(inputs, B, ctx))  # noqa: E731
     mode = Where()
-    with mode:
+    with mode, torch.no_grad():
         step()
     rows = sorted(((sum(c.values()), k, dict(c.most_common())) for k, c in mode.lines.items()), key=lambda r: -r[0])
     total = sum(r[0] for r in rows)
@@ -87,7 +100,8 @@ def main(argv=None):
     if a.json:                  # first: a reader that stops early (| head) loses nothing
         Path(a.json).write_text(json.dumps(dict(args=vars(a), total=total, by_file=dict(by_file),
                                                 lines=[dict(n=n_, where=k, ops=o) for n_, k, o in rows]), indent=1))
-    print(f"aten ops issuing device work in one eager decode step ({backend}, {a.dims}, batch {B}): {total}")
+    kind = "graph-recorded" if a.graph_step else "eager"
+    print(f"aten ops issuing device work in one {kind} decode step ({backend}, {a.dims}, batch {B}): {total}")
     for f, n_ in by_file.most_common():
         print(f"{n_:5d}  {f}")
     for n_, k, ops in rows[:60]:

@@ -271,36 +271,48 @@ def test_index_builder_against_a_python_model():
     slot = torch.tensor([2, 0, 1, 1])
     pos = torch.tensor([0, 5, 13, 22])
     valid = torch.tensor([True, True, True, False])
-    win = ix.window_reads(table, slot, pos, valid, B, 5)
+    win = ix.window_reads(table, slot, pos, ~valid, B, 5)
     for t in range(4):
         for j in range(5):
             q = int(pos[t]) - 4 + j
             want = -1 if (q < 0 or not valid[t]) else int(table[slot[t], q // B]) * B + q % B
             assert int(win[t, j]) == want
-    ent = ix.entry_reads(table, slot, pos, valid, 4, 2, 7, base=100)
+    ent = ix.entry_reads(table, slot, pos, ~valid, 4, 2, 7, base=100)
     for t in range(4):
         vis = (int(pos[t]) + 1) // 4 if valid[t] else 0
         for w in range(7):
             want = 100 + int(table[slot[t], w // 2]) * 2 + w % 2 if w < vis else -1
             assert int(ent[t, w]) == want
-    e, dest = ix.emissions(table, slot, pos, valid, torch.arange(4), 2, 8)
+    e, dest = ix.emissions(table, slot, pos, ~valid, torch.arange(4), 2, 8)
     for t in range(4):
         p = int(pos[t])
         emits = (p + 1) % 2 == 0 and bool(valid[t])
-        assert int(e[t]) == (p + 1) // 2 - 1
+        if valid[t]:                             # (a padding token's entry is never used)
+            assert int(e[t]) == max((p + 1) // 2 - 1, 0)
         assert int(dest[t]) == (int(table[slot[t], int(e[t]) // 8]) * 8 + int(e[t]) % 8 if emits else -1)
     start = torch.tensor([0, 3, 12, 20])
-    new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e, 2, True, 5)
+    new, ring, from_new, masked = ix.window_sources(slot, pos, start, torch.arange(4), e * 2, 2, True, 5)
     for t in range(4):
         for s in range(4):
             q = int(e[t]) * 2 - 2 + s
             assert bool(masked[t, s]) == (q < 0)
             assert bool(from_new[t, s]) == (q >= int(start[t]))
-            assert int(new[t, s]) == t + q - int(pos[t])
-            if q >= 0:
-                assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5
-    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), valid, torch.arange(4), 3)
+            assert int(new[t, s]) == min(max(t + q - int(pos[t]), 0), 3)   # clamped to a flat index of the step
+            assert int(ring[t, s]) == int(slot[t]) * 5 + q % 5   # Python's floor modulo, as torch's
+    # a decode step (start = pos): the one slot from the step is the candidate itself
+    full = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5)
+    dec = ix.window_sources(slot, pos, pos, torch.arange(4), e * 2, 2, True, 5, decode=True)
+    assert dec[0].tolist() == [[0], [1], [2], [3]]
+    assert all(torch.equal(a, b) for a, b in zip(full[1:], dec[1:]))
+    assert all(int(full[0][t, s]) == t for t in range(4) for s in range(4) if full[2][t, s] and int(e[t]) * 2 + s - 2 <= int(pos[t]))
+    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 14, 23]), ~valid, torch.arange(4), 3)
     assert rw.tolist() == [2 * 3 + 0, 0 * 3 + 2, 1 * 3 + 1, -1]
+    rw = ix.ring_writes(slot, pos, torch.tensor([1, 6, 19, 23]), ~valid, torch.tensor([1, 2, 3]), 3)
+    assert rw.tolist() == [0 * 3 + 2, -1, -1]                 # 13 < 19 - 3: not among the last 3
+    # a decode step (end=None: each token its request's last) and no padding (pad=None)
+    assert ix.ring_writes(slot, pos, None, None, torch.arange(4), 3).tolist() == [6, 2, 4, 4]
+    assert ix.window_reads(table, slot, pos, None, B, 5)[:3].tolist() == win[:3].tolist()
+    assert ix.entry_reads(table, slot, pos, None, 4, 2, 7, base=100)[:3].tolist() == ent[:3].tolist()
 
 
 def test_cache_config_errors():
@@ -318,6 +330,28 @@ def test_cache_config_errors():
         m.forward_batch(_seq(17), torch.arange(17), torch.zeros(17, dtype=torch.long), [m.new_state()])
 
 
+def _ring_write_fails(model, nth: int, run) -> None:
+    """Run `run()` with the `nth` compressor-ring store of the step raising; returns after the raise."""
+    c, ops = model.cache, model.ops
+    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
+    real, calls = ops.cache_store, [0]
+
+    def flaky(pool, index, rows):
+        if pool.data_ptr() in rings:
+            calls[0] += 1
+            if calls[0] == nth:
+                raise RuntimeError("injected ring-write failure")
+        return real(pool, index, rows)
+
+    object.__setattr__(ops, "cache_store", flaky)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            run()
+    finally:
+        object.__setattr__(ops, "cache_store", real)
+    assert calls[0] == nth
+
+
 def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
     """The compressor-ring writes come last; a 32-token chunk overwrites ring rows the committed
     state reads, so a failure part way through them must put those rows back."""
@@ -325,25 +359,27 @@ def test_failure_in_the_ring_writes_then_retry_gives_clean_logits(tiny):
     ref = tiny.logits(ids)
     a = tiny.new_state()
     _prefill(tiny, a, ids[:45])
-    c, ops = tiny.cache, tiny.ops
-    rings = {r.data_ptr() for rs in c.rings if rs for r in rs.values()}
-    real, calls = ops.cache_store, [0]
-
-    def flaky(pool, index, rows):
-        if pool.data_ptr() in rings:
-            calls[0] += 1
-            if calls[0] == 3:
-                raise RuntimeError("injected ring-write failure")
-        return real(pool, index, rows)
-
-    object.__setattr__(ops, "cache_store", flaky)
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            _prefill(tiny, a, ids[45:77])
-    finally:
-        object.__setattr__(ops, "cache_store", real)
+    _ring_write_fails(tiny, 3, lambda: _prefill(tiny, a, ids[45:77]))
     assert a.length == 45
     _close(_prefill(tiny, a, ids[45:]), ref[45:], ref.abs().max())
+
+
+def test_failed_decode_ring_write_then_deepest_truncation_gives_clean_logits(tiny):
+    """A one-token step overwrites the ring row of position length - cap, which a truncation to
+    `truncate_limit` can still need (CSA here: the previous window's A halves, at 48 for a
+    truncation of 64 to 55): a decode step too keeps the rows it replaces until every ring write
+    has landed, and puts them back when one fails."""
+    ids = _seq(80, 5)
+    ref = tiny.logits(ids)
+    a = tiny.new_state()
+    _prefill(tiny, a, ids[:64])
+    # the last of the 5 ring writes (layers 1, 2, 3; CSA: compressor and indexer) fails
+    _ring_write_fails(tiny, 5, lambda: _decode(tiny, [a], [int(ids[64])]))
+    assert a.length == 64
+    n = tiny.cache.truncate_limit(a)
+    assert n <= 55                               # deep enough to read position 64 - cap = 48 again
+    a.truncate(n)
+    _close(_prefill(tiny, a, ids[n:]), ref[n:], ref.abs().max())
 
 
 def test_generate_with_resources_held_outside_it(tiny):
@@ -370,3 +406,43 @@ def test_positions_and_ids_must_be_1d_integers(tiny):
     with pytest.raises(InputError, match="input_ids must be 1-D"):
         tiny.forward_batch(torch.tensor([[3, 4]]), torch.arange(2), torch.zeros(2, dtype=torch.long), [st])
     assert st.length == 0
+
+
+# ------------------------------------------------------------------ packed projections
+
+def test_packed_projections_are_views_and_follow_replaced_weights():
+    """A compressor's kv / gate projections (and the CSA indexer's head weights) run as one GEMM
+    over one packed tensor whose row blocks the parameters become; state-dict names and values
+    stay, an in-place load writes through, a replaced weight is packed again, and an FP8
+    projection (block scale) is not packed: its outputs come from separate GEMMs, the same values."""
+    from dsv4core.model.modules import FP8, _project, packed_weight
+
+    m = load_model("tiny", backend="reference")
+    ix_mod = m.model.layers[1].self_attn.compressor.indexer
+    lins = (ix_mod.kv_proj, ix_mod.gate_proj, ix_mod.scorer.weights_proj)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(5, m.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    want = torch.cat([x @ lin.weight.T for lin in lins], dim=1)
+    got = _project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj)
+    # fp32 throughout; a GEMM's blocking may depend on its width, so fp32 rounding (assert_close's
+    # fp32 defaults, rtol 1.3e-6) rather than bit equality
+    torch.testing.assert_close(got, want)
+    packed = ix_mod._wkg
+    assert all(lin.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for lin in lins)
+    assert m.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    with torch.no_grad():
+        ix_mod.gate_proj.weight.mul_(2)                          # in place: seen by the packed GEMM
+    assert packed_weight(lins, packed) is packed
+    g = slice(2 * m.config.index_head_dim, 4 * m.config.index_head_dim)   # the gate columns
+    torch.testing.assert_close(_project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj)[:, g], 2 * want[:, g])
+    ix_mod.kv_proj.weight = torch.nn.Parameter(torch.zeros_like(ix_mod.kv_proj.weight), requires_grad=False)
+    assert packed_weight(lins, packed) is not packed             # replaced: packed again, zeros included
+    assert not _project(m.ops, ix_mod, x, None)[:, :2 * m.config.index_head_dim].any()
+    ix_mod.kv_proj.keep_fp8()                                    # FP8 + block scale: not packable
+    with torch.no_grad():
+        ix_mod.kv_proj.weight.copy_(torch.randn(ix_mod.kv_proj.weight.shape, generator=torch.Generator().manual_seed(2)).to(FP8))
+        ix_mod.kv_proj.weight_scale_inv.fill_(0.5)
+    assert packed_weight(lins, ix_mod._wkg) is None
+    sep = torch.cat([lin(x, torch.float32) for lin in lins], dim=1)
+    torch.testing.assert_close(_project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj), sep, rtol=0, atol=0)  # same GEMMs

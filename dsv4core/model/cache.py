@@ -330,6 +330,10 @@ class KVCache:
                 self.keys.append(None)
             self.rings.append(r)
 
+        # per ring width w: the [kv | score] value of a window slot before position 0 (0 | -inf)
+        self._ring_fill = {w: torch.cat([torch.zeros(w, **f), torch.full((w,), float("-inf"), **f)])
+                           for w in {r.shape[1] // 2 for rp in self.ring_pairs if rp for r in rp.values()}}
+
         # host block tables (numpy: cheap element access in per-step bookkeeping), device mirrors
         self.window_table = np.zeros((S, self.win_blocks_per_request), dtype=np.int32)
         self.comp_table = np.zeros((S, self.comp_blocks_per_request), dtype=np.int32)
@@ -340,6 +344,12 @@ class KVCache:
         self.live: dict[int, weakref.ref] = {}
 
     # ------------------------------------------------------------------ description
+    def ring_fill(self, width: int) -> torch.Tensor:
+        """float32 [2 * width]: what a compressor window slot before position 0 holds in a ring
+        `[kv | score]` of kv width `width` (0 for kv, -inf for the score: it pools to nothing).
+        Built with the cache, so a recorded step only reads it."""
+        return self._ring_fill[width]
+
     def components(self) -> list[Component]:
         out = []
         Bc, Bw = self.block_tokens, self.window_block

@@ -51,15 +51,15 @@ class DecodeGraphs:
 
     def _step(self, inputs: torch.Tensor, b: int, ctx: int | None = None) -> Step:
         """The step of a recorded graph, built from its static input buffer [>= 4, b]: ids, positions,
-        slots, valid (decode: start = position, end = position + 1; every token is a candidate
+        slots, valid (decode: start = position, end = position + 1, left implicit; every token is a candidate
         for compressor emission and ring writes; entry tables `ctx // m` wide)."""
         c, m = self.cache, self.model
-        ids, pos, slot, valid = inputs[0], inputs[1], inputs[2], inputs[3].bool()
+        ids, pos, slot, pad = inputs[0], inputs[1], inputs[2], inputs[3] == 0
         every = torch.arange(b, device=inputs.device)
-        return Step(cache=c, input_ids=ids, positions=pos, slot=slot, start=pos, end=pos + 1, valid=valid,
+        return Step(cache=c, input_ids=ids, positions=pos, slot=slot, start=pos, end=None, pad=pad,
                     emit_tok={r: every for r in c.ratios}, ring_tok=every,
                     widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device),
-                    keep_ring_rows=False)
+                    decode=True, keep_ring_rows=False)
 
     def _record(self, b: int, ctx: int):
         # rows: ids, positions, slots, valid (0: padding only while recording), and the logits

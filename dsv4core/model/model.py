@@ -280,10 +280,11 @@ class DSV4ForCausalLM(nn.Module):
         parts = [ids, pos, slot, start, end, ring_tok, *emit] + ([rows] if rows is not None else [])
         packed = torch.from_numpy(np.concatenate(parts)).to(dev)   # one host->device copy per step
         v = torch.split(packed, [p.shape[0] for p in parts])
-        step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4],
-                    valid=torch.ones(T, dtype=torch.bool, device=dev), ring_tok=v[5],
-                    emit_tok=dict(zip(cache.ratios, v[6:6 + len(cache.ratios)])), widths=widths,
-                    inv_freq=self._freqs(dev))
+        # every eager step keeps the ring rows it replaces (keep_ring_rows): even a one-token step
+        # overwrites position start - cap, which a truncation to `truncate_limit` may read again
+        step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4], pad=None,
+                    ring_tok=v[5], emit_tok=dict(zip(cache.ratios, v[6:6 + len(cache.ratios)])), widths=widths,
+                    inv_freq=self._freqs(dev), decode=counts.size == T)
         return self._forward(step, v[-1] if rows is not None else None)
 
     def _forward(self, step: Step, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,9 +298,9 @@ class DSV4ForCausalLM(nn.Module):
             X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
         logits = self._lm_head(y)
-        # the compressor-ring writes, last: a prefill chunk longer than max_rollback + 1 tokens
-        # overwrites ring rows the committed state still reads, so the rows about to be replaced
-        # are kept (a few rows per request) and put back if a write fails
+        # the compressor-ring writes, last: a step overwrites ring rows the committed state may
+        # still read (a prefill chunk; a decode step followed by the deepest truncation), so the
+        # rows about to be replaced are kept (a few rows per request) and put back if a write fails
         saved = []
         try:
             for pool, index, values in step.deferred:

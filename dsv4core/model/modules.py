@@ -132,10 +132,12 @@ class HyperHead(nn.Module):
 class Step:
     """One step over flattened tokens (DSV4ForCausalLM builds it from host metadata, then copies
     its vectors to the device once). Per token: `input_ids`, `positions`, `slot` (the request's
-    cache slot), `start` / `end` (the request's length before / after the step), `valid` (False
-    for bucket padding). Host-chosen index lists and widths (static in captured decode steps):
-    `emit_tok[m]` the candidate tokens for compressor emission at rate m, `ring_tok` the tokens
-    whose compressor projections are kept (both sorted, distinct), `widths[m]` the entry-table width at rate m.
+    cache slot), `start` / `end` (the request's length before / after the step), `pad` (True for
+    bucket padding; None when the step has none). Host-chosen index lists, widths and flags (static
+    in captured decode steps): `emit_tok[m]` the candidate tokens for compressor emission at rate
+    m, `ring_tok` the tokens whose compressor projections are kept (both sorted, distinct),
+    `widths[m]` the entry-table width at rate m, `decode` (one token a request: each is its
+    request's last, end = position + 1; `end` may then be None).
 
     Compressor-ring writes are deferred (`deferred`) and applied after the last layer: a step
     that fails part way leaves the rings as they were (`keep_ring_rows`: the rows a write replaces
@@ -147,14 +149,15 @@ class Step:
     positions: torch.Tensor
     slot: torch.Tensor
     start: torch.Tensor
-    end: torch.Tensor
-    valid: torch.Tensor
+    end: torch.Tensor | None
+    pad: torch.Tensor | None
     emit_tok: dict[int, torch.Tensor]
     ring_tok: torch.Tensor
     widths: dict[int, int]
     inv_freq: dict[str, torch.Tensor]
     deferred: list = field(default_factory=list)
     keep_ring_rows: bool = True
+    decode: bool = False
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -169,19 +172,24 @@ class Step:
         return v
 
     def window_writes(self) -> torch.Tensor:
-        c = self.cache
-        return self.memo("ww", lambda: ix.window_writes(c.window_table_dev, self.slot, self.positions, self.valid,
-                                                       c.window_block))
+        """[T] the window row of each token (-1 for padding): the last column of `window_reads`
+        (window >= 1), a strided view."""
+        return self.window_reads()[:, -1]
 
     def window_reads(self) -> torch.Tensor:
         c = self.cache
-        return self.memo("wr", lambda: ix.window_reads(c.window_table_dev, self.slot, self.positions, self.valid,
+        return self.memo("wr", lambda: ix.window_reads(c.window_table_dev, self.slot, self.positions, self.pad,
                                                       c.window_block, c.W))
 
-    def entry_reads(self, ratio: int, per_block: int) -> torch.Tensor:
+    def visible(self, ratio: int) -> torch.Tensor:
+        """[T] compressed entries each query sees at rate m."""
+        return self.memo(("vis", ratio), lambda: ix.visible_entries(self.positions, self.pad, ratio))
+
+    def entry_reads(self, ratio: int, per_block: int, base: int = 0) -> torch.Tensor:
         c = self.cache
-        return self.memo(("er", ratio), lambda: ix.entry_reads(c.comp_table_dev, self.slot, self.positions, self.valid,
-                                                               ratio, per_block, self.widths[ratio]))
+        return self.memo(("er", ratio, base), lambda: ix.entry_reads(
+            c.comp_table_dev, self.slot, self.positions, self.pad, ratio, per_block, self.widths[ratio], base,
+            self.visible(ratio)))
 
     def attention_rows(self, ratio: int = 0, per_block: int = 0) -> torch.Tensor:
         """int32 [T, W (+ width)] the rows a sliding (ratio 0) or HCA layer's attention reads in
@@ -190,10 +198,23 @@ class Step:
             win = self.window_reads()
             if not ratio:
                 return win.to(torch.int32)
-            ent = ix.entry_reads(self.cache.comp_table_dev, self.slot, self.positions, self.valid, ratio, per_block,
-                                 self.widths[ratio], base=self.cache.Rw)
-            return torch.cat([win, ent], dim=1).to(torch.int32)
+            return torch.cat([win, self.entry_reads(ratio, per_block, self.cache.Rw)], dim=1).to(torch.int32)
         return self.memo(("ar", ratio), build)
+
+    def token_col(self) -> torch.Tensor:
+        """int64 [T, 1] the token numbers 0..T-1 (row selector for per-token gathers)."""
+        return self.memo("tok", lambda: torch.arange(self.num_tokens, device=self.positions.device)[:, None])
+
+    def csa_rows(self, topk: int) -> torch.Tensor:
+        """int32 [T, W + topk] a CSA layer's attention rows: the window, filled once per step, then
+        `topk` columns each CSA layer overwrites with its picks before its attention reads them
+        (the layers run one after another on one stream, so they share the buffer)."""
+        def build():
+            win = self.window_reads()
+            out = torch.empty(win.shape[0], win.shape[1] + topk, dtype=torch.int32, device=win.device)
+            out[:, :win.shape[1]] = win
+            return out
+        return self.memo(("csa", topk), build)
 
     def pos_mod(self, ratio: int) -> torch.Tensor:
         """positions % ratio (the compressors' position-bias rows)."""
@@ -203,59 +224,109 @@ class Step:
         """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
         c = self.cache
         return self.memo(("em", ratio, per_block), lambda: ix.emissions(
-            c.comp_table_dev, self.slot, self.positions, self.valid, self.emit_tok[ratio], ratio, per_block))
+            c.comp_table_dev, self.slot, self.positions, self.pad, self.emit_tok[ratio], ratio, per_block,
+            self.visible(ratio), self.pos_mod(ratio)))
+
+    def entry_starts(self, ratio: int, per_block: int) -> torch.Tensor:
+        """[E] the first position of each candidate's entry (its rope position)."""
+        return self.memo(("es", ratio), lambda: self.emissions(ratio, per_block)[0] * ratio)
 
     def sources(self, ratio: int, overlap: bool, cap: int, per_block: int):
-        return self.memo(("src", ratio, cap), lambda: ix.window_sources(
-            self.slot, self.positions, self.start, self.emit_tok[ratio], self.emissions(ratio, per_block)[0], ratio,
-            overlap, cap))
+        return self.memo(("src", ratio, overlap, cap), lambda: ix.window_sources(
+            self.slot, self.positions, self.start, self.emit_tok[ratio], self.entry_starts(ratio, per_block), ratio,
+            overlap, cap, self.decode))
 
     def ring_rows(self, cap: int) -> torch.Tensor:
-        return self.memo(("rw", cap), lambda: ix.ring_writes(self.slot, self.positions, self.end, self.valid,
-                                                             self.ring_tok, cap))
+        return self.memo(("rw", cap), lambda: ix.ring_writes(self.slot, self.positions, None if self.decode else self.end,
+                                                             self.pad, self.ring_tok, cap))
 
 
 # --------------------------------------------------------------------------------------------
 # compressors
 
 
-def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: float) -> torch.Tensor:
+def _views_of(weights, packed: torch.Tensor) -> bool:
+    """Whether `weights` are, in order, the contiguous row blocks of `packed`."""
+    off = packed.data_ptr()
+    if weights[0].untyped_storage().data_ptr() != packed.untyped_storage().data_ptr():
+        return False
+    for w in weights:
+        if w.data_ptr() != off or not w.is_contiguous():
+            return False
+        off += w.numel() * w.element_size()
+    return off == packed.data_ptr() + packed.numel() * packed.element_size()
+
+
+def packed_weight(linears, packed: torch.Tensor | None) -> torch.Tensor | None:
+    """The weights of `linears` (each `[N_i, K]`) as the row blocks of one `[sum N_i, K]` tensor,
+    so one GEMM computes all their outputs: `packed` itself while every weight is still a view of
+    it, else a new tensor that the weights then become views of (state-dict names and values
+    unchanged, no second copy held; a weight replaced later, e.g. by another load or a move, is
+    packed again; in-place loads write through). None when they cannot share one GEMM: an FP8
+    weight with a block scale, or weights of different dtypes, devices or widths."""
+    ws = [lin.weight for lin in linears]
+    if any(lin.weight_scale_inv is not None for lin in linears) or len({(w.dtype, w.device, w.shape[1])
+                                                                          for w in ws}) != 1:
+        return None
+    if packed is not None and _views_of(ws, packed):
+        return packed
+    packed, o = torch.cat(ws), 0
+    for lin, w in zip(linears, ws):
+        lin.weight = nn.Parameter(packed[o:o + w.shape[0]], requires_grad=False)
+        o += w.shape[0]
+    return packed
+
+
+def _gather_window(new: torch.Tensor, ring: torch.Tensor, src, fill: torch.Tensor) -> torch.Tensor:
     """[E, S, width] window slots: this step's rows `new` [T, width] where the slot's position is
-    in the step, the ring's rows before, `fill` before position 0 (glue: two gathers + select)."""
+    in the step, the ring's rows before, `fill` [width] before position 0 (glue: two gathers + two
+    selects)."""
     new_i, ring_i, from_new, masked = src
-    T = new.shape[0]
-    a = new[new_i.clamp(0, max(T - 1, 0))] if T else new.new_zeros(new_i.shape + new.shape[1:])
-    b = ring[ring_i]
-    out = torch.where(from_new[..., None], a, b)
-    return out.masked_fill(masked[..., None], fill)
+    if not new.shape[0]:
+        a = new.new_zeros(new_i.shape + new.shape[1:])
+    elif new_i.shape[1] == 1:                  # a decode step: each candidate's own row
+        a = ix.take(new, new_i[:, 0])[:, None]
+    else:
+        a = new[new_i]
+    out = torch.where(from_new[..., None], a, ring[ring_i])
+    return torch.where(masked[..., None], fill, out)
 
 
-def compress_step(ops, kv_proj: "Linear", gate_proj: "Linear", position_bias: torch.Tensor, kv_norm: "RMSNorm",
-                  ratio: int, overlap: bool, x: torch.Tensor, step: Step, cap: int, ring: torch.Tensor,
-                  entry_pool: torch.Tensor, base: int, per_block: int) -> None:
-    """Feed the step's tokens into a compressor: project (fp32, SPEC section 0), add the position
-    bias, pool every window the step completes from the ring and this step's rows
-    (`compress_windows`), norm + rope the entries at their window start and store them into
-    `entry_pool` (rows offset by `base`); queue the ring write (`step.deferred`). `ring`: the
-    compressor's rings `[kv | score]` (KVCache.ring_pairs), one store writes both."""
-    kv = kv_proj(x, FP32)
-    w = kv.shape[1]
-    ring_kv, ring_score = ring[:, :w], ring[:, w:]
-    sc = gate_proj(x, FP32) + position_bias[step.pos_mod(ratio)]
+def _project(ops, comp: nn.Module, x: torch.Tensor, extra: "Linear | None") -> torch.Tensor:
+    """fp32 [T, 2w (+ extra's width)] = x [kv_proj; gate_proj (; extra)]^T, in one GEMM over the
+    packed weights (`comp._wkg`, see `packed_weight`) where they can be packed; else `extra`
+    separately, or (an FP8 kv / gate projection) every projection on its own."""
+    lins = (comp.kv_proj, comp.gate_proj) + ((extra,) if extra is not None else ())
+    wkg = comp._wkg = packed_weight(lins, comp._wkg)
+    if wkg is not None:
+        return ops.linear(x, wkg, None, FP32)
+    return torch.cat([lin(x, FP32) for lin in lins], dim=1)
+
+
+def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: Step, cap: int,
+                  ring: torch.Tensor, entry_pool: torch.Tensor, per_block: int,
+                  extra: "Linear | None" = None) -> torch.Tensor | None:
+    """Feed the step's tokens into a compressor `comp` (a `Compressor` or an `Indexer`: `kv_proj`,
+    `gate_proj`, `position_bias`, `kv_norm`, `ratio`): project (fp32, SPEC section 0; both
+    projections in one GEMM, `_project`), add the position bias to the scores, pool every
+    window the step completes from the ring and this step's rows (`compress_windows`), norm + rope
+    the entries at their window start and store them into `entry_pool` (entry rows); queue the
+    ring write (`step.deferred`). `ring`: the compressor's rings `[kv | score]`
+    (KVCache.ring_pairs), whose row layout the projections `both = [kv | score]` already have.
+    `extra`: one more projection of x (fp32) computed in the same GEMM and returned (else None)."""
+    ratio, w = comp.ratio, comp.kv_proj.weight.shape[0]
+    out = _project(ops, comp, x, extra)
+    both = out[:, :2 * w]                  # a view: the ring write and the window gather read strides
+    both[:, w:].add_(comp.position_bias[step.pos_mod(ratio)])
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
-        src = step.sources(ratio, overlap, cap, per_block)
-        kv_w = _gather_window(kv, ring_kv, src, 0.0)
-        sc_w = _gather_window(sc, ring_score, src, float("-inf"))
-        pooled = ops.compress_windows(kv_w, sc_w, overlap)
-        entry, dest = step.emissions(ratio, per_block)
-        ent = ops.kv_norm_rope(pooled, kv_norm.weight, entry.clamp_min(0) * ratio, step.inv_freq["compress"],
-                               kv_norm.eps)
-        ops.cache_store(entry_pool, torch.where(dest >= 0, dest + base, -1) if base else dest, ent)
+        win = _gather_window(both, ring, step.sources(ratio, overlap, cap, per_block), step.cache.ring_fill(w))
+        pooled = ops.compress_windows(win[..., :w], win[..., w:], overlap)
+        ent = ops.kv_norm_rope(pooled, comp.kv_norm.weight, step.entry_starts(ratio, per_block),
+                               step.inv_freq["compress"], comp.kv_norm.eps)
+        ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent)
     if step.ring_tok.numel():
-        both = torch.cat([kv, sc], dim=1)
-        if step.ring_tok.numel() != kv.shape[0]:     # every token (sorted, distinct): no gather needed
-            both = both[step.ring_tok]
-        step.deferred.append((ring, step.ring_rows(cap), both))
+        step.deferred.append((ring, step.ring_rows(cap), ix.take(both, step.ring_tok)))
+    return out[:, 2 * w:] if extra is not None else None
 
 
 class Compressor(nn.Module):
@@ -273,13 +344,13 @@ class Compressor(nn.Module):
         self.position_bias = _param((ratio, c * dim), FP32)
         self.kv_norm = RMSNorm(dim, cfg.rms_norm_eps, ops)
         self._ops = ops
+        self._wkg: torch.Tensor | None = None      # [kv_proj; gate_proj] weights (packed_weight)
 
     def forward(self, x: torch.Tensor, step: Step) -> None:
         """Store the entries the step completes into the layer's row pool (after the window rows)."""
         c, i = step.cache, self.layer
-        compress_step(self._ops.t, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio,
-                      self.overlap, x, step, c.ring_cap[i], c.ring_pairs[i]["kv"], c.rows[i], c.Rw,
-                      c.epb[i])
+        compress_step(self._ops.t, self, self.overlap, x, step, c.ring_cap[i], c.ring_pairs[i]["kv"],
+                      c.rows[i][c.Rw:], c.epb[i])
 
 
 class IndexerScorer(nn.Module):
@@ -303,23 +374,25 @@ class Indexer(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, nI * dI, dtype, ops)
         self.scorer = IndexerScorer(cfg, dtype, ops)
         self._ops = ops
+        self._wkg: torch.Tensor | None = None      # [kv_proj; gate_proj; scorer.weights_proj] (packed_weight)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, step: Step, base: int = 0) -> torch.Tensor:
         """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
-        int64 [T, topk], -1 = unused. Stores this step's indexer keys first."""
+        integer [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
-        compress_step(ops, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm, self.ratio, True, x,
-                      step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], 0, c.epb[i])
+        hw = compress_step(ops, self, True, x, step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], c.epb[i],
+                           extra=self.scorer.weights_proj)        # + the head weights, same GEMM
         T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, step.positions, step.inv_freq["compress"])
-        w = self.scorer.weights_proj(x, FP32) * (self.n_heads ** -0.5)
+        w = hw * (self.n_heads ** -0.5)
         rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
-        picks = ops.indexer_topk(scores, ix.visible_entries(step.positions, step.valid, self.ratio), self.topk).long()
-        if rows.shape[1] == 0:
-            return torch.where(picks >= 0, picks + base, -1) if base else picks
-        return torch.where(picks >= 0, rows.gather(1, picks.clamp_min(0)) + base, -1)
+        picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk)      # int32, -1 = unused
+        if not rows.shape[1]:                                             # no entry yet: every pick -1
+            return picks
+        got = rows[step.token_col(), picks]       # a -1 pick reads the last column (wrap-around): dropped next
+        return (got + base if base else got).masked_fill(picks < 0, -1)
 
 
 class CSACompressor(Compressor):
@@ -421,8 +494,8 @@ class Attention(nn.Module):
         if self.compressor is not None:
             self.compressor(x, step)
         if self.layer_type == CSA:                            # the window, then the indexer's picks
-            picks = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
-            index = torch.cat([step.window_reads(), picks], dim=1).to(torch.int32)
+            index = step.csa_rows(self.compressor.indexer.topk)
+            index[:, c.W:] = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
         else:                                                 # the window (+ HCA: every visible entry)
             index = step.attention_rows(self.ratio, c.epb[self.layer])
         o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5)
@@ -477,8 +550,8 @@ class SharedMLP(nn.Module):
 
     `moe_experts` takes W1 and W3 as one `[1, 2I, H]` tensor: on first use the gate and up weights
     are moved into one buffer and `gate_proj.weight` / `up_proj.weight` become views of its two
-    halves (state-dict names and values unchanged, no second copy held). A weight replaced later
-    (another load) is packed again. With parallelism this rank holds I/(tp*ep) of the
+    halves (`packed_weight`: state-dict names and values unchanged, no second copy held). A weight
+    replaced later (another load) is packed again. With parallelism this rank holds I/(tp*ep) of the
     intermediate size (gate/up rows, down columns) and returns a partial sum."""
 
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
@@ -491,24 +564,24 @@ class SharedMLP(nn.Module):
         self._ops = ops
         self._w13: torch.Tensor | None = None
 
-    def _packed(self) -> bool:
-        g, u, w = self.gate_proj.weight, self.up_proj.weight, self._w13
-        return (w is not None and g.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
-                and g.data_ptr() == w.data_ptr() and u.data_ptr() == w.data_ptr() + g.numel() * g.element_size())
-
     def w13(self) -> torch.Tensor:
-        if not self._packed():
-            g, u = self.gate_proj.weight, self.up_proj.weight
-            w13 = torch.cat([g, u]).unsqueeze(0)
-            self.gate_proj.weight = nn.Parameter(w13[0, :g.shape[0]], requires_grad=False)
-            self.up_proj.weight = nn.Parameter(w13[0, g.shape[0]:], requires_grad=False)
-            self._w13 = w13
-        return self._w13
+        self._w13 = packed_weight((self.gate_proj, self.up_proj), self._w13)
+        if self._w13 is None:
+            raise ValueError(f"shared expert: gate_proj and up_proj weights must share dtype, device and width "
+                             f"(got {self.gate_proj.weight.dtype} {tuple(self.gate_proj.weight.shape)} on "
+                             f"{self.gate_proj.weight.device}, {self.up_proj.weight.dtype} "
+                             f"{tuple(self.up_proj.weight.shape)} on {self.up_proj.weight.device})")
+        return self._w13.unsqueeze(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        ids = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
-        wts = torch.ones(T, 1, dtype=FP32, device=x.device)
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `step`: the step whose every token this runs on (its one-expert
+        routing, ids 0 and weights 1, is built once per step for every layer)."""
+        T, dev = x.shape[0], x.device
+
+        def route():
+            return torch.zeros(T, 1, dtype=torch.int32, device=dev), torch.ones(T, 1, dtype=FP32, device=dev)
+
+        ids, wts = route() if step is None else step.memo(("shared", T), route)
         return self._ops.t.moe_experts(x, ids, wts, self.w13(), self.down_proj.weight.unsqueeze(0), self.limit)
 
 
@@ -529,15 +602,15 @@ class SparseMoeBlock(nn.Module):
         self.expert_range = par.experts(cfg)
         self._ops = ops
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        weights, ids = self.gate(x, step.input_ids)
         if self.par.ep > 1:                    # global expert ids -> this rank's, -1 elsewhere
             e0, e1 = self.expert_range
             ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).to(ids.dtype)
         ex = self.experts
         routed = self._ops.t.moe_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, self.limit,
                                          ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
-        out = routed + self.shared_experts(x)
+        out = routed + self.shared_experts(x, step)
         return self._ops.t.all_reduce(out, self.par.world_group) if self.par.world > 1 else out
 
 
@@ -558,7 +631,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(y), step)
         X = ops.hc_post(a, X, post, comb)
         y, post, comb = self.ffn_hc(X)
-        f = self.mlp(self.post_attention_layernorm(y), step.input_ids)
+        f = self.mlp(self.post_attention_layernorm(y), step)
         return ops.hc_post(f, X, post, comb)
 
 
