@@ -3,7 +3,8 @@
 # Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
 # pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
 #   bash benchmarks/h200_run.sh STEP[,STEP...]    results under $OUT (default /tmp/dsv4core-out)
-#   (STEP+STEP runs those steps at the same time: for numerics-only steps, never around a timing)
+#   (STEP+STEP runs those steps at the same time: for numerics-only steps, never around a timing,
+#   and never cand, which reinstalls the package the other steps import)
 # steps:
 #   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
 #           conformance; those that fail stay unserved for the steps after it
@@ -32,7 +33,15 @@ cand() {
   echo "candidates: $ops"
   timeout 200 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro --ops "$ops" \
     --json "$OUT/conformance-cuda-h200-candidates.json" --markdown "$OUT/conformance-cuda-h200-candidates.md" 2>&1 | tail -12
-  failed=$(python3 -c "import json;d=json.load(open('$OUT/conformance-cuda-h200-candidates.json'));print(','.join(sorted(o['op'] for o in d['ops'] if o['status']!='passed')))")
+  # a run cut short (no JSON, or not complete) confirms nothing: every candidate stays unserved
+  failed=$(python3 -c "
+import json, sys
+try:
+    d = json.load(open('$OUT/conformance-cuda-h200-candidates.json'))
+    bad = None if not d['complete'] else sorted(o['op'] for o in d['ops'] if o['status'] != 'passed')
+except (OSError, ValueError, KeyError):
+    bad = None
+print(sys.argv[1] if bad is None else ','.join(bad))" "$ops")
   echo "still not served: ${failed:-none}"
   python3 -c "import sys;f=[x for x in sys.argv[1].split(',') if x];s=open('$init').read();open('$init','w').write(s.replace('NOT_SERVED = frozenset()','NOT_SERVED = frozenset({'+', '.join(repr(x).replace(chr(39),chr(34)) for x in f)+'})'))" "$failed"
   grep -n '^NOT_SERVED' $init; cp $init "$OUT/cuda-init-as-run.py"

@@ -446,3 +446,31 @@ def test_packed_projections_are_views_and_follow_replaced_weights():
     assert packed_weight(lins, ix_mod._wkg) is None
     sep = torch.cat([lin(x, torch.float32) for lin in lins], dim=1)
     torch.testing.assert_close(_project(m.ops, ix_mod, x, ix_mod.scorer.weights_proj), sep, rtol=0, atol=0)  # same GEMMs
+
+
+def test_shared_expert_hands_moe_experts_the_same_weight_tensors_while_unchanged():
+    """The shared expert's [1, N, K] weights are the same tensor objects from step to step (a
+    backend may cache per-weight work, e.g. a transposed copy keyed by the tensor), and new ones
+    once a weight is replaced; the values are the packed gate/up rows and the down weight."""
+    m = load_model("tiny", backend="reference")
+    sh = m.model.layers[0].mlp.shared_experts
+    from dsv4core.model.modules import OpsRef
+
+    seen, table = [], sh._ops.t
+
+    class Spy:                                      # the bound table, moe_experts recorded
+        def __getattr__(self, name):
+            return getattr(table, name)
+
+        def moe_experts(self, x, ids, wts, w13, w2, *rest):
+            seen.append((w13, w2))
+            return table.moe_experts(x, ids, wts, w13, w2, *rest)
+
+    x = torch.randn(3, m.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    sh._ops = OpsRef(Spy())
+    sh(x), sh(x)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]
+    torch.testing.assert_close(seen[0][0][0], torch.cat([sh.gate_proj.weight, sh.up_proj.weight]), rtol=0, atol=0)
+    sh.down_proj.weight = torch.nn.Parameter(torch.zeros_like(sh.down_proj.weight), requires_grad=False)
+    assert not sh(x).any()                          # the new (zero) down weight is used
+    assert seen[2][0] is seen[0][0] and seen[2][1] is not seen[0][1]

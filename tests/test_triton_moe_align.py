@@ -42,7 +42,7 @@ def check(ids, E, BM, label):
     before = calls["torch"]
     got = moe._route(ids, E, BM)
     kernel = calls["torch"] == before
-    assert kernel == (P <= moe.ALIGN_MAX_PAIRS), (label, P, "kernel" if kernel else "torch")
+    assert kernel == (P <= moe.ALIGN_MAX_PAIRS and E + 1 <= moe.ALIGN_MAX_BINS), (label, P, E, "kernel" if kernel else "torch")
     want = _torch_path(ids, E, BM)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (label, name, a.dtype, a.shape, b.shape)
@@ -82,6 +82,10 @@ assert check(ids_with_drops(B - 1, 1, 384, torch.int64), 384, 64, "P = bound - 1
 assert check(ids_with_drops(B // 2, 2, 384, torch.int32), 384, 64, "P = bound")
 assert not check(ids_with_drops(B + 1, 1, 384, torch.int64), 384, 64, "P = bound + 1")
 assert not check(ids_with_drops((B + 6) // 6, 6, 256, torch.int64), 256, 128, "P > bound, K = 6")
+# experts: up to ALIGN_MAX_BINS - 1 the kernel, more the torch path
+NB = moe.ALIGN_MAX_BINS
+assert check(ids_with_drops(4, 6, NB - 1, torch.int64), NB - 1, 16, "E = bins - 1")
+assert not check(ids_with_drops(4, 6, NB, torch.int64), NB, 16, "E = bins")
 print("ok", n)
 """
 

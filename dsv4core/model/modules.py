@@ -563,6 +563,15 @@ class SharedMLP(nn.Module):
         self.limit = cfg.swiglu_limit
         self._ops = ops
         self._w13: torch.Tensor | None = None
+        # the [1, N, K] one-expert views handed to moe_experts: the same tensor objects from call
+        # to call while the weights are unchanged (a backend may cache work per weight tensor)
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _expert_view(self, key: str, w: torch.Tensor) -> torch.Tensor:
+        v = self._views.get(key)
+        if v is None or v[0] is not w:
+            v = self._views[key] = (w, w.unsqueeze(0))
+        return v[1]
 
     def w13(self) -> torch.Tensor:
         self._w13 = packed_weight((self.gate_proj, self.up_proj), self._w13)
@@ -571,7 +580,7 @@ class SharedMLP(nn.Module):
                              f"(got {self.gate_proj.weight.dtype} {tuple(self.gate_proj.weight.shape)} on "
                              f"{self.gate_proj.weight.device}, {self.up_proj.weight.dtype} "
                              f"{tuple(self.up_proj.weight.shape)} on {self.up_proj.weight.device})")
-        return self._w13.unsqueeze(0)
+        return self._expert_view("w13", self._w13)
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `step`: the step whose every token this runs on (its one-expert
@@ -582,7 +591,8 @@ class SharedMLP(nn.Module):
             return torch.zeros(T, 1, dtype=torch.int32, device=dev), torch.ones(T, 1, dtype=FP32, device=dev)
 
         ids, wts = route() if step is None else step.memo(("shared", T), route)
-        return self._ops.t.moe_experts(x, ids, wts, self.w13(), self.down_proj.weight.unsqueeze(0), self.limit)
+        return self._ops.t.moe_experts(x, ids, wts, self.w13(), self._expert_view("w2", self.down_proj.weight),
+                                       self.limit)
 
 
 class SparseMoeBlock(nn.Module):

@@ -255,6 +255,8 @@ def _scale_arg(scale, fmt, e8, fallback):
 #: ops of ``_route_torch`` (many kernels, each parallel) are as fast; 2048 covers decode up to
 #: 341 tokens with 6 routed slots
 ALIGN_MAX_PAIRS = 2048
+#: ... and at most this many experts + 1 (the dropped bin); more experts take the torch path
+ALIGN_MAX_BINS = 1024
 
 
 @triton.jit
@@ -300,7 +302,8 @@ def _route_torch(ids, E: int, BM: int):
 
 
 def _align_fits(P: int, E: int) -> bool:
-    return P <= ALIGN_MAX_PAIRS and (E + 1) * max(16, np2(P)) < 2 ** 31
+    # E bounded too: the kernel holds E + 1 histogram bins in one program
+    return P <= ALIGN_MAX_PAIRS and E + 1 <= ALIGN_MAX_BINS and (E + 1) * max(16, np2(P)) < 2 ** 31
 
 
 def _route(ids, E: int, BM: int):
