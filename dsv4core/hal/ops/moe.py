@@ -186,6 +186,15 @@ def _(shapes, dtype, device, gen):
     yield Case("clamp-heavy", dict(x=noncontig(randn((5, H), gen, dtype, device, 6.0)), ids=ids.to(device),
                                    weights=torch.rand((5, k), generator=gen).to(device), w13=w13, w2=w2,
                                    swiglu_limit=2.0), ("extreme", "noncontig"))
+    # the model's expert count (256 flash, 384 pro) with narrow experts: routing over many experts
+    # (a kernel's expert sort / tile map at full width), decode-sized batch, some slots skipped
+    En, Hn, In = max(D["E"], 64), 64, 32
+    ids = torch.stack([torch.randperm(En, generator=gen)[:k] for _ in range(24)]).long()
+    ids[::5, -1] = -1
+    yield Case(f"many-experts-E{En}", dict(x=randn((24, Hn), gen, dtype, device, 3.0), ids=ids.to(device),
+                                           weights=torch.rand((24, k), generator=gen).to(device),
+                                           w13=randn((En, 2 * In, Hn), gen, dtype, device, Hn ** -0.5 * 4),
+                                           w2=randn((En, Hn, In), gen, dtype, device, In ** -0.5), swiglu_limit=10.0))
     # quantised experts: FP8 e4m3 with 128x128 block scales (fp32 and e8m0), packed FP4 e2m1 with
     # one UE8M0 scale per 32 columns; mixed formats (FP4 w13 with an FP8 w2) and a skipped slot
     wf13 = randn((E, 2 * I, H), gen, torch.float32, device, H ** -0.5 * 4)
