@@ -10,9 +10,8 @@ of <= `--prefill-chunk` tokens), then greedy decode, one token per request (argm
   * step ms: median wall time of `--steps` steps after `--warmup` (graph capture, Triton JIT); mode
     "graph" replays the decode graph (`graph_status() == ''`), then "eager" (`use_graphs = False`);
   * GPU-busy ms, kernels: one more step under torch.profiler: summed device events (kernels, memcpy,
-    memset), kernel count; in the JSON also `kernel_top` (launches and us per kernel name) and
-    `span_ms` (first device event's start to the last one's end; the profiler adds time per kernel,
-    so it is not comparable with step ms); "n/a" on the CPU or when the profiler sees no device event;
+    memset), kernel count, and `kernel_top` in the JSON (launches and us per kernel name); "n/a" on
+    the CPU or when the profiler sees no device event;
   * floor ms: the bytes a step must read at the copy rate (a large device-to-device copy in the same
     run, bytes read + written / time, or `--copy-rate`): all parameters but routed experts and the
     embedding table, B embedding rows, and per layer the expected distinct experts of B tokens under
@@ -123,22 +122,19 @@ def floor_bytes(cfg, wb: dict, B: int) -> float:
 
 
 def profile_step(step, dev: torch.device) -> dict:
-    """One step under torch.profiler: summed device-event time (busy), the span from the first
-    device event's start to the last one's end (busy plus the gaps between kernels), the kernel
-    count, and the kernels by name (count, total us; the 30 with the most launches)."""
+    """One step under torch.profiler: summed device-event time (busy), the kernel count, and the
+    kernels by name (count, total us; the 30 with the most launches)."""
     if dev.type != "cuda":
         return {"busy_ms": "n/a", "kernels": "n/a", "profile_note": "no device profile on the CPU"}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         sync(dev)
-    busy_us, kernels, launches, t0, t1, by_name = 0.0, 0, 0, None, None, {}
+    busy_us, kernels, launches, by_name = 0.0, 0, 0, {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             us = e.time_range.elapsed_us()
             busy_us += us
             kernels += not e.name.startswith(("Memcpy", "Memset"))
-            t0 = e.time_range.start if t0 is None else min(t0, e.time_range.start)
-            t1 = e.time_range.end if t1 is None else max(t1, e.time_range.end)
             n, tot = by_name.get(e.name[:90], (0, 0.0))
             by_name[e.name[:90]] = (n + 1, tot + us)
         elif "LaunchKernel" in e.name or "GraphLaunch" in e.name:
@@ -146,7 +142,7 @@ def profile_step(step, dev: torch.device) -> dict:
     if not busy_us:
         return {"busy_ms": "n/a", "kernels": "n/a", "profile_note": "the profiler recorded no device event"}
     top = sorted(by_name.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:30]
-    return {"busy_ms": busy_us / 1e3, "span_ms": (t1 - t0) / 1e3, "kernels": kernels, "host_launch_calls": launches,
+    return {"busy_ms": busy_us / 1e3, "kernels": kernels, "host_launch_calls": launches,
             "kernel_top": [{"name": k, "count": n, "us": round(us, 1)} for k, (n, us) in top]}
 
 

@@ -8,10 +8,10 @@ fp32, so the result equals the exact dequantisation followed by the fp32 product
 
 Small T (decode): the weight is streamed once; when the N tiles alone cannot fill the GPU, K is
 split over programs (split-K) and a second kernel sums the fp32 partials in a fixed order (one
-tree sum over the splits: the result does not depend on scheduling). ``grouped_gemm`` takes G groups (the ``wo_a``
-shape); wo_a keeps its own kernel (wo_a.py) for now: on the H200 this one measured 29.8 / 32.0 µs
-at T = 1 / 64 against wo_a.py's 25.3 / 29.3 µs (and 444 vs 468 µs at T = 4096; see
-benchmarks/results/cuda-h200-issue10.md).
+tree sum over the splits: the result does not depend on scheduling). ``grouped_gemm`` takes G
+groups (the ``wo_a`` shape); wo_a keeps its own kernel (wo_a.py) for now: on the H200 this one
+measured 29.8 / 32.0 µs at T = 1 / 64 against wo_a.py's 25.3 / 29.3 µs (and 444 vs 468 µs at
+T = 4096; see benchmarks/results/cuda-h200-issue10.md).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interp, rne, target_programs, to_out
+from ._util import interp, np2, rne, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, cdiv
 
@@ -155,7 +155,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
                        EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns, **TUNE.options())
     if S > 1:
         R = M * G * N
-        SP = triton.next_power_of_2(S)
+        SP = np2(S)
         BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program
         _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **TUNE.options())
     return out

@@ -302,8 +302,9 @@ def _route_torch(ids, E: int, BM: int):
 
 
 def _align_fits(P: int, E: int) -> bool:
-    # E bounded too: the kernel holds E + 1 histogram bins in one program
-    return P <= ALIGN_MAX_PAIRS and E + 1 <= ALIGN_MAX_BINS and (E + 1) * max(16, np2(P)) < 2 ** 31
+    # E bounded too: the kernel holds E + 1 histogram bins in one program (and the bounds keep its
+    # composite sort keys (E + 1) * BP within int32)
+    return P <= ALIGN_MAX_PAIRS and E + 1 <= ALIGN_MAX_BINS
 
 
 def _route(ids, E: int, BM: int):
