@@ -9,6 +9,11 @@ Per backend and (batch B, context): B random prompts prefilled (whole requests p
 of <= `--prefill-chunk` tokens), then greedy decode, one token per request (argmax -> next ids):
   * step ms: median wall time of `--steps` steps after `--warmup` (graph capture, Triton JIT); mode
     "graph" replays the decode graph (`graph_status() == ''`), then "eager" (`use_graphs = False`);
+    each step reads the previous step's argmax back to the host, so it starts when that one ended;
+  * "-queued" modes: the ids stay on the device (`model.greedy_tokens`), the steps are queued back
+    to back with one synchronisation at the end: step ms = wall / steps (a pipelined engine's step);
+    host ms = the median time one forward_batch call holds the host; replay ms = the recorded graph
+    alone, replayed back to back (the GPU's side of a step, gaps between kernels included);
   * GPU-busy ms, kernels: one more step under torch.profiler: summed device events (kernels, memcpy,
     memset), kernel count, and `kernel_top` in the JSON (launches and us per kernel name); "n/a" on
     the CPU or when the profiler sees no device event;
@@ -154,6 +159,35 @@ def time_steps(step, dev: torch.device, warmup: int, steps: int) -> dict:
             "steps_ms": [round(1e3 * t, 4) for t in ts], **profile_step(step, dev)}
 
 
+def time_queued(step, dev: torch.device, warmup: int, steps: int) -> dict:
+    """Steps queued back to back (each feeds the next its ids on the device, `greedy_tokens`), one
+    synchronisation at the end: step ms = wall / steps, what a pipelined engine gets; host ms = the
+    median time a forward_batch call holds the host."""
+    for _ in range(warmup):
+        step()
+    sync(dev)
+    host = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        h0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - h0)
+    sync(dev)
+    wall = (time.perf_counter() - t0) / steps
+    return {"step_ms": 1e3 * wall, "host_ms": 1e3 * statistics.median(host), **profile_step(step, dev)}
+
+
+def time_replays(replay, dev: torch.device, n: int) -> float:
+    """ms per replay of a recorded decode graph, n replays back to back (no host work between)."""
+    replay()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        replay()
+    sync(dev)
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
 def timed(fn, dev: torch.device):
     sync(dev)
     t0 = time.perf_counter()
@@ -200,18 +234,29 @@ def ours_combo(model, B: int, ctx: int, a, dev: torch.device) -> list[dict]:
         logits, sec = timed(lambda: prefill(model, ids, a.prefill_chunk, states), dev)
         box, pre_tok_s = [logits], B * ctx / sec
 
-        def step():
+        def step():          # the ids read back to the host: each step waits for the one before
             pos = torch.tensor([s.length for s in states])
             box[0] = model.forward_batch(box[0].argmax(-1), pos, torch.arange(B), states)
+
+        def step_queued():   # the ids stay on the device: the host queues the next step at once
+            pos = torch.tensor([s.length for s in states])
+            box[0] = model.forward_batch(model.greedy_tokens(box[0]), pos, torch.arange(B), states)
 
         top = max(model.graph_buckets)
         status = model.graph_status() or (f"batch {B} > largest graph bucket {top}: eager only" if B > top else "")
         rows = []
-        for mode in ["eager"] if status else ["graph", "eager"]:
-            model.use_graphs = mode == "graph"
+        for mode in ["eager", "eager-queued"] if status else ["graph", "graph-queued", "eager"]:
+            model.use_graphs = mode.startswith("graph")
             r0 = getattr(model._graphs, "replays", 0)
             try:
-                res = time_steps(step, dev, a.warmup, a.steps)
+                if mode.endswith("queued"):
+                    res = time_queued(step_queued, dev, a.warmup, a.steps)
+                else:
+                    res = time_steps(step, dev, a.warmup, a.steps)
+                if mode == "graph-queued" and model._graphs and model._graphs.graphs:
+                    key = (model._graphs.bucket(B), model._graphs.context_bucket(max(s.length for s in states)))
+                    if key in model._graphs.graphs:   # last: a replay repeats the last step's writes
+                        res["replay_ms"] = time_replays(model._graphs.graphs[key][0], dev, a.steps)
             finally:
                 model.use_graphs = True
             replays = getattr(model._graphs, "replays", 0) - r0
@@ -270,7 +315,8 @@ def fmt(v, spec: str) -> str:
 
 COLUMNS = [("backend", "backend", ""), ("mode", "mode", ""), ("batch", "batch", ""), ("context", "context", ""),
            ("prefill tok/s", "prefill_tok_s", ",.0f"), ("decode step ms", "step_ms", ".2f"),
-           ("GPU-busy ms", "busy_ms", ".2f"), ("kernels / step", "kernels", ","), ("floor ms", "floor_ms", ".2f"),
+           ("GPU-busy ms", "busy_ms", ".2f"), ("host ms", "host_ms", ".2f"), ("replay ms", "replay_ms", ".2f"),
+           ("kernels / step", "kernels", ","), ("floor ms", "floor_ms", ".2f"),
            ("% of floor", "pct_floor", ".1f"), ("decode tok/s", "decode_tok_s", ",.1f"),
            ("x b1 step", "x_b1_step", ".2f")]
 

@@ -253,6 +253,70 @@ def test_graph_decode_path_equals_the_eager_one(tiny):
     assert (tiny.cache.window_table == before[1]).all()
 
 
+def test_device_tokens_decode_equals_host_ids(tiny):
+    """Greedy decode fed by `greedy_tokens` (ids left on the device, never read by the host)
+    computes bit for bit what the same decode fed host ids computes, on the eager path and on
+    the graph path (the CPU stand-in capture), across window, compressor and block boundaries."""
+    base = [tiny.new_state() for _ in range(2)]      # + 2 forks each: the 6 slots
+    for i, s in enumerate(base):
+        _prefill(tiny, s, _seq(13 + 9 * i, i))
+    for graphs in (False, True):
+        if graphs:
+            tiny._graph_why = ((id(tiny.ops), tiny.device), "", _ReplayByRerun())
+        tiny.use_graphs = graphs
+        host, dev = [s.fork() for s in base], [s.fork() for s in base]
+        lh = ld = _decode(tiny, host, [3, 4])
+        _decode(tiny, dev, [3, 4])
+        for _ in range(10):
+            lh = _decode(tiny, host, lh.argmax(-1).tolist())
+            toks = tiny.greedy_tokens(ld)
+            assert len(toks) == 2 and toks.tensor.device == tiny.device
+            ld = tiny.forward_batch(toks, torch.tensor([s.length for s in dev]), torch.arange(2), dev)
+            assert torch.equal(ld, lh)
+        assert [s.length for s in dev] == [s.length for s in host]
+        for s in host + dev:
+            s.release()
+    assert tiny._graphs.replays == 22                  # 11 steps each on host and device ids
+
+
+def test_device_tokens_bad_input_is_refused_with_nothing_changed(tiny):
+    from dsv4core.model.model import DeviceTokens
+
+    st = tiny.new_state()
+    lg = _prefill(tiny, st, _seq(9))
+    with pytest.raises(InputError, match=r"greedy_tokens: logits must be \[N, 256\]"):
+        tiny.greedy_tokens(lg[:, :10])
+    with pytest.raises(InputError, match="greedy_tokens: logits must be"):
+        tiny.greedy_tokens(lg[0])
+    toks = tiny.greedy_tokens(lg[-1:])
+    with pytest.raises(InputError, match="must have the same length"):
+        tiny.forward_batch(toks, torch.tensor([9, 10]), torch.tensor([0, 0]), [st])
+    with pytest.raises(InputError, match="DeviceTokens of vocabulary 300"):
+        tiny.forward_batch(DeviceTokens(toks.tensor, 300), torch.tensor([9]), torch.tensor([0]), [st])
+    assert st.length == 9
+    tiny.forward_batch(toks, torch.tensor([9]), torch.tensor([0]), [st])
+    assert st.length == 10
+
+
+def test_uploads_fall_back_to_blocking_copies_without_page_locked_memory():
+    """Where no page-locked memory can be had (this CPU-only build: pin_memory raises), an upload
+    is a plain copy, exact, and the ring stops trying."""
+    import numpy as np
+
+    from dsv4core.model.staging import Uploads
+
+    up = Uploads(torch.device("cpu"))
+    assert not up.queued                               # the CPU never queues
+    up.queued = True                                   # as on an accelerator whose pinning fails
+    dst = torch.zeros(3, 4, dtype=torch.int32)
+    src = np.arange(12, dtype=np.int32).reshape(3, 4)
+    up.copy(dst, src)
+    assert torch.equal(dst, torch.from_numpy(src)) and not up.queued
+    assert torch.equal(up.to_device(src[1]), torch.from_numpy(src[1]))
+    with pytest.raises(ValueError, match="upload: host torch.int64 x 12 into torch.int32 x 12"):
+        up.copy(dst, src.astype(np.int64))
+
+
 def test_generate_continuous_batching_equals_one_request_at_a_time(tiny):
     prompts = [list(range(5, 45)), [3, 4], list(range(100, 133)), [7] * 20]
     alone = [tiny.generate([p], 6)[0] for p in prompts]

@@ -46,3 +46,34 @@ def test_graph_replayed_decode_equals_eager(backend):
     eager = _run(model, prompts, 40)
     scale = eager.abs().max()
     assert (graph - eager).abs().max() <= 2e-5 * scale
+
+
+def test_queued_decode_never_waits_for_the_device_and_equals_the_serial_one():
+    """Steps fed `greedy_tokens` (ids left on the device) are queued without one host/device
+    synchronisation (torch's sync debug mode turns any into an error: a read-back, a blocking
+    copy, an `.item()`), replayed from graphs, and give bit for bit the logits of steps fed host ids."""
+    model = dsv4core.load_model("tiny", backend="cuda", device="cuda")
+    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024)
+    if model.graph_status():
+        pytest.skip(f"graphs off: {model.graph_status()}")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    serial = _run(model, prompts, 24)
+    sts = [model.new_state() for _ in prompts]
+    for st, p in zip(sts, prompts):
+        model.forward_batch(torch.tensor(p), torch.arange(len(p)), torch.zeros(len(p), dtype=torch.long), [st])
+    out = []
+    tok = torch.tensor([p[-1] for p in prompts])
+    lg = model.forward_batch(tok, torch.tensor([s.length for s in sts]), torch.arange(3), sts)
+    out.append(lg)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(23):
+            lg = model.forward_batch(model.greedy_tokens(lg), torch.tensor([s.length for s in sts]),
+                                     torch.arange(3), sts)
+            out.append(lg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for s in sts:
+        s.release()
+    assert torch.equal(torch.stack(out), serial)

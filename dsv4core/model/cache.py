@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .config import CSA, HCA, SLIDING, DSV4Config
+from .staging import Uploads
 
 
 class CacheError(RuntimeError):
@@ -340,6 +341,7 @@ class KVCache:
         self.window_table_dev = torch.zeros(self.window_table.shape, dtype=torch.int32, device=self.device)
         self.comp_table_dev = torch.zeros(self.comp_table.shape, dtype=torch.int32, device=self.device)
         self._dirty = (S, 0)               # slots [lo, hi) whose table rows changed since the last sync
+        self.uploads = Uploads(self.device)   # a step's host->device copies, queued (no host wait)
         self.free_slots = list(range(S - 1, -1, -1))
         self.live: dict[int, weakref.ref] = {}
 
@@ -567,10 +569,10 @@ class KVCache:
         self._dirty = (min(d[0], lo), max(d[1], lo + 1 if hi is None else hi))
 
     def sync_tables(self) -> None:
-        """Copy the host block-table rows that changed to the device (one contiguous range of
-        slots per table; before a forward, never inside)."""
+        """Queue copies of the host block-table rows that changed to the device (one contiguous
+        range of slots per table; before a forward, never inside)."""
         lo, hi = self._dirty
         if lo < hi:
-            self.window_table_dev[lo:hi].copy_(torch.from_numpy(self.window_table[lo:hi]))
-            self.comp_table_dev[lo:hi].copy_(torch.from_numpy(self.comp_table[lo:hi]))
+            self.uploads.copy(self.window_table_dev[lo:hi], self.window_table[lo:hi])
+            self.uploads.copy(self.comp_table_dev[lo:hi], self.comp_table[lo:hi])
             self._dirty = (self.cc.max_requests, 0)

@@ -37,7 +37,7 @@ class DecodeGraphs:
         self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
         self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why
         self.pool = None                        # the memory these graphs share (made at the first recording)
-        self._host: dict[int, torch.Tensor] = {}  # bucket -> host staging buffer of the static inputs
+        self._host: dict[int, np.ndarray] = {}    # bucket -> host values of the static inputs
 
     def bucket(self, B: int) -> int | None:
         for b in self.buckets:
@@ -71,24 +71,12 @@ class DecodeGraphs:
                                               self.model.device, self.pool)
         return replay, inputs, logits
 
-    def _staging(self, b: int) -> torch.Tensor:
-        """The host buffer the static inputs of bucket b are filled from (page-locked when the
-        model is on an accelerator, so the one copy per step goes straight to the device)."""
-        buf = self._host.get(b)
-        if buf is None:
-            dev = self.model.device
-            try:
-                buf = torch.zeros(5, b, dtype=torch.int64, pin_memory=dev.type != "cpu")
-            except RuntimeError as e:          # no page-locked memory for this device: pageable
-                log.info("decode graphs: pageable input staging (%s)", e)
-                buf = torch.zeros(5, b, dtype=torch.int64)
-            self._host[b] = buf
-        return buf
-
     def run(self, ids, pos, slot, rows=None) -> torch.Tensor | None:
-        """Replay the decode step for B = len(ids) requests (host int64 numpy vectors: ids,
-        positions, slots; `rows`: the logits rows to return, default all); None when B is
-        larger than the largest bucket (the caller runs it eagerly)."""
+        """Replay the decode step for B = len(ids) requests (host int64 numpy vectors: positions,
+        slots; ids host numpy too, or a device tensor (`DeviceTokens`) copied on the device;
+        `rows`: the logits rows to return, default all); None when B is larger than the largest
+        bucket (the caller runs it eagerly). Nothing here waits for the device: the inputs go
+        over in one queued copy (`KVCache.uploads`), the replay is queued after it."""
         B = ids.shape[0]
         b = self.bucket(B)
         if b is None:
@@ -108,19 +96,24 @@ class DecodeGraphs:
                 self.eager += 1
                 return None
         replay, inputs, logits = self.graphs[key]
-        buf = self._staging(b)
-        h = buf.numpy()
-        h[0, :B], h[1, :B], h[2, :B] = ids, pos, slot
+        h = self._host.get(b)
+        if h is None:
+            h = self._host[b] = np.zeros((5, b), dtype=np.int64)
+        on_dev = isinstance(ids, torch.Tensor)
+        h[0, :B] = 0 if on_dev else ids
+        h[1, :B], h[2, :B] = pos, slot
         h[3, :B] = 1
         h[:4, B:] = 0                              # padding: every write skipped
         R = b + 1 if rows is None else rows.shape[0]
         if R <= b:
             h[4, :R] = np.where(rows < 0, rows + B, rows)
-        inputs.copy_(buf)                          # one host->device copy (blocking: the buffer is reused)
+        self.cache.uploads.copy(inputs, h)         # one host->device copy, queued
+        if on_dev:
+            inputs[0, :B].copy_(ids)               # device ids: a device-side copy, in stream order
         replay()
         self.replays += 1
         if rows is None:
             return logits[:B].clone()
         if R <= b:
             return logits.index_select(0, inputs[4, :R])
-        return logits[:B][torch.from_numpy(rows).to(logits.device)]
+        return logits[:B][self.cache.uploads.to_device(rows)]

@@ -43,6 +43,28 @@ def _host_long(a, what: str = "argument") -> np.ndarray:
 _ZERO = np.zeros(1, dtype=np.int64)
 
 
+class DeviceTokens:
+    """Token ids that stay on the model's device: `model.greedy_tokens(logits)` makes them (the
+    argmax of each logits row, so every id is in [0, vocab) by construction). `forward_batch`
+    takes them as `input_ids` without reading them back: the host never waits for the step that
+    produced them, so the next step is queued while that one still runs (an engine's async decode).
+    `tolist()` reads them (that waits)."""
+
+    __slots__ = ("tensor", "vocab")
+
+    def __init__(self, tensor: torch.Tensor, vocab: int) -> None:
+        self.tensor, self.vocab = tensor, vocab
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+    def tolist(self) -> list[int]:
+        return self.tensor.tolist()
+
+    def __repr__(self) -> str:
+        return f"DeviceTokens({len(self)} ids on {self.tensor.device})"
+
+
 class DSV4Model(nn.Module):
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
         super().__init__()
@@ -166,15 +188,15 @@ class DSV4ForCausalLM(nn.Module):
         return self._graph_why[1]
 
     # ------------------------------------------------------------------ validation
-    def _segments(self, ids, pos, rid, states):
-        """Validate a step on host metadata (numpy int64 vectors, vectorised over the tokens);
-        returns (starts, counts, segment states, start lengths), numpy but for the states."""
-        T = ids.shape[0]
+    def _segments(self, T, ids, pos, rid, states):
+        """Validate a step on host metadata (numpy int64 vectors, vectorised over the tokens; ids
+        None: `DeviceTokens`, in range by construction); returns (starts, counts, segment states,
+        start lengths), numpy but for the states."""
         if pos.shape[0] != T or rid.shape[0] != T:
             raise InputError(f"input_ids ({T}), positions ({pos.shape[0]}) and request_ids "
                              f"({rid.shape[0]}) must have the same length")
         V = self.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
+        if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= V):
             bad = ids[(ids < 0) | (ids >= V)][:5].tolist()
             raise InputError(f"input_ids: token ids out of vocabulary [0, {V}): {bad}")
         starts = np.concatenate((_ZERO, np.flatnonzero(rid[1:] != rid[:-1]) + 1))
@@ -224,7 +246,8 @@ class DSV4ForCausalLM(nn.Module):
                       states: Sequence[RequestState], logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """One step over flattened tokens.
 
-        input_ids, positions, request_ids: [T] int64. `request_ids[t]` indexes `states`; each
+        input_ids, positions, request_ids: [T] int64 (input_ids may also be `DeviceTokens`, from
+        `greedy_tokens`: then the host does not wait for them). `request_ids[t]` indexes `states`; each
         request's tokens are contiguous and their positions are `state.length, state.length+1, ...`
         (prefill: many tokens; decode: one; any mix of requests in one call).
         logits_rows: which flattened rows to return logits for (default all). Returns float32
@@ -232,9 +255,16 @@ class DSV4ForCausalLM(nn.Module):
         forward; a step that raises (bad input, full pool, an op error) leaves every request as
         it was. Decode steps (one token per request) replay a recorded device graph when possible.
         """
-        ids, pos, rid = (_host_long(a, w) for a, w in ((input_ids, "input_ids"), (positions, "positions"),
-                                                        (request_ids, "request_ids")))
-        T = ids.shape[0]
+        if isinstance(input_ids, DeviceTokens):
+            if input_ids.vocab != self.config.vocab_size or input_ids.tensor.device != self.device:
+                raise InputError(f"input_ids: DeviceTokens of vocabulary {input_ids.vocab} on "
+                                 f"{input_ids.tensor.device}; this model has vocabulary {self.config.vocab_size} "
+                                 f"on {self.device}")
+            ids, T = input_ids.tensor, len(input_ids)
+        else:
+            ids = _host_long(input_ids, "input_ids")
+            T = ids.shape[0]
+        pos, rid = (_host_long(a, w) for a, w in ((positions, "positions"), (request_ids, "request_ids")))
         rows = None
         if logits_rows is not None:
             rows = _host_long(logits_rows, "logits_rows")
@@ -246,7 +276,8 @@ class DSV4ForCausalLM(nn.Module):
                                  f"({rid.shape[0]}) must have the same length")
             n = 0 if rows is None else rows.size
             return torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        starts, counts, seg_states, start_len = self._segments(ids, pos, rid, states)
+        starts, counts, seg_states, start_len = self._segments(T, None if isinstance(ids, torch.Tensor) else ids,
+                                                               pos, rid, states)
         cache = self.cache
         plan = cache.prepare(seg_states, counts)     # raises with nothing changed
         try:
@@ -265,7 +296,8 @@ class DSV4ForCausalLM(nn.Module):
         return logits
 
     def _eager(self, ids, pos, counts, slots, start_len, rows) -> torch.Tensor:
-        """Build the step's metadata on the host (numpy), copy it to the device once, run the layers."""
+        """Build the step's metadata on the host (numpy), copy it to the device once (queued), run
+        the layers. ids: host numpy, or a device tensor (`DeviceTokens`), used as it is."""
         cache, dev = self.cache, self.device
         T = ids.shape[0]
         end_len = start_len + counts
@@ -277,9 +309,12 @@ class DSV4ForCausalLM(nn.Module):
         caps = [c for c in cache.ring_cap if c]
         ring_tok = np.flatnonzero(pos >= end - max(caps)) if caps else _ZERO[:0]
         widths = {m: int(end_len.max()) // m for m in cache.ratios}
-        parts = [ids, pos, slot, start, end, ring_tok, *emit] + ([rows] if rows is not None else [])
-        packed = torch.from_numpy(np.concatenate(parts)).to(dev)   # one host->device copy per step
+        on_dev = isinstance(ids, torch.Tensor)
+        parts = ([] if on_dev else [ids]) + [pos, slot, start, end, ring_tok, *emit] + ([rows] if rows is not None else [])
+        packed = cache.uploads.to_device(np.concatenate(parts))    # one host->device copy per step
         v = torch.split(packed, [p.shape[0] for p in parts])
+        if on_dev:
+            v = (ids, *v)
         # every eager step keeps the ring rows it replaces (keep_ring_rows): even a one-token step
         # overwrites position start - cap, which a truncation to `truncate_limit` may read again
         step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4], pad=None,
@@ -341,6 +376,17 @@ class DSV4ForCausalLM(nn.Module):
         return self.ops.all_gather(logits, -1, par.tp_group)[:, :self.config.vocab_size].contiguous()
 
     # ------------------------------------------------------------------ public API
+    def greedy_tokens(self, logits: torch.Tensor) -> DeviceTokens:
+        """The argmax of each row of `logits` [N, vocab] (as `forward_batch` returns them), left on
+        the device: pass it as the next step's input_ids and the host does not wait for this step."""
+        V = self.config.vocab_size
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] != V:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise InputError(f"greedy_tokens: logits must be [N, {V}]; got {got}")
+        if logits.device != self.device:
+            raise InputError(f"greedy_tokens: logits on {logits.device}; the model is on {self.device}")
+        return DeviceTokens(logits.argmax(-1), V)
+
     @torch.no_grad()
     def logits(self, input_ids) -> torch.Tensor:
         """One full prefill of one sequence from a fresh state: float32 logits [seq, vocab]."""
