@@ -326,6 +326,51 @@ def test_generate_continuous_batching_equals_one_request_at_a_time(tiny):
     assert not tiny.cache.live and len(tiny.cache.free_slots) == 2
 
 
+def _greedy_alone(m, prompt, max_new, eos):
+    """The oracle: one request, host ids every step, stop at max_new or eos."""
+    st = m.new_state()
+    try:
+        lg = _prefill(m, st, torch.tensor(prompt))[-1:]
+        out = []
+        while True:
+            out.append(int(lg.argmax(-1)))
+            if len(out) >= max_new or out[-1] == eos:
+                return out
+            lg = _decode(m, [st], out[-1:])
+    finally:
+        st.release()
+
+
+def test_generate_queued_steps_equal_the_host_loop(tiny):
+    """generate feeds all-decode steps the last step's tokens on the device and reads them one
+    step late: the results equal a plain host loop per prompt, with eos stops (found one step
+    late: that request's extra step is dropped), max_new stops, and slots reused by waiting
+    prompts; most decode steps take the queued path."""
+    from dsv4core.model.model import DeviceTokens
+
+    prompts = [list(range(5, 45)), [3, 4], list(range(100, 133)), [7] * 20, [9, 8, 7, 6]]
+    free = [_greedy_alone(tiny, p, 12, None) for p in prompts]
+    eos = free[0][3]                                   # a token the first prompt emits early
+    want = [_greedy_alone(tiny, p, 12, eos) for p in prompts]
+    assert any(len(w) < 12 for w in want)              # some request stops at eos
+    tiny.configure_cache(max_requests=2, max_tokens=2048, max_request_tokens=512, max_step_tokens=64)
+    seen = []
+    fb = tiny.forward_batch
+
+    def spy(ids, *a, **k):
+        seen.append(isinstance(ids, DeviceTokens))
+        return fb(ids, *a, **k)
+
+    tiny.forward_batch = spy
+    try:
+        assert tiny.generate(prompts, 12, eos_token_id=eos) == want
+        assert tiny.generate(prompts, 12) == free
+    finally:
+        del tiny.forward_batch
+    assert sum(seen) > len(seen) / 2, seen
+    assert not tiny.cache.live and len(tiny.cache.free_slots) == 2
+
+
 # ------------------------------------------------------------------ the index builder (pure)
 
 def test_index_builder_against_a_python_model():

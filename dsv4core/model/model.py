@@ -496,44 +496,89 @@ class _Scheduler:
             free_blocks -= need
 
     def run(self, out: list[list[int]]) -> None:
-        total = len(self.prompts) * self.max_new
-        while self.waiting or self.running:
-            self._admit()
-            ids, pos, rid, rows, owners, states = [], [], [], [], [], []
-            budget = self.cache.cc.max_step_tokens
-            for i, (st, used) in self.running.items():
-                p = self.prompts[i]
-                if used < len(p):                      # prefill chunk
-                    n = min(self.chunk, len(p) - used, budget)
-                    if n <= 0:
-                        continue
-                    seg = p[used:used + n]
-                    self.running[i][1] = used + n
-                    last = used + n == len(p)
-                else:                                  # decode
-                    if budget <= 0:
-                        continue
-                    seg, n, last = [out[i][-1]], 1, True
-                budget -= n
-                r = len(states)
-                states.append(st)
-                ids += seg
-                pos += range(st.length, st.length + n)
-                rid += [r] * n
-                if last:
-                    rows.append(len(ids) - 1)
-                    owners.append(i)
-            lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
-                                          logits_rows=torch.tensor(rows, dtype=torch.int64))
-            for i, tok in zip(owners, lg.argmax(-1).tolist()):
-                out[i].append(tok)
-                self.done += 1
-                if len(out[i]) >= self.max_new or tok == self.eos:
-                    self.done += self.max_new - len(out[i])
-                    st, _ = self.running.pop(i)
-                    st.release()
-            if self.progress is not None:
-                self.progress(self.done, total)
+        """Steps until every prompt is done. A step's tokens are read back one step late when the
+        next step can be built without them: all running requests decode, none is admitted. Then
+        the next step takes them as `DeviceTokens` and is queued before the host waits for them,
+        so the host's bookkeeping overlaps the device's step. A request found finished (eos) in
+        the read-back ran one step too many; that step's token is dropped."""
+        self.total = len(self.prompts) * self.max_new
+        pending = None                    # (owners, DeviceTokens) of the last step, not read yet
+        while self.waiting or self.running or pending:
+            nxt = self._queued_step(out, *pending) if pending else None
+            if pending:
+                self._take(out, *pending)
+            if nxt is None:
+                if not (self.waiting or self.running):
+                    break
+                nxt = self._host_step(out)
+            pending = nxt
+
+    def _queued_step(self, out, owners, toks):
+        """The next all-decode step fed the pending tokens (`toks`, one per owner) on the device,
+        or None when it needs them on the host first: a prefill chunk or a request without a
+        pending token, a possible admission, more tokens than a step takes."""
+        run = self.running
+        if any(run[i][1] < len(self.prompts[i]) for i in run):
+            return None
+        # finishing with the pending token (max_new; an eos shows only when it is read)
+        done_now = {i for i in owners if i in run and len(out[i]) + 1 >= self.max_new}
+        keep = [k for k, i in enumerate(owners) if i in run and i not in done_now]
+        if not keep or len(keep) + len(done_now) != len(run) or len(keep) > self.cache.cc.max_step_tokens:
+            return None
+        if self.waiting and (done_now or self.cache.free_slots):
+            return None                   # a slot is (or becomes) free: admit, on the host path
+        sel = [owners[k] for k in keep]
+        states = [self.running[i][0] for i in sel]
+        ids = toks if len(keep) == len(owners) else DeviceTokens(
+            toks.tensor.index_select(0, self.cache.uploads.to_device(np.array(keep, dtype=np.int64))), toks.vocab)
+        lg = self.model.forward_batch(ids, torch.tensor([st.length for st in states]),
+                                      torch.arange(len(states)), states)
+        return sel, self.model.greedy_tokens(lg)
+
+    def _host_step(self, out):
+        """A step built from host values: admissions, prefill chunks, decode tokens read back."""
+        self._admit()
+        ids, pos, rid, rows, owners, states = [], [], [], [], [], []
+        budget = self.cache.cc.max_step_tokens
+        for i, (st, used) in self.running.items():
+            p = self.prompts[i]
+            if used < len(p):                      # prefill chunk
+                n = min(self.chunk, len(p) - used, budget)
+                if n <= 0:
+                    continue
+                seg = p[used:used + n]
+                self.running[i][1] = used + n
+                last = used + n == len(p)
+            else:                                  # decode
+                if budget <= 0:
+                    continue
+                seg, n, last = [out[i][-1]], 1, True
+            budget -= n
+            r = len(states)
+            states.append(st)
+            ids += seg
+            pos += range(st.length, st.length + n)
+            rid += [r] * n
+            if last:
+                rows.append(len(ids) - 1)
+                owners.append(i)
+        lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
+                                      logits_rows=torch.tensor(rows, dtype=torch.int64))
+        return owners, self.model.greedy_tokens(lg)
+
+    def _take(self, out, owners, toks) -> None:
+        """Read a step's tokens (this waits for it): append, and retire finished requests."""
+        for i, tok in zip(owners, toks.tolist()):
+            if i not in self.running:          # finished (eos) in the step before: one step too many
+                continue
+            out[i].append(tok)
+            self.done += 1
+            if len(out[i]) >= self.max_new or tok == self.eos:
+                self.done += self.max_new - len(out[i])
+                st, _ = self.running.pop(i)
+                st.release()
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
     def release_all(self) -> None:
         for st, _ in self.running.values():
