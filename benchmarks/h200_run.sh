@@ -13,6 +13,8 @@
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
+#   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels)
+#   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes)
 set -uo pipefail
 steps=${1:-e2e}
 OUT=${OUT:-/tmp/dsv4core-out}
@@ -75,6 +77,15 @@ vendor() {   # every table at small shapes, then the flash shapes for as many ta
     --json "$OUT/conformance-vendor-tables-h200-small.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
   timeout ${VENDOR_FLASH_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes flash \
     --json "$OUT/conformance-vendor-tables-h200-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
+}
+tune() {
+  timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} \
+    --json "$OUT/tune-h200-flash.json" 2>&1 | tail -${TUNE_LINES:-5}
+}
+bench() {
+  timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile \
+    ${BENCH_OPS:+--ops $BENCH_OPS} --json "$OUT/bench-cuda-h200-flash.json" --markdown "$OUT/bench-cuda-h200-flash.md" \
+    2>&1 | tail -${BENCH_LINES:-50}
 }
 for group in ${steps//,/ }; do
   echo "=== $group $(date +%T)"
