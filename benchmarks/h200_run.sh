@@ -8,7 +8,7 @@
 # steps:
 #   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
 #           conformance; those that fail stay unserved for the steps after it
-#   conf    conformance --backend cuda (small, flash, pro)
+#   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all)
 #   e2e     graph-vs-eager test + benchmarks/e2e_decode.py (PEER=1: transformers eager too)
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
@@ -51,7 +51,7 @@ print(sys.argv[1] if bad is None else ','.join(bad))" "$ops")
 }
 conf() {
   timeout ${CONF_LIMIT:-330} python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
-    --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -30
+    ${CONF_OPS:+--ops $CONF_OPS} --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -30
 }
 e2e() {
   local peer=""
