@@ -36,6 +36,9 @@ SWEEPS = [
     ("moe_experts", moe, (1, 64), [{}, {"BNu": 32}, {"BNd": 128}]),
     ("moe_experts", moe, (4096,), [{}, {"BM": 64, "BNd": 64, "num_warps": 4}]),
     ("moe_experts_fp8", moe, (1, 4096), [{}, {"BK": 128}]),
+    # the shared expert (E = 1): {} shrinks the N blocks to fill the SMs; the rest are fixed choices
+    ("moe_experts_shared", moe, (1, 8, 64), [{}, {"BNu": 64, "BNd": 128}, {"BNu": 32, "BNd": 64},
+                                             {"BNu": 16, "BNd": 64}, {"BNu": 16, "BNd": 32, "num_warps": 2}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
 ]
 

@@ -23,7 +23,8 @@ import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
                "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
-               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4")
+               "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4",
+               "moe_experts_shared")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -147,6 +148,13 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
                   correction_bias=rn(E, dt=torch.float32, s=0.1))
         return BenchCase("moe_route", label, kw, T * E * 4 + E * 4 + T * k * 8, T * E * (10 + 2 * k),
                          f"sqrtsoftplus top-{k} of {E} with a selection bias")
+    if label == "moe_experts_shared":   # the shared expert: one expert, every token, weight 1
+        I = D["I"]
+        kw = dict(x=rn(T, H), ids=torch.zeros(T, 1, dtype=torch.int32, device=device),
+                  weights=torch.ones(T, 1, device=device), w13=rn(1, 2 * I, H, s=H ** -0.5),
+                  w2=rn(1, H, I, s=I ** -0.5), swiglu_limit=10.0)
+        return BenchCase("moe_experts", label, kw, 3 * I * H * es + 2 * T * H * es, T * 6 * H * I,
+                         f"bf16; the shared expert (one expert, k=1), I={I}")
     if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4"):
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, cdiv, interp, np2, rne, to_out
+from ._util import c, cdiv, interp, np2, rne, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, _FP8
 
@@ -324,9 +324,11 @@ def _route(ids, E: int, BM: int):
     return starts, tcum, tok, inv
 
 
-def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
+def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
-    benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128."""
+    benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128.
+    Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
+    than the device has SMs (`programs` / 2): the N blocks shrink until they do not."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
@@ -337,6 +339,14 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool):
         cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
     else:
         cfg = (128, 64, 128, 128 if fp8 else 64, 8, 3)
+    if not ieee:
+        BM, BNu, BNd = cfg[:3]
+        tiles = max(min(E, P), cdiv(P, BM))        # row tiles with work (about)
+        while BNu > 16 and tiles * cdiv(I, BNu) < programs // 2:
+            BNu //= 2
+        while BNd > 32 and tiles * cdiv(H, BNd) < programs // 2:
+            BNd //= 2
+        cfg = (BM, BNu, BNd) + cfg[3:]
     if TUNE:
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]
@@ -362,7 +372,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
     fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
-    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8)
+    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev))
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
 
