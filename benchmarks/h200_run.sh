@@ -13,6 +13,9 @@
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
+#   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
+#           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
+#           conformance and their timings beside ours
 set -uo pipefail
 steps=${1:-e2e}
 OUT=${OUT:-/tmp/dsv4core-out}
@@ -75,6 +78,10 @@ vendor() {   # every table at small shapes, then the flash shapes for as many ta
     --json "$OUT/conformance-vendor-tables-h200-small.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
   timeout ${VENDOR_FLASH_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes flash \
     --json "$OUT/conformance-vendor-tables-h200-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
+}
+fimhc() {
+  DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
+    timeout ${FIMHC_LIMIT:-240} python3 benchmarks/flashinfer_mhc.py --json "$OUT/flashinfer-mhc-h200.json" 2>&1 | tail -30
 }
 for group in ${steps//,/ }; do
   echo "=== $group $(date +%T)"

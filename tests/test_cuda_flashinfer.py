@@ -259,3 +259,30 @@ def test_build_command_and_cache(monkeypatch, tmp_path):
     assert (tmp_path / "calls").read_text().count("call") == 1
     (tmp_path / "src" / fim.SOURCES[0]).write_text("// changed\n")
     assert fim.build(os.environ[fim.SRC_ENV], progress=msgs.append) != lib                       # new key
+
+
+# ---------------------------------------------------------------------------------------------
+# dsv4core bench times a provider beside the backend
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_times_the_provider_beside_the_backend(inject, monkeypatch):
+    from dsv4core import bench
+
+    # the ceilings are not what is tested here (a CPU bf16 8192^2-class matmul is slow)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device, timer: {"copy_GBps": 10.0, "bf16_mm_TFLOPs": 0.1})
+    inject(_backend(_emulated()))
+    assert fim.NAME in bench.peer_backends("reference", "cpu", "auto")
+    assert "reference" not in bench.peer_backends("cuda-flashinfer", "cpu", "auto")
+    assert bench.peer_backends("reference", "cpu", "none") == {}
+    lines = []
+    res = bench.run_bench("reference", ops=("hc_post", "hc_pre"), shapes="small", tokens=(1, 7), device="cpu",
+                          compile_ref=False, reps=3, log=lines.append, compare=fim.NAME)
+    rows = [r for r in res["rows"] if r["status"] == "ok"]
+    assert len(rows) == 4
+    for r in rows:
+        p = r["peers"][fim.NAME]
+        assert p["status"] == "ok" and p["us"] > 0 and p["peer_over_ours"] == pytest.approx(p["us"] / r["us"])
+        assert p["max_rel_err_vs_ref"] < 2 ** -7, (r["op"], p)     # bf16 outputs
+    assert any(f"vs {fim.NAME}:" in line for line in lines)
+    md = bench.markdown(dict(res, device_name="cpu"))
+    assert "Peers timed in the same run" in md and f"| hc_pre | 7 | {fim.NAME} |" in md
