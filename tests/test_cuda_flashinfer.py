@@ -79,7 +79,7 @@ def test_probe_names_each_missing_piece(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     have = {"flashinfer": False, "tvm_ffi": False}
-    monkeypatch.setattr(fim, "_find_spec", lambda n: have.get(n, False))
+    monkeypatch.setattr(fim, "found", lambda n: have.get(n, False))
     monkeypatch.delenv(fim.SRC_ENV, raising=False)
     ok, why = fim.available()
     assert not ok and "flashinfer is not installed and DSV4CORE_FLASHINFER_SRC is not set" in why
@@ -219,7 +219,7 @@ def _source_setup(monkeypatch, tmp_path, body):
     monkeypatch.setenv(fim.SRC_ENV, str(src))
     monkeypatch.setenv(fim.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv("CUDA_HOME", str(_fake_nvcc(tmp_path, body)))
-    monkeypatch.setattr(fim, "_find_spec", lambda n: n == "tvm_ffi")
+    monkeypatch.setattr(fim, "found", lambda n: n == "tvm_ffi")
     monkeypatch.setattr(fim, "_tvm_ffi_paths", lambda: ([str(tmp_path)], str(tmp_path)))
     monkeypatch.setattr(fim, "_arch", lambda index=0: "90")
 

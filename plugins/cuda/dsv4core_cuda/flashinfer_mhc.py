@@ -82,9 +82,9 @@ def _nvcc() -> str | None:
         home = os.environ.get(var)
         if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
             return os.path.join(home, "bin", "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path
     default = "/usr/local/cuda/bin/nvcc"
     return default if os.access(default, os.X_OK) else None
 
@@ -101,7 +101,8 @@ def source_problem(src: str) -> str:
     return ""
 
 
-def _find_spec(name: str) -> bool:
+def found(name: str) -> bool:
+    """``name`` is importable (found without importing it)."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -111,7 +112,7 @@ def _find_spec(name: str) -> bool:
 def origin() -> tuple[str, str]:
     """Where the kernels would come from, without importing or building: ``("package", "")``,
     ``("source", folder)`` or ``("", why neither)``."""
-    if _find_spec("flashinfer"):
+    if found("flashinfer"):
         return "package", ""
     src = os.environ.get(SRC_ENV, "")
     if not src:
@@ -120,7 +121,7 @@ def origin() -> tuple[str, str]:
     why = source_problem(src)
     if why:
         return "", why
-    if not _find_spec("tvm_ffi"):
+    if not found("tvm_ffi"):
         return "", f"{SRC_ENV} is set but apache-tvm-ffi is not installed (pip install apache-tvm-ffi)"
     if _nvcc() is None:
         return "", f"{SRC_ENV} is set but nvcc was not found (CUDA_HOME, PATH, /usr/local/cuda)"
@@ -193,7 +194,7 @@ def build(src: str, cache: str | None = None, arch: str | None = None, nvcc: str
     cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
            *(f"-I{p}" for p in [*includes, str(root / "csrc"), str(root / "include")]),
            *(str(root / f) for f in SOURCES),
-           f"-L{libdir}", "-ltvm_ffi", f"-Xlinker=-rpath={libdir}", "-o", str(tmp)]
+           f"-L{libdir}", "-ltvm_ffi", "-Xlinker", f"-rpath={libdir}", "-o", str(tmp)]
     progress(f"building FlashInfer's mHC kernels for sm_{arch} with {nvcc} (once; ~20 s) into {out_dir}")
     t0 = time.perf_counter()
     try:

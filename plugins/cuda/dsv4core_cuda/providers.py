@@ -31,19 +31,10 @@ Each entry below: the import name, then the ops it serves or would serve.
 """
 from __future__ import annotations
 
-import importlib.util
-
 PROVIDERS = {
     "flashinfer": ("flashinfer", "hc_post / hc_pre via mhc_post / mhc_pre_big_fuse (hc_mult 4)"),
     "deep_gemm": ("deep_gemm", "linear / wo_a via its SM90 FP8 GEMM and einsum"),
 }
-
-
-def _found(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def status() -> dict[str, str]:
@@ -58,7 +49,7 @@ def status() -> dict[str, str]:
             out[name] = (f"backend {flashinfer_mhc.NAME!r} ({how}; serves {ops})" if how
                          else f"backend {flashinfer_mhc.NAME!r} not usable: {where}")
         else:
-            out[name] = (f"importable, not wired (would serve {ops}; see providers.py)" if _found(module)
+            out[name] = (f"importable, not wired (would serve {ops}; see providers.py)" if flashinfer_mhc.found(module)
                          else f"not installed (would serve {ops})")
     return out
 
