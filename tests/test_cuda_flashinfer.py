@@ -239,7 +239,7 @@ def test_build_failure_is_reported_once_and_the_call_falls_back(monkeypatch, tmp
     assert b.backend == fim.NAME and b.runtime_fallbacks == 2
     assert "nvcc exited with status 2" in caplog.text and "error: boom" in caplog.text
     assert "declined a call" in caplog.text and "next: 'reference'" in caplog.text
-    assert (tmp_path / "calls").read_text().count("call") == 1          # built once, never retried
+    assert (tmp_path / "calls").read_text().count("call") == 2          # the two compiles once, never retried
     assert "building FlashInfer's mHC kernels for sm_90" in capsys.readouterr().err
     assert list((tmp_path / "cache").glob("*/build.log"))
 
@@ -252,11 +252,12 @@ def test_build_command_and_cache(monkeypatch, tmp_path):
     assert lib.is_file() and lib.name == "flashinfer_mhc.so" and "sm90-" in lib.parent.name
     log_text = (lib.parent / "build.log").read_text()
     for flag in ("-O3", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90", "-ltvm_ffi", "mhc_post.cu",
-                 "mhc_pre_big_fuse.cu", f"-I{os.environ[fim.SRC_ENV]}/include"):
+                 "mhc_pre_big_fuse.cu", f"-I{os.environ[fim.SRC_ENV]}/include", "-shared"):
         assert flag in log_text, flag
+    assert not list(lib.parent.glob("*.o")) and not list(lib.parent.glob("*.tmp"))
     assert len(msgs) == 2 and msgs[1].startswith("built ")
     assert fim.build(os.environ[fim.SRC_ENV], progress=msgs.append) == lib and len(msgs) == 2   # cached
-    assert (tmp_path / "calls").read_text().count("call") == 1
+    assert (tmp_path / "calls").read_text().count("call") == 3        # two compiles and a link, once
     (tmp_path / "src" / fim.SOURCES[0]).write_text("// changed\n")
     assert fim.build(os.environ[fim.SRC_ENV], progress=msgs.append) != lib                       # new key
 

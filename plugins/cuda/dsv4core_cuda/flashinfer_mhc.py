@@ -71,7 +71,7 @@ SRC_ENV, CACHE_ENV = "DSV4CORE_FLASHINFER_SRC", "DSV4CORE_FLASHINFER_CACHE"
 SOURCES = ("csrc/mhc/mhc_post.cu", "csrc/mhc/mhc_pre_big_fuse.cu")
 HEADERS = ("csrc/tvm_ffi_utils.h", "include/flashinfer/layout.cuh")
 #: FlashInfer's default JIT flags for these files (flashinfer/jit/core.py: -O3, -DNDEBUG, fast math)
-NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-use_fast_math", "-Xcompiler", "-fPIC", "-shared")
+NVCC_FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-use_fast_math", "-Xcompiler", "-fPIC")
 BUILD_TIMEOUT_S = 600
 _I32 = 2 ** 31 - 1
 
@@ -162,6 +162,18 @@ def _nvcc_version(nvcc: str) -> str:
     return p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else f"unknown ({nvcc})"
 
 
+def _run_parallel(cmds) -> list[tuple[list[str], str, int]]:
+    """Run ``cmds`` at the same time; (command, combined output, exit status) of each."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    try:
+        return [(c, p.communicate(timeout=BUILD_TIMEOUT_S)[0] or "", p.returncode) for c, p in zip(cmds, procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def build(src: str, cache: str | None = None, arch: str | None = None, nvcc: str | None = None,
           progress=None) -> Path:
     """Compile FlashInfer's two mHC sources into one shared library (once: a cached build with
@@ -191,21 +203,31 @@ def build(src: str, cache: str | None = None, arch: str | None = None, nvcc: str
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"flashinfer_mhc.{os.getpid()}.so.tmp"
-    cmd = [nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
-           *(f"-I{p}" for p in [*includes, str(root / "csrc"), str(root / "include")]),
-           *(str(root / f) for f in SOURCES),
-           f"-L{libdir}", "-ltvm_ffi", "-Xlinker", f"-rpath={libdir}", "-o", str(tmp)]
+    objs = [out_dir / f"{Path(f).stem}.{os.getpid()}.o" for f in SOURCES]
+    flags = [*NVCC_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
+             *(f"-I{p}" for p in [*includes, str(root / "csrc"), str(root / "include")])]
+    # one nvcc per file, in parallel; then one link against libtvm_ffi
+    compiles = [[nvcc, *flags, "-c", str(root / f), "-o", str(o)] for f, o in zip(SOURCES, objs)]
+    link = [nvcc, "-shared", *map(str, objs), f"-L{libdir}", "-ltvm_ffi", "-Xlinker", f"-rpath={libdir}",
+            "-o", str(tmp)]
     progress(f"building FlashInfer's mHC kernels for sm_{arch} with {nvcc} (once; ~20 s) into {out_dir}")
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        results = _run_parallel(compiles)
+        if all(rc == 0 for _, _, rc in results):
+            results += _run_parallel([link])
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(f"nvcc did not run to completion ({type(e).__name__}: {e}); command: {' '.join(cmd)}") from e
-    (out_dir / "build.log").write_text(" ".join(cmd) + "\n\n" + p.stdout + p.stderr)
-    if p.returncode != 0:
+        raise BuildError(f"nvcc did not run to completion ({type(e).__name__}: {e}); command: {' '.join(compiles[0])}") from e
+    finally:
+        for o in objs:
+            o.unlink(missing_ok=True)
+    (out_dir / "build.log").write_text("\n".join(f"{' '.join(c)}\n{out}[exit {rc}]\n" for c, out, rc in results))
+    failed = [(out, rc) for _, out, rc in results if rc != 0]
+    if failed or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-12:])
-        raise BuildError(f"nvcc exited with status {p.returncode} (full log: {out_dir / 'build.log'}):\n{tail}")
+        out, rc = failed[0] if failed else ("the link step wrote no library", 0)
+        tail = "\n".join(out.strip().splitlines()[-12:])
+        raise BuildError(f"nvcc exited with status {rc} (full log: {out_dir / 'build.log'}):\n{tail}")
     os.replace(tmp, lib)   # atomic: a concurrent build of the same key leaves one valid file
     progress(f"built {lib} in {time.perf_counter() - t0:.1f} s")
     return lib
@@ -223,6 +245,12 @@ def _load_package():
 
 def _load_source(src: str):
     lib = build(src)
+    if not (hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or found("torch_c_dlpack_ext")):
+        # this torch predates the DLPack exchange API: importing tvm_ffi would JIT-build its torch
+        # addon (a torch C++ extension, minutes). Its per-call Python DLPack path is used instead
+        # (same tensors and current stream; more host time per eager call). pip install
+        # torch-c-dlpack-ext for the fast path.
+        os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
     import tvm_ffi
 
     return tvm_ffi.load_module(str(lib))
