@@ -15,6 +15,9 @@
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
 #   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels)
 #   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes)
+#   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
+#           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
+#           conformance and their timings beside ours
 set -uo pipefail
 steps=${1:-e2e}
 OUT=${OUT:-/tmp/dsv4core-out}
@@ -83,9 +86,14 @@ tune() {
     --json "$OUT/tune-h200-flash.json" 2>&1 | tail -${TUNE_LINES:-5}
 }
 bench() {
-  timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile \
+  DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
+    timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile \
     ${BENCH_OPS:+--ops $BENCH_OPS} --json "$OUT/bench-cuda-h200-flash.json" --markdown "$OUT/bench-cuda-h200-flash.md" \
     2>&1 | tail -${BENCH_LINES:-50}
+}
+fimhc() {
+  DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
+    timeout ${FIMHC_LIMIT:-240} python3 benchmarks/flashinfer_mhc.py --json "$OUT/flashinfer-mhc-h200.json" 2>&1 | tail -30
 }
 for group in ${steps//,/ }; do
   echo "=== $group $(date +%T)"

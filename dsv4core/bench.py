@@ -8,6 +8,10 @@ flushed before every timed call, i.e. cold-L2 numbers comparable with PERF-ANCHO
 the op must move and its FLOPs (each input read once, each output written once), achieved GB/s and
 TFLOP/s, % of the copy bandwidth and of the bf16 matmul rate **measured in the same run**, and the
 speedup over the reference backend and over ``torch.compile`` of the reference.
+
+Peers (``--compare``, default ``auto``: every other available backend serving the device, e.g. the
+cuda plugin's ``cuda-flashinfer`` beside ``cuda``): each op a peer implements and accepts is timed
+the same way in the same run, and the row gets its time and ``peer µs / our µs``.
 """
 from __future__ import annotations
 
@@ -302,9 +306,55 @@ def get_backend(name: str):
     return got[0]
 
 
+def peer_backends(backend: str, device, compare="auto") -> dict:
+    """name -> Backend of the peers to time beside ``backend``: ``"none"``, ``"auto"`` (every other
+    available, non-reference backend serving ``device``'s type, by priority) or a comma list."""
+    from dsv4core.hal import discover
+
+    if not compare or compare == "none":
+        return {}
+    dev_type = torch.device(device).type
+    if compare == "auto":
+        sts = sorted(discover().values(), key=lambda st: (-st.priority, st.name))
+        return {st.name: st.backend for st in sts
+                if st.name not in (backend, "reference") and st.available and st.backend is not None
+                and st.backend.serves(dev_type) and st.backend.impls}
+    return {name: get_backend(name) for name in (n.strip() for n in compare.split(",")) if name and name != backend}
+
+
+def _rel_err(got, want) -> float:
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    errs = [float((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30))
+            for g, w in zip(got, want) if w.numel()]
+    return max(errs) if errs else 0.0
+
+
+def _time_peers(peers: dict, case: BenchCase, t_ours: float, want, timer: Timer, reps: int, log) -> dict:
+    out = {}
+    for name, pb in peers.items():
+        impl = pb.impls.get(case.op)
+        if impl is None:
+            continue
+        kw = case.kwargs
+        try:
+            if impl.supports is not None and not impl.supports(**kw):
+                out[name] = dict(status="declined", detail=impl.why_not(**kw) if impl.why_not else "")
+                continue
+            t = timer.time(lambda: impl.fn(**kw), reps=reps, graph=case.graphable)
+            out[name] = dict(status="ok", us=t * 1e6, graphed=timer.last_graphed, peer_over_ours=t / t_ours,
+                             max_rel_err_vs_ref=_rel_err(impl.fn(**kw), want))
+        except Exception as e:  # noqa: BLE001 - a peer's failure is recorded, never fatal
+            out[name] = dict(status="error", detail=f"{type(e).__name__}: {str(e)[:300]}")
+        r = out[name]
+        log(f"    vs {name}: " + (f"{r['us']:.1f} us = {r['peer_over_ours']:.2f} x ours, err {r['max_rel_err_vs_ref']:.1e}"
+                                  if r["status"] == "ok" else f"{r['status']} {r.get('detail', '')}"))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ run
 def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096), device=None,
-              compile_ref=True, reps=20, log=print, partial_json=None) -> dict:
+              compile_ref=True, reps=20, log=print, partial_json=None, compare="auto") -> dict:
     from dsv4core.hal import catalogue
 
     b = get_backend(backend)
@@ -312,6 +362,9 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
     timer = Timer(device)
     ceil = measure_ceilings(device, timer)
     log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s")
+    peers = peer_backends(backend, device, compare)
+    if peers:
+        log(f"# timed beside {backend}: {', '.join(peers)} (peer µs / our µs per row)")
     specs = catalogue()
     rows = []
     compiled = {}
@@ -352,14 +405,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                        roofline_us=1e6 * max(case.bytes / (ceil["copy_GBps"] * 1e9),
                                              case.flops / (ceil["bf16_mm_TFLOPs"] * 1e12)))
             # accuracy spot check against the reference (bf16 outputs: expect ~1e-2 or better)
-            got, want = impl.fn(**kw), ref(**kw)
-            got = got if isinstance(got, tuple) else (got,)
-            want = want if isinstance(want, tuple) else (want,)
-            errs = []
-            for g, w in zip(got, want):
-                if w.numel():
-                    errs.append(float((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)))
-            row["max_rel_err_vs_ref"] = max(errs) if errs else 0.0
+            want = ref(**kw)
+            row["max_rel_err_vs_ref"] = _rel_err(impl.fn(**kw), want)
             if compile_ref:
                 try:
                     if case.op not in compiled:
@@ -375,6 +422,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                     row["compiled_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             log(_fmt_row(row))
+            if peers:
+                row["peers"] = _time_peers(peers, case, t, want, timer, reps, log)
             if partial_json:  # keep what was measured if the run is cut short
                 with open(partial_json, "w") as f:
                     json.dump(dict(backend=backend, shapes=shapes, ceilings=ceil, rows=rows), f, indent=1)
@@ -410,7 +459,12 @@ def markdown(result: dict) -> str:
              f"TFLOP/s**.", "",
              "| op | T | µs | eager µs | roofline µs | GB/s | % copy | TFLOP/s | % mm | reference µs | × ref | compiled ref µs | × compiled | max rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    peer_rows = []
     for r in result["rows"]:
+        for name, p in (r.get("peers") or {}).items():
+            peer_rows.append(f"| {r['op']} | {r['T']} | {name} | " + (
+                f"{r['us']:.1f} | {p['us']:.1f} | {p['peer_over_ours']:.2f} | {p['max_rel_err_vs_ref']:.1e} |"
+                if p["status"] == "ok" else f"{r['us']:.1f} | {p['status']} | | |"))
         if r.get("status") != "ok":
             lines.append(f"| {r['op']} | {r['T']} | {r.get('status')} | | | | | | | | | | | |")
             continue
@@ -418,6 +472,11 @@ def markdown(result: dict) -> str:
                      f"{r['pct_copy']:.0f} | {r['TFLOPs']:.1f} | {r['pct_mm']:.1f} | {r['ref_us']:.1f} | "
                      f"{r['speedup_ref']:.1f} | {_f(r.get('compiled_us'), '.1f')} | "
                      f"{_f(r.get('speedup_compiled'), '.2f')} | {r['max_rel_err_vs_ref']:.1e} |")
+    if peer_rows:
+        lines += ["", f"Peers timed in the same run (same cold-L2 graph-replay timing; ratio = peer µs / "
+                      f"`{result['backend']}` µs, above 1 = ours faster):", "",
+                  "| op | T | peer | ours µs | peer µs | peer / ours | peer max rel err |", "|---|---|---|---|---|---|---|",
+                  *peer_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -432,13 +491,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default=None, help="torch device (default: the backend's first device type)")
+    p.add_argument("--compare", default="auto",
+                   help="peers timed beside the backend: auto (every other available backend serving the "
+                        "device, e.g. cuda-flashinfer beside cuda), none, or a comma list of backend names")
 
 
 def run_args(args) -> int:
     ops = [o for o in args.ops.split(",") if o]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
-                    reps=args.reps, partial_json=(args.json + ".partial") if args.json else None)
+                    reps=args.reps, partial_json=(args.json + ".partial") if args.json else None,
+                    compare=args.compare)
     md = markdown(res)
     print(md)
     if args.json:

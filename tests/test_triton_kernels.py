@@ -78,9 +78,10 @@ def test_registration_matches_contract_without_importing_triton():
             "got = []\n"
             "dsv4core_cuda.dsv4core_register_backends(register=got.append)\n"
             "ip.dsv4core_register_backends(register=got.append)\n"
-            "assert [b.name for b in got] == ['cuda', 'triton-interpret'], got\n"
+            "assert [b.name for b in got] == ['cuda', 'cuda-flashinfer', 'triton-interpret'], got\n"
             "assert 'triton' not in sys.modules, 'registration imported triton'\n"
-            "print(got[0].available()); print(got[1].available())\n")
+            "assert 'flashinfer' not in sys.modules and 'tvm_ffi' not in sys.modules\n"
+            "print(got[0].available()); print(got[2].available())\n")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "plugins", "cuda"),

@@ -59,3 +59,18 @@ def install_ascend(monkeypatch, *, with_vllm_ascend=True):
     ns = types.SimpleNamespace(**({name: getattr(e, name) for name in e.C_ASCEND} if with_vllm_ascend else {}))
     monkeypatch.setattr(torch.ops, "_C_ascend", ns, raising=False)
     return e
+
+
+def install_flashinfer(monkeypatch, *, with_get_module=True):
+    """Put an emulated ``flashinfer`` / ``flashinfer.mhc`` (``get_mhc_module()`` returning the raw
+    mHC functions) into sys.modules."""
+    import importlib.machinery
+
+    from . import flashinfer_emul as e
+
+    attrs = {"get_mhc_module": lambda: e.Module()} if with_get_module else {}
+    mods = _modules({"flashinfer": {"__version__": "0.7.2.post1"}, "flashinfer.mhc": attrs})
+    for name, m in mods.items():
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        monkeypatch.setitem(sys.modules, name, m)
+    return e

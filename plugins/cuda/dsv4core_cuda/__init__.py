@@ -1,7 +1,9 @@
-"""dsv4core backend "cuda": the portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs.
+"""dsv4core backends "cuda" (the portable Triton kernels of dsv4core.kernels.triton on NVIDIA GPUs)
+and "cuda-flashinfer" (FlashInfer's mHC kernels for hc_pre / hc_post, :mod:`.flashinfer_mhc`;
+priority below "cuda" until measured, selectable with DSV4CORE_OPS).
 
 Cheap to import: neither triton nor any kernel module is imported here; the kernels load on their
-first call. ``available()`` is a static platform probe (a CUDA build of torch that sees a device;
+first call, and FlashInfer is neither imported nor built before its first call. ``available()`` is a static platform probe (a CUDA build of torch that sees a device;
 triton importable), with no kernel launch.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _available():
 def dsv4core_register_backends(register):
     from dsv4core.kernels.triton.registry import register_ops
 
-    from . import providers
+    from . import flashinfer_mhc, providers
     from .launch import current
 
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
@@ -56,3 +58,4 @@ def dsv4core_register_backends(register):
                 graph_capture=CudaGraphCapture())
     register_ops(b, "cuda", launch=current, ops=CUDA_OPS)
     register(b)
+    register(flashinfer_mhc.make_backend(version=__version__))
