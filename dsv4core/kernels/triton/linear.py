@@ -155,15 +155,16 @@ def linear_tiles(M: int, scaled: bool) -> tuple:
     return "dot", 128, 128, 64, 8, 3
 
 
-def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles) -> dict:
+def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True) -> dict:
     """The launch of one call: ``tiles(M, scaled)`` (the op's defaults; small fp32 tiles when the
     products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap | fma), ``BM``,
     ``BN``, ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a step; set by BK
     with block scales or fp32 products, where a step is one 128-column block), ``S`` (a fixed
     split-K factor) and ``target`` (the programs the split rule fills; default 2 per SM)."""
     if ieee:
-        # fp32 products (fp32 activations / the interpreter): small tiles, two-level sums
-        mode, BM, BN, BK, nw, ns = "dot", min(64, max(16, np2(M))), 64, 32, 4, 2
+        # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
+        # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
+        mode, BM, BN, BK, nw, ns = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
         mode, BM, BN, BK, nw, ns = tiles(M, scaled)
     mode = tune.get("mode", mode)
@@ -198,8 +199,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     if K == 0:
         return out.zero_()
     scaled = scale is not None
-    ieee = a.dtype == torch.float32 or w.dtype == torch.float32 or interp(a)
-    cfg = _config(op, M, ieee, scaled, tune, tiles)
+    f32 = a.dtype == torch.float32 or w.dtype == torch.float32
+    ieee = f32 or interp(a)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32)
     BM, BN, BK, KSUB = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"]
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
