@@ -17,11 +17,19 @@ from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm,
 
 SWEEPS = [
     ("sparse_mqa_attention", attention, (1, 8, 64, 256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
-    ("linear", linear, (1, 64), [{}, {"S": 2}, {"S": 4}, {"BN": 64}]),
-    ("linear_fp8", linear, (1, 64, 4096), [{}, {"BK": 128}, {"BN": 128}]),
+    # linear / wo_a at decode sizes (issue 10): {} is the default; linear bf16 {} and linear_fp8 /
+    # wo_a_fp8 {"mode": "dot"} are the tiles timed before the modes existed; wo_a {} = the tiles of
+    # wo_a's former own kernel. Run with --flush read too (see dsv4core.bench.Timer).
+    ("linear", linear, (1, 8, 64), [{}, {"mode": "swap"}, {"mode": "swap", "BN": 128}, {"KSUB": 2}]),
+    ("linear", linear, (1, 8), [{"mode": "fma"}]),
+    ("linear_fp8", linear, (1, 8, 64), [{}, {"mode": "dot"}, {"BN": 128}, {"BK": 64}]),
+    ("linear_fp8", linear, (1, 8), [{"mode": "fma"}]),
     ("linear_lm_head", linear, (1,), [{}, {"BN": 64}]),
-    ("wo_a", wo_a, (1, 4), [{}, {"gemv": True}, {"gemv": True, "gBN": 16, "gBK": 512},
-                            {"gemv": True, "gBN": 64, "gBK": 128, "num_warps": 8}, {"gemv": True, "num_warps": 8}]),
+    ("wo_a", wo_a, (1, 8, 64), [{}, {"mode": "swap", "BK": 128}, {"mode": "swap", "BN": 64, "BK": 128},
+                                {"target": 528}]),
+    ("wo_a", wo_a, (1, 8), [{"mode": "fma"}]),
+    ("wo_a_fp8", wo_a, (1, 8, 64), [{}, {"mode": "dot"}, {"BN": 64}, {"target": 528}]),
+    ("wo_a_fp8", wo_a, (1, 8), [{"mode": "fma"}]),
     ("hc_pre", mhc, (1, 64, 4096), [{}, {"target": 64}, {"target": 132}]),
     ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
                                {"post_BLOCK": 128, "post_num_warps": 4}]),
@@ -62,10 +70,12 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="flash")
     ap.add_argument("--ops", default=None, help="comma list of sweep labels (default: all)")
+    ap.add_argument("--flush", default="write", choices=("write", "read"),
+                    help="how L2 is emptied before each timed call (dsv4core.bench.Timer)")
     a = ap.parse_args(argv)
     want = set(a.ops.split(",")) if a.ops else None
     b = get_backend("cuda")
-    timer = Timer("cuda")
+    timer = Timer("cuda", flush=a.flush)
     rows = []
     if want is None or "hc_pre" in want:
         _parts(timer, a.shapes, rows)
@@ -86,7 +96,7 @@ def main(argv=None):
                         out = impl.fn(**case.kwargs)
                         out = out[0] if isinstance(out, tuple) else out
                         diff = float((out.float() - base.float()).abs().max() / base.float().abs().max())
-                        r = dict(op=op, T=T, cfg=v, us=t * 1e6, GBps=case.bytes / t / 1e9,
+                        r = dict(op=op, T=T, cfg=v, flush=a.flush, us=t * 1e6, GBps=case.bytes / t / 1e9,
                                  TFLOPs=case.flops / t / 1e12, graphed=timer.last_graphed, diff=diff)
                     except Exception as e:  # noqa: BLE001
                         r = dict(op=op, T=T, cfg=v, error=f"{type(e).__name__}: {str(e)[:160]}")

@@ -8,10 +8,12 @@ fp32, so the result equals the exact dequantisation followed by the fp32 product
 
 Small T (decode): the weight is streamed once; when the N tiles alone cannot fill the GPU, K is
 split over programs (split-K) and a second kernel sums the fp32 partials in a fixed order (one
-tree sum over the splits: the result does not depend on scheduling). ``grouped_gemm`` takes G
-groups (the ``wo_a`` shape); wo_a keeps its own kernel (wo_a.py) for now: on the H200 this one
-measured 29.8 / 32.0 µs at T = 1 / 64 against wo_a.py's 25.3 / 29.3 µs (and 444 vs 468 µs at
-T = 4096; see benchmarks/results/cuda-h200-issue10.md).
+tree sum over the splits: the result does not depend on scheduling). Three inner products (TUNE
+key ``mode``): "dot" (an MMA on [T, N] tiles), "swap" (an MMA on [N, T] tiles: the weight rows
+are the MMA's M side, so T = 1 pads the MMA's N side to 16 instead of its M side to 64, and an
+FP8 tile converted in registers can feed the MMA from there), "fma" (no MMA: products summed by
+tl.sum, for a few tokens). ``grouped_gemm`` takes G groups: it serves ``wo_a`` too (wo_a.py passes
+its own defaults and TUNE).
 """
 from __future__ import annotations
 
@@ -29,12 +31,34 @@ TUNE = Tune(__name__)
 
 
 @triton.jit
+def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ w^T`` for an activation tile a [BM, BK] and a weight tile w [BN, BK], in the
+    layout of ``MODE``: 0 "dot" and 2 "fma" accumulate [BM, BN], 1 "swap" accumulates [BN, BM]
+    (the weight tile is the MMA's M side: at small T its rows fill the MMA, and an FP8 tile
+    converted in registers can feed the MMA from registers). "fma": no MMA, the products summed by
+    tl.sum (few tokens). IEEE: fp32 operands and products (fp32 inputs, the interpreter)."""
+    if MODE == 2:
+        r = acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif MODE == 1:
+        if IEEE:
+            r = acc + tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            r = tl.dot(w.to(a.dtype), tl.trans(a), acc)
+    else:
+        if IEEE:
+            r = acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            r = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return r
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  M, N, K, KPS, S, NB, KB,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr):
+                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr, MODE: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -49,11 +73,15 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     w_base = w_ptr + g * sw_g + cols.to(tl.int64)[:, None] * sw_n
     k_lo = sp * KPS
     k_hi = tl.minimum(k_lo + KPS, K)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    # one step = KSUB sub-blocks of BK summed into `blk` (with scales: exactly one 128-column block
-    # of K, whose multiplier is applied once to the block's sum; fp32 products: a two-level sum)
+    if MODE == 1:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    # one step = KSUB sub-blocks of BK. With scales (or fp32 products) they are summed into `blk`
+    # first: exactly one 128-column block of K, whose multiplier is applied once to the block's
+    # sum (fp32 products: a two-level sum); otherwise KSUB only unrolls the loop
     for k1 in range(k_lo, k_hi, BK * KSUB):
-        blk = tl.zeros([BM, BN], dtype=tl.float32)
+        blk = tl.zeros_like(acc)
         for kin in tl.static_range(KSUB):
             ks = k1 + kin * BK + kk
             if EVEN_K:
@@ -63,28 +91,37 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                 km = ks < k_hi
                 a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                 w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
-            if IEEE:
-                blk += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            elif SCALE:
-                blk = tl.dot(a, tl.trans(w.to(a.dtype)), blk)
+            if SCALE or IEEE:
+                blk = _mac(blk, a, w, MODE, IEEE)
             else:
-                acc = tl.dot(a, tl.trans(w), acc)
+                acc = _mac(acc, a, w, MODE, IEEE)
         if SCALE:
             sidx = g * ss_g + (cols // 128) * KB + k1 // 128
             if E8M0:
                 sv = tl.exp2(tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32) - 127.0)
             else:
                 sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
-            acc += blk * sv[None, :]
+            if MODE == 1:
+                acc += blk * sv[:, None]
+            else:
+                acc += blk * sv[None, :]
         elif IEEE:
             acc += blk
+    # outputs [M, G, N] (split: fp32 partials [S, M, G, N], summed by _reduce_kernel in a fixed order)
     if SPLIT:
-        # partials [S, M, G, N] in fp32; _reduce_kernel sums them (a fixed order)
-        off = ((sp * M + rows.to(tl.int64))[:, None] * G + g) * N + cols[None, :]
-        tl.store(part_ptr + off, acc, mask=rm[:, None] & cm[None, :])
+        rr = sp * M + rows.to(tl.int64)
     else:
-        off = (rows.to(tl.int64)[:, None] * G + g) * N + cols[None, :]
-        tl.store(out_ptr + off, to_out(acc, out_ptr, RNE), mask=rm[:, None] & cm[None, :])
+        rr = rows.to(tl.int64)
+    if MODE == 1:
+        off = (rr[None, :] * G + g) * N + cols[:, None]
+        om = cm[:, None] & rm[None, :]
+    else:
+        off = (rr[:, None] * G + g) * N + cols[None, :]
+        om = rm[:, None] & cm[None, :]
+    if SPLIT:
+        tl.store(part_ptr + off, acc, mask=om)
+    else:
+        tl.store(out_ptr + off, to_out(acc, out_ptr, RNE), mask=om)
 
 
 @triton.jit
@@ -100,27 +137,60 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
     tl.store(out_ptr + offs, to_out(tl.sum(p, axis=0), out_ptr, RNE), mask=m)
 
 
-def _config(M: int, ieee: bool, scaled: bool):
-    """(BM, BN, BK, num_warps, num_stages, KSUB) for a row count M (H200 sweep:
-    benchmarks/results/tune-issue10-h200-flash-*.json). With block scales BK * KSUB = 128."""
-    if ieee:
-        # fp32 products (fp32 activations / the interpreter): small tiles, two-level sums
-        return min(64, max(16, triton.next_power_of_2(M))), 64, 32, 4, 2, 4
+#: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
+MODES = {"dot": 0, "swap": 1, "fma": 2}
+
+
+def linear_tiles(M: int, scaled: bool) -> tuple:
+    """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages).
+
+    bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). FP8: "swap"
+    at M <= 64 (not yet timed; the dot-mode FP8 tiles measured 19.2 / 26.7 µs at T = 1 / 64, the
+    T = 64 one well short of the weight stream: its converted tile took a shared-memory round
+    trip as the MMA's B operand)."""
     if M <= 16:
-        cfg = (16, 64, 128, 4, 3)
-    elif M <= 64:
-        cfg = (64, 128, 64, 4, 3) if scaled else (64, 64, 128, 4, 3)
+        return ("swap" if scaled else "dot"), 16, 64, 128, 4, 3
+    if M <= 64:
+        return ("swap", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+    return "dot", 128, 128, 64, 8, 3
+
+
+def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True) -> dict:
+    """The launch of one call: ``tiles(M, scaled)`` (the op's defaults; small fp32 tiles when the
+    products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap | fma), ``BM``,
+    ``BN``, ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a step; set by BK
+    with block scales or fp32 products, where a step is one 128-column block), ``S`` (a fixed
+    split-K factor) and ``target`` (the programs the split rule fills; default 2 per SM)."""
+    if ieee:
+        # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
+        # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
+        mode, BM, BN, BK, nw, ns = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        cfg = (128, 128, 64, 8, 3)
-    if TUNE:
-        cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BN", "BK", "num_warps", "num_stages"), cfg))
-    BK = cfg[2]
-    return cfg + ((128 // BK if 128 % BK == 0 else 0) if scaled else 1,)
+        mode, BM, BN, BK, nw, ns = tiles(M, scaled)
+    mode = tune.get("mode", mode)
+    if mode not in MODES:
+        raise ValueError(f"{op}: TUNE mode={mode!r}; expected one of {', '.join(MODES)}")
+    if mode == "fma":
+        # the [BM, BN, BK] fp32 products live in registers: <= 128 a thread at BN 64 and 4 warps
+        BM = np2(min(M, 16))
+        BK = max(16, 128 // BM)
+    cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns)
+    cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
+    BK = cfg["BK"]
+    if scaled and 128 % BK:
+        raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
+    cfg["KSUB"] = max(1, 128 // BK) if scaled or ieee else tune.get("KSUB", 1)
+    if cfg["mode"] != "fma" and min(cfg["BM"], cfg["BN"], BK) < 16:
+        raise ValueError(f"{op}: {cfg['mode']} mode needs BM, BN, BK >= 16 (tl.dot), got {cfg} (TUNE override?)")
+    return cfg
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype, *, tune=TUNE,
+                 tiles=linear_tiles, op: str = "linear") -> torch.Tensor:
     """``out[m, g, n] = sum_k a[m, g, k] * W[g, n, k] (* block scale)``; a [M, G, K] and w [G, N, K]
-    in any strides; scale [G, ceil(N/128), ceil(K/128)] (fp32 / e8m0) or None. Returns [M, G, N]."""
+    in any strides; scale [G, ceil(N/128), ceil(K/128)] (fp32 / e8m0) or None. Returns [M, G, N].
+    ``tune`` / ``tiles`` / ``op``: the calling op's launch parameters, defaults and name (wo_a
+    passes its own)."""
     M, G, K = a.shape
     N = w.shape[1]
     out = torch.empty((M, G, N), dtype=out_dtype, device=a.device)
@@ -129,10 +199,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     if K == 0:
         return out.zero_()
     scaled = scale is not None
-    ieee = a.dtype == torch.float32 or w.dtype == torch.float32 or interp(a)
-    BM, BN, BK, nw, ns, KSUB = _config(M, ieee, scaled)
-    if scaled and BK * KSUB != 128:
-        raise ValueError(f"linear: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
+    f32 = a.dtype == torch.float32 or w.dtype == torch.float32
+    ieee = f32 or interp(a)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32)
+    BM, BN, BK, KSUB = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"]
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
     if e8:
@@ -140,24 +210,23 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     NB, KB = cdiv(N, 128), cdiv(K, 128)
     mt, nt = cdiv(M, BM), cdiv(N, BN)
     # split K when the (M, N, G) tiles alone leave the GPU idle; a split is whole 128-blocks
-    step = max(BK * KSUB, 128)  # a multiple of BK * KSUB (128 or 256 here)
+    step = max(BK * KSUB, 128)  # a multiple of BK * KSUB (all powers of two)
     kblocks = cdiv(K, step)
-    S = max(1, min(kblocks, TUNE.get("target", target_programs(a.device)) // (mt * nt * G)))
-    if TUNE.get("S"):
-        S = min(kblocks, TUNE["S"])
-    KPS = cdiv(kblocks, S) * step
+    S = tune.get("S") or tune.get("target", target_programs(a.device)) // (mt * nt * G)
+    KPS = cdiv(kblocks, max(1, min(kblocks, S))) * step
     S = cdiv(K, KPS)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
     grid = (mt, nt, G * S)
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB,
-                       EVEN_K=K % KPS == 0 and KPS % (BK * KSUB) == 0, SPLIT=S > 1, RNE=rne(out), num_warps=nw, num_stages=ns, **TUNE.options())
+                       EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **tune.options())
     if S > 1:
         R = M * G * N
         SP = np2(S)
         BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program
-        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **TUNE.options())
+        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **tune.options())
     return out
 
 
