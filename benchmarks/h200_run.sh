@@ -13,8 +13,8 @@
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
-#   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels)
-#   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes)
+#   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels; FLUSH=read|write)
+#   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes; FLUSH=read|write)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -82,13 +82,13 @@ vendor() {   # every table at small shapes, then the flash shapes for as many ta
     --json "$OUT/conformance-vendor-tables-h200-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
 }
 tune() {
-  timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} \
-    --json "$OUT/tune-h200-flash.json" 2>&1 | tail -${TUNE_LINES:-5}
+  timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} --flush ${FLUSH:-read} \
+    --json "$OUT/tune-h200-flash-${FLUSH:-read}.json" 2>&1 | tail -${TUNE_LINES:-5}
 }
 bench() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
-    timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile \
-    ${BENCH_OPS:+--ops $BENCH_OPS} --json "$OUT/bench-cuda-h200-flash.json" --markdown "$OUT/bench-cuda-h200-flash.md" \
+    timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile --flush ${FLUSH:-read} \
+    ${BENCH_OPS:+--ops $BENCH_OPS} --json "$OUT/bench-cuda-h200-flash-${FLUSH:-read}.json" --markdown "$OUT/bench-cuda-h200-flash-${FLUSH:-read}.md" \
     2>&1 | tail -${BENCH_LINES:-50}
 }
 fimhc() {

@@ -366,12 +366,12 @@ def _time_peers(peers: dict, case: BenchCase, t_ours: float, want, timer: Timer,
 
 # ------------------------------------------------------------------------------------------------ run
 def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096), device=None,
-              compile_ref=True, reps=20, log=print, partial_json=None, compare="auto") -> dict:
+              compile_ref=True, reps=20, log=print, partial_json=None, compare="auto", flush="write") -> dict:
     from dsv4core.hal import catalogue
 
     b = get_backend(backend)
     device = device or (b.device_types[0] if b.device_types[0] != "meta" else "cpu")
-    timer = Timer(device)
+    timer = Timer(device, flush=flush)
     ceil = measure_ceilings(device, timer)
     log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s")
     peers = peer_backends(backend, device, compare)
@@ -440,7 +440,7 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                 with open(partial_json, "w") as f:
                     json.dump(dict(backend=backend, shapes=shapes, ceilings=ceil, rows=rows), f, indent=1)
             del kw, case
-    return dict(backend=backend, device=device, shapes=shapes, tokens=list(tokens), ceilings=ceil,
+    return dict(backend=backend, device=device, shapes=shapes, flush=flush, tokens=list(tokens), ceilings=ceil,
                 torch=torch.__version__, device_name=(torch.cuda.get_device_name(device)
                                                       if torch.device(device).type == "cuda" else "cpu"),
                 rows=rows)
@@ -462,7 +462,8 @@ def _fmt_row(r):
 def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
-             f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB written before each call), median of "
+             f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB "
+             f"{'read' if result.get('flush') == 'read' else 'written'} before each call), median of "
              f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op "
              f"cannot be captured); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
              f"from Python, host overhead included, and the × columns compare those eager times "
@@ -506,6 +507,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="auto",
                    help="peers timed beside the backend: auto (every other available backend serving the "
                         "device, e.g. cuda-flashinfer beside cuda), none, or a comma list of backend names")
+    p.add_argument("--flush", default="write", choices=("write", "read"),
+                   help="how L2 is made cold before each timed call: write (zero 256 MiB; leaves ~50 MB of "
+                        "dirty lines that the timed call pays to write back) or read (sum it: clean lines)")
 
 
 def run_args(args) -> int:
@@ -513,7 +517,7 @@ def run_args(args) -> int:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
                     reps=args.reps, partial_json=(args.json + ".partial") if args.json else None,
-                    compare=args.compare)
+                    compare=args.compare, flush=args.flush)
     md = markdown(res)
     print(md)
     if args.json:
