@@ -16,7 +16,15 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    ("sparse_mqa_attention", attention, (1, 8, 64, 256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
+    ("sparse_mqa_attention", attention, (256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
+    # decode batch (issue 10: <= 15 us at T <= 8): the first path (16 x 64 tiles, serial combine)
+    # against the tile combine at each row block, and 1 / 4 programs per SM instead of 2
+    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [{}, {"combine": "serial", "BK": 64}, {"BK": 64}, {"BK": 32},
+                                                       {"BK": 16}, {"target": 132}, {"target": 528}]),
+    ("sparse_mqa_attention", attention, (1,), [{}, {"num_warps": 8}, {"num_stages": 1}, {"cBLOCK": 2048},
+                                               {"c_num_warps": 2}, {"BH": 32, "num_warps": 8}]),
+    ("sparse_mqa_attention", attention, (64,), [{}, {"S": 2}, {"S": 4}, {"S": 2, "BK": 32}, {"num_stages": 3},
+                                                {"num_warps": 8}, {"BH": 32, "num_warps": 8}]),
     # linear / wo_a at decode sizes (issue 10): {} is the default; linear bf16 {} and linear_fp8 /
     # wo_a_fp8 {"mode": "dot"} are the tiles timed before the modes existed; wo_a {} = the tiles of
     # wo_a's former own kernel. Run with --flush read too (see dsv4core.bench.Timer).

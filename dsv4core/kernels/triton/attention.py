@@ -1,10 +1,18 @@
 """sparse_mqa_attention: gathered-row MQA with a per-head sink, split-K (flash-decoding) + combine.
 
-One program = (query t, a block of BH heads, a slice of the index list). It gathers BK kv rows at a
-time (rows with index -1 or out of range are masked, never read), does q.k with fp32 accumulation,
-an online softmax, and p@v with p split into two bf16 halves (hi + lo, ~16 mantissa bits) so that
-bf16 inputs keep close to fp32 accuracy; fp32 inputs use ieee fp32 products. With one split the
-sink and normalisation happen in the same kernel; otherwise a combine kernel merges the splits.
+One program = (query t, a block of BH heads, a slice of the index list, "split"). It gathers BK kv
+rows at a time (rows with index -1 or out of range are masked, never read; the op's input check
+raises on out-of-range indices before any kernel runs), does q.k with fp32 accumulation, an online
+softmax, and p@v with p split into two bf16 halves (hi + lo, ~16 mantissa bits) so that bf16
+inputs keep close to fp32 accuracy; fp32 inputs use ieee fp32 products. With one split the sink
+and normalisation happen in the same kernel; otherwise each split writes fp32 partials (running
+max m, sum l, unnormalised acc) and a second launch merges them, the sink entering once there.
+
+The split count comes from the device's SM count and the batch (:func:`plan`), so a decode batch
+of 1-8 tokens still fills the GPU. The combine reads every split of a (token, element) block in
+one [splits, CB] tile: the first combine (one program per head block, splits read one after
+another) made S dependent round trips on 4 SMs at T = 1. No atomics: results are bitwise
+repeatable for a given launch plan.
 """
 from __future__ import annotations
 
@@ -85,8 +93,11 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
 
 
 @triton.jit
-def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
+def _smqa_combine_serial(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
                          D: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr):
+    """The first combine (``TUNE["combine"] = "serial"``, kept for the same-run comparison): one
+    program per (t, head block) walks the S splits one after another (S dependent L2 round trips
+    of BH x D fp32 each on one SM)."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     heads = hb * BH + tl.arange(0, BH)
@@ -109,6 +120,78 @@ def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
              mask=hm[:, None])
 
 
+@triton.jit
+def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
+                         D: tl.constexpr, SP: tl.constexpr, CB: tl.constexpr, RNE: tl.constexpr):
+    """Merge the S split partials of token t: one program per CB consecutive (head, column)
+    elements of the token's [NH, D] output, all S splits loaded at once as a [SP, CB] tile (one
+    round trip, not S), reduced over the split axis in the compiled (fixed) order.
+
+    ``o = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - mx))`` with ``w_s = exp(m_s - mx)`` and
+    ``mx = max(sink, max_s m_s)``: the sink enters once, here. A split without a valid row has
+    m = -inf, l = 0, acc = 0, so w = 0 and it adds nothing; a token without any valid row gives
+    0 / exp(0) = 0, as the reference does."""
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * CB + tl.arange(0, CB)        # flat index into the token's [NH, D]
+    fm = f < NH * D
+    head = f // D
+    sp = tl.arange(0, SP)
+    mk = (sp < S)[:, None] & fm[None, :]
+    row = (t * S + sp[:, None]) * NH + head[None, :]      # [SP, CB] partial row (t, s, head)
+    m = tl.load(mp_ptr + row, mask=mk, other=float("-inf"))
+    l = tl.load(lp_ptr + row, mask=mk, other=0.0)
+    a = tl.load(op_ptr + row * D + (f % D)[None, :], mask=mk, other=0.0)
+    sink = tl.load(sink_ptr + head, mask=fm, other=0.0)
+    mx = tl.maximum(tl.max(m, axis=0), sink)
+    w = tl.exp(m - mx[None, :])
+    den = tl.sum(w * l, axis=0) + tl.exp(sink - mx)
+    o = tl.sum(w * a, axis=0) / den
+    tl.store(o_ptr + t * (NH * D) + f, to_out(o, o_ptr, RNE), mask=fm)
+
+
+#: most row splits per token (the combine loads all of them at once: a [np2(S), CB] tile)
+MAX_SPLITS = 64
+
+
+def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
+    """The launch plan for a call: tuning keys (TUNE over the launch table over these defaults)
+    and the derived split count. Keys: ``BH`` heads and ``BK`` kv rows per step, ``num_warps``,
+    ``num_stages``; ``S`` row splits per token (default: T x ceil(NH / BH) x S programs up to
+    ``target``, 2 per SM of the device; at least one BK block per split, at most MAX_SPLITS
+    splits); ``target``; ``combine`` "wide" (the [S, CB] tile combine) or "serial" (the first combine);
+    ``cBLOCK`` elements of the combine's tile (S x CB), ``c_num_warps``."""
+    big = T >= 128
+    target = TUNE.get("target", target_programs(device, _CPU_PROGRAMS))
+    # T >= 128 (H200, DSV4-Flash CSA shape, benchmarks/tune_triton.py): 32 heads x 32 rows (fewer
+    # re-gathers of the same kv rows, 1.4x). Small T is latency-bound: the largest row block (64,
+    # 32, 16) whose one-block splits still give one program per SM (target / 2), e.g. at Flash
+    # (64 heads, 640 rows, 132 SMs) 16 rows at T = 1, 32 at T = 2, 64 at T >= 4.
+    BH = TUNE.get("BH", 32 if big else 16)
+    nhb = cdiv(NH, BH)
+    if f32:
+        bk = 16
+    elif big:
+        bk = 32
+    else:
+        bk = next((b for b in (64, 32) if T * nhb * cdiv(K, b) >= target // 2), 16)
+    BK = TUNE.get("BK", bk)
+    nkb = cdiv(K, BK)
+    S = TUNE.get("S")
+    if S is None:
+        S = target // (T * nhb)
+    S = max(1, min(int(S), nkb, MAX_SPLITS))
+    KPS = cdiv(nkb, S) * BK          # rows per split, a whole number of BK blocks
+    S = cdiv(K, KPS)
+    SP = triton.next_power_of_2(S)
+    CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
+    combine = TUNE.get("combine", "wide")
+    if combine not in ("wide", "serial"):
+        raise ValueError(f"sparse_mqa_attention: TUNE['combine'] must be 'wide' or 'serial', got {combine!r}")
+    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, combine=combine,
+                num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
+                c_num_warps=TUNE.get("c_num_warps", 4))
+
+
 def sparse_mqa_attention(q, kv, indices, sink, scale):
     T, NH, D = q.shape
     o = torch.empty((T, NH, D), dtype=q.dtype, device=q.device)
@@ -120,28 +203,25 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     q, kv, indices, sink = c(q), c(kv), c(indices), c(sink)
     N = kv.shape[0]
     f32 = q.dtype == torch.float32
-    # measured on an H200 (benchmarks/tune_triton.py, DSV4-Flash CSA shape): small T: 16 heads x 64
-    # rows per step; T >= 128: 32 heads x 32 rows (fewer re-gathers of the same kv rows, 1.4x)
-    big = T >= 128
-    BH = TUNE.get("BH", 32 if big else 16)
-    BK = TUNE.get("BK", 16 if f32 else (32 if big else 64))
-    nw = TUNE.get("num_warps", 4)
-    ns = TUNE.get("num_stages", 2)
-    nhb = cdiv(NH, BH)
-    nkb = cdiv(K, BK)
-    S = max(1, min(nkb, TUNE.get("target", target_programs(q.device, _CPU_PROGRAMS)) // (T * nhb)))
-    KPS = cdiv(nkb, S) * BK
-    S = cdiv(K, KPS)
+    p = plan(T, NH, D, K, f32, q.device)
+    BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
+    common = dict(D=D, BH=BH, BK=BK, F32=f32, INTERP=interp(q), RNE=rne(o), num_warps=p["num_warps"],
+                  num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(T, nhb, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                  float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=True, INTERP=interp(q), RNE=rne(o),
-                                  num_warps=nw, num_stages=ns, **TUNE.options())
+                                  float(scale), FINAL=True, **common)
         return o
+    # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(T, nhb, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                              float(scale), D=D, BH=BH, BK=BK, F32=f32, FINAL=False, INTERP=interp(q), RNE=rne(o),
-                              num_warps=nw, num_stages=ns, **TUNE.options())
-    _smqa_combine_kernel[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4, **TUNE.options())
+                              float(scale), FINAL=False, **common)
+    if p["combine"] == "serial":
+        _smqa_combine_serial[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4,
+                                       **TUNE.options())
+    else:
+        CB = p["CB"]
+        _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
+                                                    RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())
     return o

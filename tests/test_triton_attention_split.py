@@ -1,0 +1,154 @@
+"""sparse_mqa_attention's split-KV launch plans (issue 10): the one-split kernel, the split kernel
+with the [S, CB] tile combine and with the first (serial) combine, against an fp64 evaluation of
+the op's formula, with a derived rounding bound; plus the plan's split count at decode batch sizes.
+
+The kernels run under the Triton interpreter (TRITON_INTERPRET=1) in ONE subprocess (the variable
+must be set before triton is imported); the test functions judge its JSON report.
+
+Bound (first order in the fp32 unit roundoff u = 2^-24; the interpreter computes the bf16 path with
+fp32 products too), per output element (t, h, j):
+
+    |o - o64| <= (2 E + (2 K + 16) u) * mag,   mag = (sum_u p_u |v_uj| + |o_j| (sum_u p_u + p_sink)) / den
+    E = gamma_d * scale * max_u sum_i |q_i k_ui| + 2 u max_u |l_u| + 3 u R,   R = max_u |l_u - m|
+
+E bounds a logit's absolute error (the length-d fp32 dot, the fp32 scale's and the product's
+rounding) plus the exp arguments' subtraction roundings; an absolute error e in an exponent is a
+relative error e in its weight, and the weights enter both the numerator and the denominator
+(the 2). (2 K + 16) u covers the two K-term sums (numerator, denominator: gamma_K each), the
+online-softmax rescalings and the combine's weights, exp's own error (<= 2 u) and the division.
+bf16 outputs add their rounding to nearest (unit roundoff 2^-8): 2^-8 (|o64| + bound). Measured:
+fp32 at <= 0.004 of the bound (the bound is the worst case of every rounding), bf16 at <= 0.96
+(output rounding dominates).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import json, sys
+import torch
+from dsv4core.kernels.triton import attention as A
+
+U = 2.0 ** -24
+torch.manual_seed(0)
+T, NH, D, K, N = 6, 24, 64, 160, 400     # 24 heads: a full and a part-masked head block
+scale = D ** -0.5
+idx = torch.stack([torch.randperm(N)[:K] for _ in range(T)]).to(torch.int32)
+idx[0, 100:] = -1                       # trailing sentinels
+idx[1, :] = -1                          # no valid row: the output is 0 (the reference's value)
+idx[2, :] = -1
+idx[2, 77] = 11                         # a single valid row
+idx[3, :140] = -1                       # valid rows only at the tail: the first splits have none
+idx[4, torch.randperm(K)[:90]] = -1     # scattered sentinels
+
+def fp64(q, kv, sink):
+    q, kv, sink = q.double(), kv.double(), sink.double()
+    valid = idx >= 0
+    rows = kv[idx.long().clamp_min(0)]                                   # [T, K, D]
+    l = torch.einsum("thd,tkd->thk", q, rows) * scale
+    a = torch.einsum("thd,tkd->thk", q.abs(), rows.abs()) * scale
+    l = l.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(l.amax(-1), sink[None, :])
+    p = torch.exp(l - m[..., None])
+    ps = torch.exp(sink[None, :] - m)
+    den = p.sum(-1) + ps
+    o = torch.einsum("thk,tkd->thd", p, rows) / den[..., None]
+    lv = torch.where(valid[:, None, :], l, torch.zeros_like(l))
+    av = torch.where(valid[:, None, :], a, torch.zeros_like(a))
+    R = torch.maximum(torch.where(valid[:, None, :], (l - m[..., None]).abs(), torch.zeros_like(l)).amax(-1),
+                      (sink[None, :] - m).abs())
+    gd = D * U / (1 - D * U)
+    E = gd * av.amax(-1) + 2 * U * lv.abs().amax(-1) + 3 * U * R
+    mag = (torch.einsum("thk,tkd->thd", p, rows.abs()) + o.abs() * (p.sum(-1) + ps)[..., None]) / den[..., None]
+    return o, (2 * E + (2 * K + 16) * U)[..., None] * mag
+
+PLANS = {"one-split": {"S": 1}, "default": {}, "S3": {"S": 3}, "BK32-S2": {"BK": 32, "S": 2},
+         "max-splits": {"S": 64}, "serial-combine": {"combine": "serial"}}
+rep = {"cases": [], "plans": {}}
+for dtype in (torch.float32, torch.bfloat16):
+    q = torch.randn(T, NH, D).to(dtype)
+    kv = torch.randn(N, D).to(dtype)
+    sink = torch.randn(NH) * 2
+    ref, bound = fp64(q, kv, sink)
+    if dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * (ref.abs() + bound)
+    outs = {}
+    for name, tune in PLANS.items():
+        A.TUNE.clear(); A.TUNE.update(tune)
+        plan = A.plan(T, NH, D, K, dtype == torch.float32, q.device)
+        o1 = A.sparse_mqa_attention(q, kv, idx, sink, scale)
+        o2 = A.sparse_mqa_attention(q, kv, idx, sink, scale)
+        outs[name] = o1
+        err = (o1.double() - ref).abs()
+        # a zero bound (the empty token: o64 = 0 exactly, bound 0) demands an exact 0
+        ratio = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
+        rep["cases"].append(dict(dtype=str(dtype), plan=name, S=plan["S"], combine=plan["combine"],
+                                 ratio=float(ratio.max()), nan=bool(torch.isnan(o1).any()),
+                                 ratio_per_token=[float(x) for x in ratio.amax((1, 2))],
+                                 empty_zero=bool((o1[1] == 0).all()), bitwise=bool(torch.equal(o1, o2))))
+    A.TUNE.clear()
+    # the split paths really differ from the one-split path (not the same launch under two names)
+    rep.setdefault("differs", {})[str(dtype)] = bool(not torch.equal(outs["one-split"], outs["default"]))
+# the plan's split count at DSV4-Flash decode shapes on a 132-SM GPU (target 264 programs)
+for T_ in (1, 2, 3, 4, 5, 6, 7, 8, 64):
+    A.TUNE.clear(); A.TUNE.update({"target": 264})
+    p = A.plan(T_, 64, 512, 640, False, torch.device("cpu"))
+    rep["plans"][T_] = dict(p, programs=T_ * p["nhb"] * p["S"])
+A.TUNE.clear()
+json.dump(rep, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smqa") / "report.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert out.exists(), f"no report:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def test_every_plan_within_the_derived_bound(report):
+    assert len(report["cases"]) == 12
+    bad = [c for c in report["cases"] if c["nan"] or not c["ratio"] <= 1.0]
+    assert not bad, bad
+    # the plans are what their names say: one split, several, and the most the rows allow
+    by = {(c["dtype"], c["plan"]): c for c in report["cases"]}
+    for dt in ("torch.float32", "torch.bfloat16"):
+        assert by[(dt, "one-split")]["S"] == 1
+        assert by[(dt, "default")]["S"] > 1 and by[(dt, "S3")]["S"] == 3
+        assert by[(dt, "max-splits")]["S"] == 10           # K = 160 rows in BK = 16 blocks
+        assert by[(dt, "serial-combine")]["combine"] == "serial"
+    assert all(report["differs"].values()), report["differs"]
+
+
+def test_empty_and_sparse_tokens(report):
+    """Token 1 has no valid row (exactly 0, as the reference), token 2 one row, token 3 valid rows
+    only in the last split(s): each is judged per token by the same bound."""
+    for c in report["cases"]:
+        assert c["empty_zero"], c
+        assert max(c["ratio_per_token"][1:4]) <= 1.0, c
+
+
+def test_two_calls_bitwise_equal(report):
+    assert all(c["bitwise"] for c in report["cases"]), [c for c in report["cases"] if not c["bitwise"]]
+
+
+def test_plan_fills_the_gpu_at_decode_batch(report):
+    """At T = 1..8 (Flash: 64 heads, 640 rows) the programs of the split kernel cover every SM of
+    a 132-SM GPU (target 264) and stay within the target; every row is in exactly one split."""
+    for T, p in report["plans"].items():
+        T = int(T)
+        assert p["S"] <= 64 and p["KPS"] % p["BK"] == 0
+        assert p["KPS"] * p["S"] >= 640 and p["KPS"] * (p["S"] - 1) < 640, p
+        if T <= 8:
+            assert 132 <= p["programs"] <= 264, (T, p)
+    assert report["plans"]["64"]["S"] == 1          # T = 64 fills the GPU without splitting
