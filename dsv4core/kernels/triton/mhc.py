@@ -122,6 +122,191 @@ def _mix(x2, fn, M):
     return zp, ssp, S, MP
 
 
+# ---------------------------------------------------------------------------------- one-pass hc_pre / hc_head
+@triton.jit
+def _hc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, cnt_ptr,
+                     T, H, M, KSPLIT, S, rms_eps, hc_eps, iters, post_mult,
+                     N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     SB: tl.constexpr, BH: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+                     SPLIT: tl.constexpr, HEAD: tl.constexpr, RNE: tl.constexpr):
+    """One launch: program (pt, ps) computes the mixes partial of token block pt over K-slice ps and
+    stores it (sum of squares in column M) to zp[ps]; the program of block pt that arrives LAST (an
+    int32 counter per block, acq_rel after a CTA barrier, reset to 0 by that program) reduces the S
+    partials in slice order, computes the coefficients and collapses the block's x rows (L2-hot)."""
+    pt = tl.program_id(0)
+    ps = tl.program_id(1)
+    K = N * H
+    toks = pt * BT + tl.arange(0, BT)
+    tm = toks < T
+    toks64 = toks.to(tl.int64)
+    ms = tl.arange(0, MP)
+    mm = ms < M
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    k_lo = ps * KSPLIT
+    k_hi = tl.minimum(k_lo + KSPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < k_hi
+        xr = tl.load(x_ptr + toks64[:, None] * K + ks[None, :], mask=tm[:, None] & km[None, :], other=0.0,
+                     eviction_policy="evict_last")   # re-read by the collapse: keep in L2
+        x = xr.to(tl.float32)
+        f = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        if DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+            else:   # bf16x3, as in _hc_mix_kernel
+                f_hi = f.to(tl.bfloat16)
+                f_r = f - f_hi.to(tl.float32)
+                f_mid = f_r.to(tl.bfloat16)
+                f_lo = (f_r - f_mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(xr, tl.trans(f_hi), acc)
+                acc = tl.dot(xr, tl.trans(f_mid), acc)
+                acc = tl.dot(xr, tl.trans(f_lo), acc)
+        else:       # few tokens: true fp32 products on the vector units (BT < 16, no MMA tile)
+            acc += tl.sum(x[:, None, :] * f[None, :, :], axis=2)
+        ss += tl.sum(x * x, axis=1)
+    acc = tl.where(ms[None, :] == M, ss[:, None], acc)
+    tl.store(zp_ptr + (ps * T + toks64)[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
+    tl.debug_barrier()   # every thread's partial stored before the release below
+    if SPLIT:
+        arrived = tl.atomic_add(cnt_ptr + pt, 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            tl.atomic_xchg(cnt_ptr + pt, 0, sem="relaxed", scope="gpu")   # ready for the next call (graphs)
+            tl.debug_barrier()
+            _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
+                          rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
+    else:
+        _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
+                      rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
+
+
+@triton.jit
+def _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
+                  rms_eps, hc_eps, iters, post_mult, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                  BT: tl.constexpr, SB: tl.constexpr, BH: tl.constexpr, HEAD: tl.constexpr, RNE: tl.constexpr):
+    K = N * H
+    toks = pt * BT + tl.arange(0, BT)
+    tm = toks < T
+    toks64 = toks.to(tl.int64)
+    ms = tl.arange(0, MP)
+    # the S partials of this block, summed SB slices at a time in slice order (the same order every
+    # call: bitwise reproducible)
+    z = tl.zeros([BT, MP], dtype=tl.float32)
+    for s0 in range(0, S, SB):
+        sl = s0 + tl.arange(0, SB)
+        p = tl.load(zp_ptr + ((sl[:, None] * T + toks64[None, :]) * MP)[:, :, None] + ms[None, None, :],
+                    mask=(sl < S)[:, None, None] & tm[None, :, None], other=0.0)
+        z += tl.sum(p, axis=0)
+    # through a [T, MP] scratch row to pick the logit groups out by index
+    tl.store(zs_ptr + toks64[:, None] * MP + ms[None, :], z, mask=tm[:, None])
+    tl.debug_barrier()
+    zrow = zs_ptr + toks64 * MP
+    i = tl.arange(0, NP)
+    im = i < N
+    m2 = tm[:, None] & im[None, :]
+    ss = tl.load(zrow + M, mask=tm, other=0.0)
+    rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))
+    z_pre = tl.load(zrow[:, None] + i[None, :], mask=m2, other=0.0)
+    s0 = tl.load(scale_ptr)
+    b_pre = tl.load(base_ptr + i, mask=im, other=0.0)
+    pre = tl.sigmoid(s0 * (rho[:, None] * z_pre) + b_pre[None, :]) + hc_eps
+    if not HEAD:
+        z_post = tl.load(zrow[:, None] + N + i[None, :], mask=m2, other=0.0)
+        ij = i[:, None] * N + i[None, :]
+        m3 = tm[:, None, None] & (im[:, None] & im[None, :])[None, :, :]
+        Z = tl.load(zrow[:, None, None] + 2 * N + ij[None, :, :], mask=m3, other=0.0)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        b_post = tl.load(base_ptr + N + i, mask=im, other=0.0)
+        B = tl.load(base_ptr + 2 * N + ij, mask=im[:, None] & im[None, :], other=0.0)
+        post = post_mult * tl.sigmoid(s1 * (rho[:, None] * z_post) + b_post[None, :])
+        L = s2 * (rho[:, None, None] * Z) + B[None, :, :]
+        L = tl.where(m3, L, float("-inf"))
+        mx = tl.max(L, axis=2)
+        mx = tl.where(m2, mx, 0.0)
+        E = tl.exp(L - mx[:, :, None])
+        E = tl.where(m3, E, 0.0)
+        rs = tl.sum(E, axis=2)
+        rs = tl.where(m2, rs, 1.0)
+        C = E / rs[:, :, None] + hc_eps
+        C = tl.where(m3, C, 0.0)
+        C = C / (tl.sum(C, axis=1)[:, None, :] + hc_eps)
+        for _ in range(iters - 1):
+            C = C / (tl.sum(C, axis=2)[:, :, None] + hc_eps)
+            C = C / (tl.sum(C, axis=1)[:, None, :] + hc_eps)
+        tl.store(post_ptr + toks64[:, None] * N + i[None, :], post, mask=m2)
+        tl.store(comb_ptr + toks64[:, None, None] * (N * N) + ij[None, :, :], C, mask=m3)
+    # collapse y = sum_j pre_j x_j (fp32, one rounding), BH columns at a time
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        cm = cols < H
+        xs = tl.load(x_ptr + (toks64 * K)[:, None, None] + (i * H)[None, :, None] + cols[None, None, :],
+                     mask=m2[:, :, None] & cm[None, None, :], other=0.0, eviction_policy="evict_first")
+        y = tl.sum(pre[:, :, None] * xs.to(tl.float32), axis=1)
+        tl.store(y_ptr + toks64[:, None] * H + cols[None, :], to_out(y, y_ptr, RNE), mask=tm[:, None] & cm[None, :])
+
+
+#: per device: a ring of int32 counter slots for the one-pass kernels (zero, and left zero by every
+#: call). Each call takes the next slot, so calls stream-ordered on one stream never share a live
+#: counter, calls on two streams do only if _SLOTS calls apart; a graph keeps the slot of its capture.
+_SLOTS, _SLOT_INTS = 256, 64
+_COUNTERS: dict = {}
+
+
+def _counter(device):
+    """The next counter slot ([_SLOT_INTS] int32, zero) of ``device``, or None under graph capture
+    before any eager call made the ring (its zeroing would only run at replay)."""
+    key = (device.type, device.index)
+    ring = _COUNTERS.get(key)
+    if ring is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ring = _COUNTERS[key] = [torch.zeros((_SLOTS, _SLOT_INTS), dtype=torch.int32, device=device), 0]
+    buf, k = ring
+    ring[1] = (k + 1) % _SLOTS
+    return buf[k]
+
+
+def _fused(x, fn, scale, base, y, post, comb, rms_eps, hc_eps, iters, post_mult, head):
+    """Launch the one-pass kernel; False when it cannot run here (the caller runs the two-pass path)."""
+    T, n, H = x.shape
+    K = n * H
+    M = fn.shape[0]
+    MP = max(16, np2(M + 1))          # + the sum-of-squares column
+    BT = TUNE.get("fBT", 1 if T == 1 else (np2(T) if T < 16 else (16 if T <= 1024 else 32)))
+    DOT = BT >= 16
+    BK = TUNE.get("fBK", (128 if MP <= 32 else 64) if DOT else max(16, 8192 // (BT * MP)))
+    ntb = cdiv(T, BT)
+    nkb = cdiv(K, BK)
+    S = max(1, min(nkb, TUNE.get("ftarget", target_programs(x.device, _CPU_PROGRAMS)) // ntb))
+    KSPLIT = cdiv(nkb, S) * BK
+    S = cdiv(K, KSPLIT)
+    cnt = None
+    if S > 1:
+        if ntb > _SLOT_INTS:
+            S, KSPLIT = 1, nkb * BK
+        else:
+            cnt = _counter(x.device)
+            if cnt is None:
+                return False
+    zp = torch.empty((S, T, MP), dtype=torch.float32, device=x.device)
+    zs = torch.empty((T, MP), dtype=torch.float32, device=x.device)
+    SB = TUNE.get("fSB", max(1, min(np2(S), 8192 // (BT * MP))))
+    BH = TUNE.get("fBH", max(16, min(np2(H), 8192 // (BT * np2(n)))))
+    _hc_fused_kernel[(ntb, S)](x, fn, scale, base, y, post, comb, zp, zs, zp if cnt is None else cnt,
+                               T, H, M, KSPLIT, S, float(rms_eps), float(hc_eps), int(iters), float(post_mult),
+                               N=n, NP=np2(n), MP=MP, BT=BT, BK=BK, SB=SB, BH=BH, DOT=DOT,
+                               IEEE=x.dtype == torch.float32 or interp(x), SPLIT=S > 1, HEAD=head, RNE=rne(y),
+                               num_warps=TUNE.get("fnum_warps", 4), num_stages=TUNE.get("fnum_stages", 2),
+                               **TUNE.options())
+    return True
+
+
+def _onepass(T) -> bool:
+    return bool(TUNE.get("onepass", True))
+
+
 # ------------------------------------------------------------------------------------- hc_pre epilogue
 @triton.jit
 def _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH: tl.constexpr, RNE: tl.constexpr):
@@ -205,6 +390,9 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     if T == 0:
         return y, post, comb
     x = c(x)
+    if _onepass(T) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
+                              head=False):
+        return y, post, comb
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
@@ -243,6 +431,8 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     if T == 0:
         return y
     x = c(x)
+    if _onepass(T) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
+        return y
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
