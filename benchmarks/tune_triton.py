@@ -37,6 +37,13 @@ SWEEPS = [
     ("moe_experts", moe, (4096,), [{}, {"BM": 64, "BNd": 64, "num_warps": 4}]),
     ("moe_experts_fp8", moe, (1, 4096), [{}, {"BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
+    # one-pass hc_pre / hc_head ({}: its defaults) against the two-pass path (onepass False)
+    ("hc_pre", mhc, (1, 8, 64), [{"onepass": False}, {}, {"fBT": 1}, {"fBT": 8}, {"fBT": 16}, {"ftarget": 132},
+                                 {"fnum_warps": 8}]),
+    ("hc_pre", mhc, (4096,), [{"onepass": False}, {}, {"fgrid": 132}, {"fgrid": 64}, {"fBT": 16, "fgrid": 132},
+                              {"fBT": 64, "fnum_warps": 8}]),
+    ("hc_head", mhc, (1, 64), [{"onepass": False}, {}, {"fBT": 16}]),
+    ("hc_head", mhc, (4096,), [{"onepass": False}, {}, {"fgrid": 132}]),
 ]
 
 

@@ -59,11 +59,12 @@ def check(op, kw, raw, dtype, what):
 configs = [   # (op, T, TUNE of the one-pass path, what it exercises)
     ("hc_pre", 1, {}, "split-K over 4 slices, one token"),
     ("hc_pre", 1, {"fSB": 1, "fBK": 64}, "16 slices reduced one per step"),
-    ("hc_pre", 7, {"fSB": 2}, "7 tokens (vector products), 2 slices per reduction step"),
-    ("hc_pre", 33, {}, "MMA path (3 token blocks of 16), split-K"),
-    ("hc_pre", 33, {"ftarget": 1}, "no split: each program owns a block over all of K"),
+    ("hc_pre", 7, {"fSB": 2}, "7 tokens in blocks of 4 (vector products), 2 slices per reduction step"),
+    ("hc_pre", 33, {"fBT": 16}, "MMA path (3 token blocks of 16), split-K"),
+    ("hc_pre", 33, {"fBT": 16, "ftarget": 1}, "no split: each program owns a block over all of K"),
+    ("hc_pre", 40, {"fBT": 16, "ftarget": 1, "fgrid": 2}, "no split, 2 programs walking 3 token blocks"),
     ("hc_head", 1, {}, "hc_head split-K"),
-    ("hc_head", 33, {"ftarget": 1, "fBH": 64}, "hc_head, no split, collapse 64 columns a step"),
+    ("hc_head", 33, {"fBT": 16, "ftarget": 1, "fBH": 64}, "hc_head, no split, collapse 64 columns a step"),
 ]
 for dtype in (torch.float32, torch.bfloat16):
     for op, T, tune, what in configs:

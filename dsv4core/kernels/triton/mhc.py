@@ -1,10 +1,25 @@
-"""mHC kernels: hc_post (one pass), hc_pre (split-K mixes product + fused Sinkhorn/collapse), hc_head.
+"""mHC kernels: hc_post (one pass), hc_pre and hc_head (one pass by default, or two launches).
 
-hc_pre / hc_head run as two launches:
-  1. ``_hc_mix_kernel``: partial ``fn @ xf`` and ``sum(xf^2)`` over a K-slice (split-K so that the
-     1.5 MiB ``fn`` read is spread over all SMs at small T). fp32 activations use true fp32
-     products (``ieee``); bf16 activations keep x in bf16 and split fn into three bf16 parts (bf16x3,
-     fp32-accurate; the SPEC 2 hc_pre accuracy contract would allow TF32).
+hc_pre / hc_head, one pass (``_hc_fused_kernel``, ``TUNE["onepass"]``, default on):
+  * grid (token blocks, K-slices). Each program computes ``fn @ xf`` and ``sum(xf^2)`` over its
+    K-slice for BT tokens and stores the fp32 partial. Split-K spreads the 1.5 MiB ``fn`` read over
+    all SMs at small T. Under 16 tokens the products run on the vector units (true fp32); from 16 on
+    as MMAs: ``ieee`` for fp32 activations; for bf16, x stays bf16 (exact) and fn is split into three
+    bf16 parts (bf16x3, fp32-accurate; the SPEC 2 hc_pre accuracy contract would allow TF32).
+  * the program of a token block that arrives last (an int32 arrival counter per block, atomic
+    acq_rel after a CTA barrier) reduces the block's partials in slice order (a fixed order: the same
+    bits every call), computes rms, sigmoid / Sinkhorn, writes post / comb and collapses
+    ``y = sum_j pre_j x_j``, re-reading the block's x rows while they are still in L2. It resets its
+    counter to 0, so nothing is cleared between calls (graph replays included). No program waits for
+    another: no co-residency assumption, no deadlock. Counters come from a per-device ring of slots
+    (``_counter``), one slot per call.
+  * without a split (S == 1, large T) each program owns whole token blocks (over all of K), and a
+    grid smaller than the block count (``fgrid``) bounds the x rows in flight so that their re-read
+    stays in L2 (x read from HBM once).
+
+Two-pass (``TUNE["onepass"] = False``; also used under graph capture before any eager call made the
+counter ring):
+  1. ``_hc_mix_kernel``: the split-K partials as above (always MMAs).
   2. an epilogue kernel per (token, H-block): reduce the partials, rms, sigmoid / Sinkhorn (n x n in
      registers, recomputed per H-block, it is tiny), collapse ``y = sum_j pre_j x_j``.
 """
@@ -64,40 +79,52 @@ def hc_post(o, residual, post, comb):
 
 # -------------------------------------------------------------------------------- mixes product (split-K)
 @triton.jit
+def _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, mm, k_lo, k_hi, K, BT: tl.constexpr, MP: tl.constexpr,
+             BK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """(fn @ xf over columns [k_lo, k_hi) [BT, MP], sum of xf^2 over them [BT]) for tokens toks64.
+
+    DOT with IEEE (fp32 activations, or the interpreter): true fp32 products. DOT otherwise: x stays
+    bf16 (exact) and fn is split into three bf16 parts (hi + mid + lo = 24 mantissa bits): 3 bf16
+    MMAs with exact products and fp32 accumulation, i.e. fp32-accurate (the op is memory-bound
+    anyway). Not DOT (fewer than 16 tokens, below an MMA tile): fp32 products on the vector units."""
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < k_hi
+        xr = tl.load(x_ptr + toks64[:, None] * K + ks[None, :], mask=tm[:, None] & km[None, :], other=0.0,
+                     eviction_policy="evict_last")   # re-read by the collapse: keep in L2
+        x = xr.to(tl.float32)
+        f = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        if DOT:
+            if IEEE:
+                acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+            else:
+                f_hi = f.to(tl.bfloat16)
+                f_r = f - f_hi.to(tl.float32)
+                f_mid = f_r.to(tl.bfloat16)
+                f_lo = (f_r - f_mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(xr, tl.trans(f_hi), acc)
+                acc = tl.dot(xr, tl.trans(f_mid), acc)
+                acc = tl.dot(xr, tl.trans(f_lo), acc)
+        else:
+            acc += tl.sum(x[:, None, :] * f[None, :, :], axis=2)
+        ss += tl.sum(x * x, axis=1)
+    return acc, ss
+
+
+@triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
                    BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, IEEE: tl.constexpr):
-    # IEEE (fp32 activations, or the interpreter): true fp32 products. Otherwise x stays bf16 (exact)
-    # and fn is split into three bf16 parts (hi + mid + lo = 24 mantissa bits): 3 bf16 MMAs with
-    # exact products and fp32 accumulation, i.e. fp32-accurate (the op is memory-bound anyway).
     pt = tl.program_id(0)
     ps = tl.program_id(1)
     toks = pt * BT + tl.arange(0, BT)
     tm = toks < T
     toks64 = toks.to(tl.int64)
     ms = tl.arange(0, MP)
-    mm = ms < M
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
     k_lo = ps * KSPLIT
-    k_hi = tl.minimum(k_lo + KSPLIT, K)
-    for k0 in range(k_lo, k_hi, BK):
-        ks = k0 + tl.arange(0, BK)
-        km = ks < k_hi
-        xr = tl.load(x_ptr + toks64[:, None] * K + ks[None, :], mask=tm[:, None] & km[None, :],
-                     other=0.0)
-        x = xr.to(tl.float32)
-        f = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(f), input_precision="ieee")
-        else:
-            f_hi = f.to(tl.bfloat16)
-            f_r = f - f_hi.to(tl.float32)
-            f_mid = f_r.to(tl.bfloat16)
-            f_lo = (f_r - f_mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(xr, tl.trans(f_hi), acc)
-            acc = tl.dot(xr, tl.trans(f_mid), acc)
-            acc = tl.dot(xr, tl.trans(f_lo), acc)
-        ss += tl.sum(x * x, axis=1)
+    acc, ss = _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, ms < M, k_lo, tl.minimum(k_lo + KSPLIT, K), K,
+                       BT, MP, BK, True, IEEE)
     row = ps * T + toks64
     tl.store(zp_ptr + row[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
     tl.store(ssp_ptr + row, ss, mask=tm)
@@ -125,60 +152,45 @@ def _mix(x2, fn, M):
 # ---------------------------------------------------------------------------------- one-pass hc_pre / hc_head
 @triton.jit
 def _hc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, cnt_ptr,
-                     T, H, M, KSPLIT, S, rms_eps, hc_eps, iters, post_mult,
+                     T, H, M, KSPLIT, S, NTB, rms_eps, hc_eps, iters, post_mult,
                      N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      SB: tl.constexpr, BH: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
                      SPLIT: tl.constexpr, HEAD: tl.constexpr, RNE: tl.constexpr):
-    """One launch: program (pt, ps) computes the mixes partial of token block pt over K-slice ps and
+    """One launch. Program (p, ps) computes the mixes partial of token block pt over K-slice ps and
     stores it (sum of squares in column M) to zp[ps]; the program of block pt that arrives LAST (an
     int32 counter per block, acq_rel after a CTA barrier, reset to 0 by that program) reduces the S
-    partials in slice order, computes the coefficients and collapses the block's x rows (L2-hot)."""
-    pt = tl.program_id(0)
+    partials in slice order, computes the coefficients and collapses the block's x rows (L2-hot).
+    Without a split (S == 1) a program walks token blocks p, p + grid, ... (a grid smaller than the
+    block count bounds the x rows in flight, so their re-read by the collapse stays in L2)."""
     ps = tl.program_id(1)
+    for pt in range(tl.program_id(0), NTB, tl.num_programs(0)):
+        _fused_mix(x_ptr, fn_ptr, zp_ptr, pt, ps, T, H, M, KSPLIT, N, MP, BT, BK, DOT, IEEE)
+        tl.debug_barrier()   # every thread's partial stored before the release below (or the reads)
+        if SPLIT:
+            arrived = tl.atomic_add(cnt_ptr + pt, 1, sem="acq_rel", scope="gpu")
+            if arrived == S - 1:
+                tl.atomic_xchg(cnt_ptr + pt, 0, sem="relaxed", scope="gpu")   # zero for the next call (graphs)
+                tl.debug_barrier()
+                _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M,
+                              S, rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
+        else:
+            _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
+                          rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
+
+
+@triton.jit
+def _fused_mix(x_ptr, fn_ptr, zp_ptr, pt, ps, T, H, M, KSPLIT, N: tl.constexpr, MP: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
     K = N * H
     toks = pt * BT + tl.arange(0, BT)
     tm = toks < T
     toks64 = toks.to(tl.int64)
     ms = tl.arange(0, MP)
-    mm = ms < M
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
     k_lo = ps * KSPLIT
-    k_hi = tl.minimum(k_lo + KSPLIT, K)
-    for k0 in range(k_lo, k_hi, BK):
-        ks = k0 + tl.arange(0, BK)
-        km = ks < k_hi
-        xr = tl.load(x_ptr + toks64[:, None] * K + ks[None, :], mask=tm[:, None] & km[None, :], other=0.0,
-                     eviction_policy="evict_last")   # re-read by the collapse: keep in L2
-        x = xr.to(tl.float32)
-        f = tl.load(fn_ptr + ms[:, None] * K + ks[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        if DOT:
-            if IEEE:
-                acc += tl.dot(x, tl.trans(f), input_precision="ieee")
-            else:   # bf16x3, as in _hc_mix_kernel
-                f_hi = f.to(tl.bfloat16)
-                f_r = f - f_hi.to(tl.float32)
-                f_mid = f_r.to(tl.bfloat16)
-                f_lo = (f_r - f_mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(xr, tl.trans(f_hi), acc)
-                acc = tl.dot(xr, tl.trans(f_mid), acc)
-                acc = tl.dot(xr, tl.trans(f_lo), acc)
-        else:       # few tokens: true fp32 products on the vector units (BT < 16, no MMA tile)
-            acc += tl.sum(x[:, None, :] * f[None, :, :], axis=2)
-        ss += tl.sum(x * x, axis=1)
+    acc, ss = _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, ms < M, k_lo, tl.minimum(k_lo + KSPLIT, K), K,
+                       BT, MP, BK, DOT, IEEE)
     acc = tl.where(ms[None, :] == M, ss[:, None], acc)
     tl.store(zp_ptr + (ps * T + toks64)[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
-    tl.debug_barrier()   # every thread's partial stored before the release below
-    if SPLIT:
-        arrived = tl.atomic_add(cnt_ptr + pt, 1, sem="acq_rel", scope="gpu")
-        if arrived == S - 1:
-            tl.atomic_xchg(cnt_ptr + pt, 0, sem="relaxed", scope="gpu")   # ready for the next call (graphs)
-            tl.debug_barrier()
-            _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
-                          rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
-    else:
-        _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
-                      rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
 
 
 @triton.jit
@@ -274,7 +286,8 @@ def _fused(x, fn, scale, base, y, post, comb, rms_eps, hc_eps, iters, post_mult,
     K = n * H
     M = fn.shape[0]
     MP = max(16, np2(M + 1))          # + the sum-of-squares column
-    BT = TUNE.get("fBT", 1 if T == 1 else (np2(T) if T < 16 else (16 if T <= 1024 else 32)))
+    # up to 64 tokens: blocks of <= 4 (vector products; more blocks share the collapse), then MMA tiles
+    BT = TUNE.get("fBT", min(np2(T), 4) if T <= 64 else (16 if T <= 1024 else 32))
     DOT = BT >= 16
     BK = TUNE.get("fBK", (128 if MP <= 32 else 64) if DOT else max(16, 8192 // (BT * MP)))
     ntb = cdiv(T, BT)
@@ -294,17 +307,14 @@ def _fused(x, fn, scale, base, y, post, comb, rms_eps, hc_eps, iters, post_mult,
     zs = torch.empty((T, MP), dtype=torch.float32, device=x.device)
     SB = TUNE.get("fSB", max(1, min(np2(S), 8192 // (BT * MP))))
     BH = TUNE.get("fBH", max(16, min(np2(H), 8192 // (BT * np2(n)))))
-    _hc_fused_kernel[(ntb, S)](x, fn, scale, base, y, post, comb, zp, zs, zp if cnt is None else cnt,
-                               T, H, M, KSPLIT, S, float(rms_eps), float(hc_eps), int(iters), float(post_mult),
-                               N=n, NP=np2(n), MP=MP, BT=BT, BK=BK, SB=SB, BH=BH, DOT=DOT,
-                               IEEE=x.dtype == torch.float32 or interp(x), SPLIT=S > 1, HEAD=head, RNE=rne(y),
-                               num_warps=TUNE.get("fnum_warps", 4), num_stages=TUNE.get("fnum_stages", 2),
-                               **TUNE.options())
+    grid = ntb if S > 1 else max(1, min(ntb, TUNE.get("fgrid", ntb)))
+    _hc_fused_kernel[(grid, S)](x, fn, scale, base, y, post, comb, zp, zs, zp if cnt is None else cnt,
+                                T, H, M, KSPLIT, S, ntb, float(rms_eps), float(hc_eps), int(iters), float(post_mult),
+                                N=n, NP=np2(n), MP=MP, BT=BT, BK=BK, SB=SB, BH=BH, DOT=DOT,
+                                IEEE=x.dtype == torch.float32 or interp(x), SPLIT=S > 1, HEAD=head, RNE=rne(y),
+                                num_warps=TUNE.get("fnum_warps", 4), num_stages=TUNE.get("fnum_stages", 2),
+                                **TUNE.options())
     return True
-
-
-def _onepass(T) -> bool:
-    return bool(TUNE.get("onepass", True))
 
 
 # ------------------------------------------------------------------------------------- hc_pre epilogue
@@ -390,7 +400,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     if T == 0:
         return y, post, comb
     x = c(x)
-    if _onepass(T) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
+    if TUNE.get("onepass", True) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
                               head=False):
         return y, post, comb
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
@@ -431,7 +441,7 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     if T == 0:
         return y
     x = c(x)
-    if _onepass(T) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
+    if TUNE.get("onepass", True) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
         return y
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
