@@ -66,8 +66,9 @@ configs = [   # (op, T, TUNE of the one-pass path, what it exercises)
     ("hc_head", 1, {}, "hc_head split-K"),
     ("hc_head", 33, {"fBT": 16, "ftarget": 1, "fBH": 64}, "hc_head, no split, collapse 64 columns a step"),
 ]
-for dtype in (torch.float32, torch.bfloat16):
-    for op, T, tune, what in configs:
+# bfloat16 changes only the y rounding under the interpreter (dots run in fp32 there): two configs
+for dtype, cases in ((torch.float32, configs), (torch.bfloat16, configs[:1] + configs[-1:])):
+    for op, T, tune, what in cases:
         kw = args(op, T, dtype)
         one = run(op, kw, dict(tune, onepass=True))
         two = run(op, kw, {"onepass": False})
