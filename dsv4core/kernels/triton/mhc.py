@@ -223,16 +223,25 @@ def _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr,
     s0 = tl.load(scale_ptr)
     b_pre = tl.load(base_ptr + i, mask=im, other=0.0)
     pre = tl.sigmoid(s0 * (rho[:, None] * z_pre) + b_pre[None, :]) + hc_eps
+    # collapse y = sum_j pre_j x_j (fp32, one rounding), BH columns at a time (it needs only pre)
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        cm = cols < H
+        xs = tl.load(x_ptr + (toks64 * K)[:, None, None] + (i * H)[None, :, None] + cols[None, None, :],
+                     mask=m2[:, :, None] & cm[None, None, :], other=0.0, eviction_policy="evict_first")
+        y = tl.sum(pre[:, :, None] * xs.to(tl.float32), axis=1)
+        tl.store(y_ptr + toks64[:, None] * H + cols[None, :], to_out(y, y_ptr, RNE), mask=tm[:, None] & cm[None, :])
     if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        b_post = tl.load(base_ptr + N + i, mask=im, other=0.0)
         z_post = tl.load(zrow[:, None] + N + i[None, :], mask=m2, other=0.0)
+        post = post_mult * tl.sigmoid(s1 * (rho[:, None] * z_post) + b_post[None, :])
+        tl.store(post_ptr + toks64[:, None] * N + i[None, :], post, mask=m2)
         ij = i[:, None] * N + i[None, :]
         m3 = tm[:, None, None] & (im[:, None] & im[None, :])[None, :, :]
         Z = tl.load(zrow[:, None, None] + 2 * N + ij[None, :, :], mask=m3, other=0.0)
-        s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        b_post = tl.load(base_ptr + N + i, mask=im, other=0.0)
         B = tl.load(base_ptr + 2 * N + ij, mask=im[:, None] & im[None, :], other=0.0)
-        post = post_mult * tl.sigmoid(s1 * (rho[:, None] * z_post) + b_post[None, :])
         L = s2 * (rho[:, None, None] * Z) + B[None, :, :]
         L = tl.where(m3, L, float("-inf"))
         mx = tl.max(L, axis=2)
@@ -247,16 +256,7 @@ def _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr,
         for _ in range(iters - 1):
             C = C / (tl.sum(C, axis=2)[:, :, None] + hc_eps)
             C = C / (tl.sum(C, axis=1)[:, None, :] + hc_eps)
-        tl.store(post_ptr + toks64[:, None] * N + i[None, :], post, mask=m2)
         tl.store(comb_ptr + toks64[:, None, None] * (N * N) + ij[None, :, :], C, mask=m3)
-    # collapse y = sum_j pre_j x_j (fp32, one rounding), BH columns at a time
-    for h0 in range(0, H, BH):
-        cols = h0 + tl.arange(0, BH)
-        cm = cols < H
-        xs = tl.load(x_ptr + (toks64 * K)[:, None, None] + (i * H)[None, :, None] + cols[None, None, :],
-                     mask=m2[:, :, None] & cm[None, None, :], other=0.0, eviction_policy="evict_first")
-        y = tl.sum(pre[:, :, None] * xs.to(tl.float32), axis=1)
-        tl.store(y_ptr + toks64[:, None] * H + cols[None, :], to_out(y, y_ptr, RNE), mask=tm[:, None] & cm[None, :])
 
 
 #: per device: a ring of int32 counter slots for the one-pass kernels (zero, and left zero by every
