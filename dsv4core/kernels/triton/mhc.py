@@ -79,14 +79,22 @@ def hc_post(o, residual, post, comb):
 
 # -------------------------------------------------------------------------------- mixes product (split-K)
 @triton.jit
-def _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, mm, k_lo, k_hi, K, BT: tl.constexpr, MP: tl.constexpr,
+def _mix_acc(x_ptr, fn_ptr, pt, ps, T, K, M, KSPLIT, BT: tl.constexpr, MP: tl.constexpr,
              BK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """(fn @ xf over columns [k_lo, k_hi) [BT, MP], sum of xf^2 over them [BT]) for tokens toks64.
+    """(fn @ xf over K-slice ps [BT, MP], sum of xf^2 over it [BT], token offsets, token mask, mix
+    columns) for token block pt.
 
     DOT with IEEE (fp32 activations, or the interpreter): true fp32 products. DOT otherwise: x stays
     bf16 (exact) and fn is split into three bf16 parts (hi + mid + lo = 24 mantissa bits): 3 bf16
     MMAs with exact products and fp32 accumulation, i.e. fp32-accurate (the op is memory-bound
     anyway). Not DOT (fewer than 16 tokens, below an MMA tile): fp32 products on the vector units."""
+    toks = pt * BT + tl.arange(0, BT)
+    tm = toks < T
+    toks64 = toks.to(tl.int64)
+    ms = tl.arange(0, MP)
+    mm = ms < M
+    k_lo = ps * KSPLIT
+    k_hi = tl.minimum(k_lo + KSPLIT, K)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -110,21 +118,14 @@ def _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, mm, k_lo, k_hi, K, BT: tl.constexpr,
         else:
             acc += tl.sum(x[:, None, :] * f[None, :, :], axis=2)
         ss += tl.sum(x * x, axis=1)
-    return acc, ss
+    return acc, ss, toks64, tm, ms
 
 
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
                    BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, IEEE: tl.constexpr):
-    pt = tl.program_id(0)
     ps = tl.program_id(1)
-    toks = pt * BT + tl.arange(0, BT)
-    tm = toks < T
-    toks64 = toks.to(tl.int64)
-    ms = tl.arange(0, MP)
-    k_lo = ps * KSPLIT
-    acc, ss = _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, ms < M, k_lo, tl.minimum(k_lo + KSPLIT, K), K,
-                       BT, MP, BK, True, IEEE)
+    acc, ss, toks64, tm, ms = _mix_acc(x_ptr, fn_ptr, tl.program_id(0), ps, T, K, M, KSPLIT, BT, MP, BK, True, IEEE)
     row = ps * T + toks64
     tl.store(zp_ptr + row[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
     tl.store(ssp_ptr + row, ss, mask=tm)
@@ -181,14 +182,7 @@ def _hc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_p
 @triton.jit
 def _fused_mix(x_ptr, fn_ptr, zp_ptr, pt, ps, T, H, M, KSPLIT, N: tl.constexpr, MP: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    K = N * H
-    toks = pt * BT + tl.arange(0, BT)
-    tm = toks < T
-    toks64 = toks.to(tl.int64)
-    ms = tl.arange(0, MP)
-    k_lo = ps * KSPLIT
-    acc, ss = _mix_acc(x_ptr, fn_ptr, toks64, tm, ms, ms < M, k_lo, tl.minimum(k_lo + KSPLIT, K), K,
-                       BT, MP, BK, DOT, IEEE)
+    acc, ss, toks64, tm, ms = _mix_acc(x_ptr, fn_ptr, pt, ps, T, N * H, M, KSPLIT, BT, MP, BK, DOT, IEEE)
     acc = tl.where(ms[None, :] == M, ss[:, None], acc)
     tl.store(zp_ptr + (ps * T + toks64)[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
 
