@@ -95,10 +95,11 @@ for dtype in (torch.float32, torch.bfloat16):
                                  empty_zero=bool((o1[1] == 0).all()), bitwise=bool(torch.equal(o1, o2))))
     A.TUNE.clear()
     # the split paths really differ from the one-split path (not the same launch under two names)
-    rep.setdefault("differs", {})[str(dtype)] = bool(not torch.equal(outs["one-split"], outs["default"]))
-# the plan's split count at DSV4-Flash decode shapes on a 132-SM GPU (target 264 programs)
+    rep.setdefault("differs", {})[str(dtype)] = bool(not torch.equal(outs["one-split"], outs["S3"]))
+# the plan's split count at DSV4-Flash decode shapes on a 132-SM GPU (below T = 128 the default
+# target is one program per SM: 132)
 for T_ in (1, 2, 3, 4, 5, 6, 7, 8, 64):
-    A.TUNE.clear(); A.TUNE.update({"target": 264})
+    A.TUNE.clear(); A.TUNE.update({"target": 132})
     p = A.plan(T_, 64, 512, 640, False, torch.device("cpu"))
     rep["plans"][T_] = dict(p, programs=T_ * p["nhb"] * p["S"])
 A.TUNE.clear()
@@ -124,10 +125,12 @@ def test_every_plan_within_the_derived_bound(report):
     by = {(c["dtype"], c["plan"]): c for c in report["cases"]}
     for dt in ("torch.float32", "torch.bfloat16"):
         assert by[(dt, "one-split")]["S"] == 1
-        assert by[(dt, "default")]["S"] > 1 and by[(dt, "S3")]["S"] == 3
-        assert by[(dt, "max-splits")]["S"] == 10           # K = 160 rows in BK = 16 blocks
+        assert by[(dt, "S3")]["S"] == 3
+        # the most splits K = 160 rows allow: 16-row blocks in fp32, the default 64-row blocks in bf16
+        assert by[(dt, "max-splits")]["S"] == (10 if dt == "torch.float32" else 3)
         assert by[(dt, "serial-combine")]["combine"] == "serial"
-    assert all(report["differs"].values()), report["differs"]
+    # (fp32: in bf16 the output rounding may hide the split's different fp32 summation order)
+    assert report["differs"]["torch.float32"], report["differs"]
 
 
 def test_empty_and_sparse_tokens(report):
@@ -143,12 +146,15 @@ def test_two_calls_bitwise_equal(report):
 
 
 def test_plan_fills_the_gpu_at_decode_batch(report):
-    """At T = 1..8 (Flash: 64 heads, 640 rows) the programs of the split kernel cover every SM of
-    a 132-SM GPU (target 264) and stay within the target; every row is in exactly one split."""
+    """At T = 1..8 (Flash: 64 heads, 640 rows) the split kernel runs 64-row blocks with at most one
+    program per SM of a 132-SM GPU (target 132: the H200 sweep's fastest), splitting the rows
+    as far as that allows; every row is in exactly one split."""
     for T, p in report["plans"].items():
         T = int(T)
         assert p["S"] <= 64 and p["KPS"] % p["BK"] == 0
         assert p["KPS"] * p["S"] >= 640 and p["KPS"] * (p["S"] - 1) < 640, p
         if T <= 8:
-            assert 132 <= p["programs"] <= 264, (T, p)
+            assert p["BK"] == 64 and p["programs"] <= 132, (T, p)
+            s0 = min(10, 132 // (T * 4))          # 4 head blocks of 16, 10 row blocks of 64
+            assert p["S"] == -(-640 // (-(-10 // s0) * 64)), (T, p)   # whole blocks per split
     assert report["plans"]["64"]["S"] == 1          # T = 64 fills the GPU without splitting

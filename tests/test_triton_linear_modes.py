@@ -63,7 +63,7 @@ def test_launch_config_keys_and_errors():
     from dsv4core.kernels.triton import linear, wo_a
 
     cfg = linear._config("linear", 1, False, True, {}, linear.linear_tiles)
-    assert cfg["mode"] == "swap" and cfg["KSUB"] * cfg["BK"] == 128          # FP8 at T = 1: one scale block a step
+    assert cfg["mode"] == "dot" and cfg["KSUB"] * cfg["BK"] == 128           # FP8 at T = 1: one scale block a step
     cfg = linear._config("wo_a", 3, False, False, {"mode": "fma"}, wo_a.wo_a_tiles)
     assert (cfg["mode"], cfg["BM"], cfg["BK"]) == ("fma", 4, 32)             # fma: BM = np2(T), BK sized to registers
     cfg = linear._config("linear", 64, False, False, {"KSUB": 2, "num_warps": 8}, linear.linear_tiles)

@@ -161,19 +161,15 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     splits); ``target``; ``combine`` "wide" (the [S, CB] tile combine) or "serial" (the first combine);
     ``cBLOCK`` elements of the combine's tile (S x CB), ``c_num_warps``."""
     big = T >= 128
-    target = TUNE.get("target", target_programs(device, _CPU_PROGRAMS))
-    # T >= 128 (H200, DSV4-Flash CSA shape, benchmarks/tune_triton.py): 32 heads x 32 rows (fewer
-    # re-gathers of the same kv rows, 1.4x). Small T is latency-bound: the largest row block (64,
-    # 32, 16) whose one-block splits still give one program per SM (target / 2), e.g. at Flash
-    # (64 heads, 640 rows, 132 SMs) 16 rows at T = 1, 32 at T = 2, 64 at T >= 4.
+    # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
+    # / 2) is what the H200 sweep found fastest at T = 1..8 (tune-s18-h200-flash-read.json: 15.2 /
+    # 18.5 / 21.0 / 25.0 us against 22.9 / 24.3 / 27.3 / 26.9 for the first path; smaller row
+    # blocks or two programs per SM were slower). T >= 128 (DSV4-Flash CSA shape): 32 heads x 32
+    # rows (fewer re-gathers of the same kv rows, 1.4x), 2 programs per SM.
+    target = TUNE.get("target", target_programs(device, _CPU_PROGRAMS) // (1 if big else 2))
     BH = TUNE.get("BH", 32 if big else 16)
     nhb = cdiv(NH, BH)
-    if f32:
-        bk = 16
-    elif big:
-        bk = 32
-    else:
-        bk = next((b for b in (64, 32) if T * nhb * cdiv(K, b) >= target // 2), 16)
+    bk = 16 if f32 else (32 if big else 64)
     BK = TUNE.get("BK", bk)
     nkb = cdiv(K, BK)
     S = TUNE.get("S")

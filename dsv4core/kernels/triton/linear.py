@@ -144,14 +144,13 @@ MODES = {"dot": 0, "swap": 1, "fma": 2}
 def linear_tiles(M: int, scaled: bool) -> tuple:
     """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages).
 
-    bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). FP8: "swap"
-    at M <= 64 (not yet timed; the dot-mode FP8 tiles measured 19.2 / 26.7 µs at T = 1 / 64, the
-    T = 64 one well short of the weight stream: its converted tile took a shared-memory round
-    trip as the MMA's B operand)."""
+    bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). "dot" for
+    FP8 too: the H200 sweep of this session (tune-s18-h200-flash-read.json) timed "swap" at
+    17.9 / 18.0 / 29.7 µs at T = 1 / 8 / 64 against dot's 17.8 / 17.8 / 25.0, and "fma" at 2.7x+."""
     if M <= 16:
-        return ("swap" if scaled else "dot"), 16, 64, 128, 4, 3
+        return "dot", 16, 64, 128, 4, 3
     if M <= 64:
-        return ("swap", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+        return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
     return "dot", 128, 128, 64, 8, 3
 
 

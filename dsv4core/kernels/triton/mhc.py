@@ -1,6 +1,12 @@
-"""mHC kernels: hc_post (one pass), hc_pre and hc_head (one pass by default, or two launches).
+"""mHC kernels: hc_post (one pass), hc_pre and hc_head (two launches by default, or one pass).
 
-hc_pre / hc_head, one pass (``_hc_fused_kernel``, ``TUNE["onepass"]``, default on):
+Default: the two-pass path. On the H200 (benchmarks/results/tune-s18-h200-flash-read.json) the
+one-pass kernel below took 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at T = 1 / 8 / 64 / 4096 against
+the two-pass 11.8 / 12.1 / 17.2 / 115 µs: the last program of a token block reduces, runs Sinkhorn
+and collapses alone, and that serial tail costs more than the second launch saves. It stays
+selectable (``TUNE["onepass"] = True``) for tuning and for other devices.
+
+hc_pre / hc_head, one pass (``_hc_fused_kernel``, ``TUNE["onepass"]``, default off):
   * grid (token blocks, K-slices). Each program computes ``fn @ xf`` and ``sum(xf^2)`` over its
     K-slice for BT tokens and stores the fp32 partial. Split-K spreads the 1.5 MiB ``fn`` read over
     all SMs at small T. Under 16 tokens the products run on the vector units (true fp32); from 16 on
@@ -394,7 +400,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     if T == 0:
         return y, post, comb
     x = c(x)
-    if TUNE.get("onepass", True) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
+    if TUNE.get("onepass", False) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
                               head=False):
         return y, post, comb
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
@@ -435,7 +441,7 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     if T == 0:
         return y
     x = c(x)
-    if TUNE.get("onepass", True) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
+    if TUNE.get("onepass", False) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
         return y
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
     BH, HCH, nhb = _epi_block(T, H, x.device)

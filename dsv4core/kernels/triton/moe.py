@@ -328,7 +328,8 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
     benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128.
     Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
-    than the device has SMs (`programs` / 2): the N blocks shrink until they do not."""
+    than the device has SMs (`programs` / 2): the N blocks shrink (to 32 / 64 at most) until they
+    do not."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
@@ -342,9 +343,12 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     if not ieee:
         BM, BNu, BNd = cfg[:3]
         tiles = max(min(E, P), cdiv(P, BM))        # row tiles with work (about)
-        while BNu > 16 and tiles * cdiv(I, BNu) < programs // 2:
+        # floors 32 / 64: the H200 sweep of the shared expert (tune-s18-h200-flash-read.json) timed
+        # 44.5 / 59.3 / 60.2 µs at T = 1 / 8 / 64 with (32, 64) against 47.7 / 67.6 / 69.2 with
+        # (64, 128) and 50.5 / 60.0 / 59.0 with (16, 64)
+        while BNu > 32 and tiles * cdiv(I, BNu) < programs // 2:
             BNu //= 2
-        while BNd > 32 and tiles * cdiv(H, BNd) < programs // 2:
+        while BNd > 64 and tiles * cdiv(H, BNd) < programs // 2:
             BNd //= 2
         cfg = (BM, BNu, BNd) + cfg[3:]
     if TUNE:
