@@ -22,12 +22,9 @@ fp32 at <= 0.004 of the bound (the bound is the worst case of every rounding), b
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from _interp import interpreted_report
 
 pytest.importorskip("triton")
 
@@ -109,12 +106,7 @@ json.dump(rep, open(sys.argv[1], "w"))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smqa") / "report.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert out.exists(), f"no report:\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return interpreted_report(_SCRIPT, tmp_path_factory.mktemp("smqa"), "report")
 
 
 def test_every_plan_within_the_derived_bound(report):

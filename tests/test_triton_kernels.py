@@ -9,13 +9,13 @@ is a kernel-level loop judged by the same code, dsv4core.hal.compare.judge.)
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from _interp import interpreted_report
 
 pytest.importorskip("triton")
 
@@ -37,12 +37,7 @@ json.dump(rep.as_dict(), open(sys.argv[1], "w"))
 
 @pytest.fixture(scope="module")
 def conformance(tmp_path_factory):
-    out = tmp_path_factory.mktemp("triton") / "conformance.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _CONFORMANCE, str(out)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert out.exists(), f"conformance produced no report:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    return interpreted_report(_CONFORMANCE, tmp_path_factory.mktemp("triton"), "conformance", timeout=900)
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -13,14 +13,11 @@ Interpreter checks run in one subprocess (TRITON_INTERPRET must be set before tr
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from launch_recorder import Recorder
+from _interp import interpreted_report
 
 pytest.importorskip("triton")
 
@@ -126,12 +123,7 @@ json.dump(out, open(sys.argv[1], "w"))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pool_kernels") / "out.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert path.exists(), f"the interpreter script failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return json.loads(path.read_text())
+    return interpreted_report(_SCRIPT, tmp_path_factory.mktemp("pool_kernels"), "out")
 
 
 @pytest.mark.parametrize("dtypes", ["torch.bfloat16/torch.float32", "torch.float32/torch.bfloat16",
