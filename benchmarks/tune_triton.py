@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
+
+_ONE = {"onepass": True}
 
 SWEEPS = [
     ("sparse_mqa_attention", attention, (256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
@@ -56,14 +56,15 @@ SWEEPS = [
     ("moe_experts_shared", moe, (1, 8, 64), [{}, {"BNu": 64, "BNd": 128}, {"BNu": 32, "BNd": 64},
                                              {"BNu": 16, "BNd": 64}, {"BNu": 16, "BNd": 32, "num_warps": 2}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
-    # one-pass hc_pre / hc_head ({}: its defaults) against the two-pass path (onepass False)
-    ("hc_pre", mhc, (1, 8, 64), [{"onepass": False}, {}, {"fBT": 1}, {"fBT": 8}, {"fBT": 16}, {"ftarget": 132},
-                                 {"fnum_warps": 8}]),
-    # T=4096: no split; fgrid bounds the x rows in flight (BT * 32 KiB each) for their L2 re-read
-    ("hc_pre", mhc, (4096,), [{"onepass": False}, {}, {"fgrid": 64}, {"fBT": 16, "fgrid": 64},
-                              {"fBT": 16, "fgrid": 96}, {"fBT": 16, "fgrid": 132}, {"fBT": 64, "fnum_warps": 8}]),
-    ("hc_head", mhc, (1, 64), [{"onepass": False}, {}, {"fBT": 16}]),
-    ("hc_head", mhc, (4096,), [{"onepass": False}, {}, {"fBT": 16, "fgrid": 96}]),
+    # the one-pass hc_pre / hc_head kernel (off by default: every one-pass variant sets it) against
+    # the two-pass path; T=4096: no split, fgrid bounds the x rows in flight for their L2 re-read
+    ("hc_pre", mhc, (1, 8, 64), [{"onepass": False}, _ONE, dict(_ONE, fBT=1), dict(_ONE, fBT=8),
+                                 dict(_ONE, fBT=16), dict(_ONE, ftarget=132), dict(_ONE, fnum_warps=8)]),
+    ("hc_pre", mhc, (4096,), [{"onepass": False}, _ONE, dict(_ONE, fgrid=64), dict(_ONE, fBT=16, fgrid=64),
+                              dict(_ONE, fBT=16, fgrid=96), dict(_ONE, fBT=16, fgrid=132),
+                              dict(_ONE, fBT=64, fnum_warps=8)]),
+    ("hc_head", mhc, (1, 64), [{"onepass": False}, _ONE, dict(_ONE, fBT=16)]),
+    ("hc_head", mhc, (4096,), [{"onepass": False}, _ONE, dict(_ONE, fBT=16, fgrid=96)]),
 ]
 
 

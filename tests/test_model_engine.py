@@ -293,6 +293,9 @@ def test_device_tokens_bad_input_is_refused_with_nothing_changed(tiny):
         tiny.forward_batch(toks, torch.tensor([9, 10]), torch.tensor([0, 0]), [st])
     with pytest.raises(InputError, match="DeviceTokens of vocabulary 300"):
         tiny.forward_batch(DeviceTokens(toks.tensor, 300), torch.tensor([9]), torch.tensor([0]), [st])
+    for bad in (toks.tensor.view(1, 1), toks.tensor.float()):
+        with pytest.raises(InputError, match="DeviceTokens must hold a 1-D int64 / int32 tensor"):
+            tiny.forward_batch(DeviceTokens(bad, 256), torch.tensor([9]), torch.tensor([0]), [st])
     assert st.length == 9
     tiny.forward_batch(toks, torch.tensor([9]), torch.tensor([0]), [st])
     assert st.length == 10

@@ -53,7 +53,9 @@ def test_queued_decode_never_waits_for_the_device_and_equals_the_serial_one():
     synchronisation (torch's sync debug mode turns any into an error: a read-back, a blocking
     copy, an `.item()`), replayed from graphs, and give bit for bit the logits of steps fed host ids."""
     model = dsv4core.load_model("tiny", backend="cuda", device="cuda")
-    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024)
+    # small blocks: the 23 queued steps cross window and compressed block boundaries, so block
+    # tables are uploaded (queued) under the sync check too
+    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024, window_block=8, block_tokens=32)
     if model.graph_status():
         pytest.skip(f"graphs off: {model.graph_status()}")
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]

@@ -68,6 +68,8 @@ def test_launch_config_keys_and_errors():
     assert (cfg["mode"], cfg["BM"], cfg["BK"]) == ("fma", 4, 32)             # fma: BM = np2(T), BK sized to registers
     cfg = linear._config("linear", 64, False, False, {"KSUB": 2, "num_warps": 8}, linear.linear_tiles)
     assert (cfg["KSUB"], cfg["num_warps"]) == (2, 8)
+    with pytest.raises(ValueError, match=r"linear: BK \* KSUB = 384 must be a power of two"):
+        linear._config("linear", 64, False, False, {"KSUB": 3}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"linear: TUNE mode='gemv'"):
         linear._config("linear", 1, False, False, {"mode": "gemv"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"wo_a: BK=256 must divide 128"):

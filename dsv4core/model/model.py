@@ -44,11 +44,11 @@ _ZERO = np.zeros(1, dtype=np.int64)
 
 
 class DeviceTokens:
-    """Token ids that stay on the model's device: `model.greedy_tokens(logits)` makes them (the
-    argmax of each logits row, so every id is in [0, vocab) by construction). `forward_batch`
-    takes them as `input_ids` without reading them back: the host never waits for the step that
-    produced them, so the next step is queued while that one still runs (an engine's async decode).
-    `tolist()` reads them (that waits)."""
+    """Token ids that stay on the model's device, made by `model.greedy_tokens(logits)` only (the
+    argmax of each logits row, so every id is in [0, vocab) by construction; their values are
+    not checked again). `forward_batch` takes them as `input_ids` without reading them back: the
+    host never waits for the step that produced them, so the next step is queued while that one
+    still runs (an engine's async decode). `tolist()` reads them (that waits)."""
 
     __slots__ = ("tensor", "vocab")
 
@@ -260,7 +260,11 @@ class DSV4ForCausalLM(nn.Module):
                 raise InputError(f"input_ids: DeviceTokens of vocabulary {input_ids.vocab} on "
                                  f"{input_ids.tensor.device}; this model has vocabulary {self.config.vocab_size} "
                                  f"on {self.device}")
-            ids, T = input_ids.tensor, len(input_ids)
+            ids = input_ids.tensor
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+                got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+                raise InputError(f"input_ids: DeviceTokens must hold a 1-D int64 / int32 tensor; got {got}")
+            T = ids.shape[0]
         else:
             ids = _host_long(input_ids, "input_ids")
             T = ids.shape[0]
@@ -469,14 +473,23 @@ class _Scheduler:
     def _blocks(self, i: int) -> int:
         return -(-(len(self.prompts[i]) + self.max_new) // self.cache.block_tokens) if self.cache.ratios else 0
 
-    def _admit(self) -> None:
-        """Admit waiting prompts while a slot is free and the compressed blocks not yet promised to
-        running requests (the pool's free blocks, less what running requests will still take;
-        requests outside this call hold theirs) cover a prompt's whole length."""
+    def _free_blocks(self) -> int:
+        """The compressed blocks not yet promised to running requests: the pool's free blocks,
+        less what running requests will still take (requests outside this call hold theirs)."""
         c = self.cache
         pending = sum(max(0, self._blocks(i) - int((c.comp_table[st.slot] > 0).sum()))
                       for i, (st, _) in self.running.items())
-        free_blocks = len(c.comp_pool.free) - pending
+        return len(c.comp_pool.free) - pending
+
+    def _can_admit(self) -> bool:
+        """Would `_admit` admit the first waiting prompt now (a free slot and its blocks)?"""
+        return bool(self.waiting and self.cache.free_slots and self._blocks(self.waiting[0]) <= self._free_blocks())
+
+    def _admit(self) -> None:
+        """Admit waiting prompts while a slot is free and the compressed blocks not yet promised to
+        running requests (`_free_blocks`) cover a prompt's whole length."""
+        c = self.cache
+        free_blocks = self._free_blocks()
         while self.waiting:
             i = self.waiting[0]
             need = self._blocks(i)
@@ -525,8 +538,8 @@ class _Scheduler:
         keep = [k for k, i in enumerate(owners) if i in run and i not in done_now]
         if not keep or len(keep) + len(done_now) != len(run) or len(keep) > self.cache.cc.max_step_tokens:
             return None
-        if self.waiting and (done_now or self.cache.free_slots):
-            return None                   # a slot is (or becomes) free: admit, on the host path
+        if self.waiting and (done_now or self._can_admit()):
+            return None                   # a prompt can be admitted (or may be, once these finish): host path
         sel = [owners[k] for k in keep]
         states = [self.running[i][0] for i in sel]
         ids = toks if len(keep) == len(owners) else DeviceTokens(

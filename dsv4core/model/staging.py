@@ -5,7 +5,11 @@ it, so a step that uploads its metadata that way cannot be prepared while the pr
 runs. `Uploads` stages each copy in page-locked memory and queues it (`non_blocking`): it runs in
 stream order (after the work queued before it, before the work queued after it) and the host goes
 on at once. torch's page-locked allocator keeps a staging buffer from reuse until the copy that
-reads it has run, so the host's numpy values may change right after the call.
+reads it has run (a non_blocking copy records an event on it: checked in torch's CUDA / ROCm
+copy path; other devices' allocators are expected to do the same), and the host values are
+copied into the staging buffer before the call returns, so they may change right after it.
+Freed staging buffers stay in torch's page-locked cache (about one step's inputs per step in
+flight).
 
 Device-neutral: page-locked memory comes from torch's generic allocator; on the CPU, or where
 page-locked memory cannot be had, a copy is a plain blocking one.

@@ -157,8 +157,8 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     """The launch plan for a call: tuning keys (TUNE over the launch table over these defaults)
     and the derived split count. Keys: ``BH`` heads and ``BK`` kv rows per step, ``num_warps``,
     ``num_stages``; ``S`` row splits per token (default: T x ceil(NH / BH) x S programs up to
-    ``target``, 2 per SM of the device; at least one BK block per split, at most MAX_SPLITS
-    splits); ``target``; ``combine`` "wide" (the [S, CB] tile combine) or "serial" (the first combine);
+    ``target``: 1 per SM of the device below T = 128, 2 from there; at least one BK block per
+    split, at most MAX_SPLITS splits); ``target``; ``combine`` "wide" (the [S, CB] tile combine) or "serial" (the first combine);
     ``cBLOCK`` elements of the combine's tile (S x CB), ``c_num_warps``."""
     big = T >= 128
     # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target

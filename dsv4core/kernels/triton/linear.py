@@ -179,6 +179,9 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     if scaled and 128 % BK:
         raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     cfg["KSUB"] = max(1, 128 // BK) if scaled or ieee else tune.get("KSUB", 1)
+    step = BK * cfg["KSUB"]
+    if step & (step - 1):      # the split-K step (a multiple of it) and EVEN_K assume powers of two
+        raise ValueError(f"{op}: BK * KSUB = {step} must be a power of two (TUNE override?)")
     if cfg["mode"] != "fma" and min(cfg["BM"], cfg["BN"], BK) < 16:
         raise ValueError(f"{op}: {cfg['mode']} mode needs BM, BN, BK >= 16 (tl.dot), got {cfg} (TUNE override?)")
     return cfg

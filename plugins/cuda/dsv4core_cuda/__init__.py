@@ -9,11 +9,14 @@ triton importable), with no kernel launch.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
 from dsv4core.kernels.triton import OPS
 
 from .graphs import CudaGraphCapture
+
+log = logging.getLogger("dsv4core.cuda")
 
 __version__ = "0.1.0"
 
@@ -48,7 +51,7 @@ def _available():
 def dsv4core_register_backends(register):
     from dsv4core.kernels.triton.registry import register_ops
 
-    from . import flashinfer_mhc, providers
+    from . import providers
     from .launch import current
 
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
@@ -58,4 +61,10 @@ def dsv4core_register_backends(register):
                 graph_capture=CudaGraphCapture())
     register_ops(b, "cuda", launch=current, ops=CUDA_OPS)
     register(b)
-    register(flashinfer_mhc.make_backend(version=__version__))
+    try:       # an optional provider that fails to import must not take `cuda` down with it
+        from . import flashinfer_mhc
+        fi = flashinfer_mhc.make_backend(version=__version__)
+    except Exception as e:  # noqa: BLE001 -- reported, the cuda backend stays registered
+        log.warning("cuda plugin: the cuda-flashinfer backend is not registered (%s: %s)", type(e).__name__, e)
+    else:
+        register(fi)
