@@ -55,6 +55,11 @@ SWEEPS = [
     # the shared expert (E = 1): {} shrinks the N blocks to fill the SMs; the rest are fixed choices
     ("moe_experts_shared", moe, (1, 8, 64), [{}, {"BNu": 64, "BNd": 128}, {"BNu": 32, "BNd": 64},
                                              {"BNu": 16, "BNd": 64}, {"BNu": 16, "BNd": 32, "num_warps": 2}]),
+    # longer K steps (more bytes in flight per program) for the few-program shared expert, and T = 1 routed
+    ("moe_experts_shared", moe, (1, 8), [{"BK": 128}, {"BK": 256}, {"BNu": 16, "BNd": 32, "BK": 256},
+                                         {"BNu": 16, "BNd": 32, "BK": 128}, {"BK": 256, "num_stages": 3},
+                                         {"BNu": 16, "BNd": 64, "BK": 256, "num_warps": 8}]),
+    ("moe_experts", moe, (1, 8), [{}, {"BK": 128}, {"BK": 256, "num_stages": 3}, {"BNu": 32, "BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
     # the one-pass hc_pre / hc_head kernel (off by default: every one-pass variant sets it) against
     # the two-pass path; T=4096: no split, fgrid bounds the x rows in flight for their L2 re-read
