@@ -5,8 +5,8 @@ it, so a step that uploads its metadata that way cannot be prepared while the pr
 runs. `Uploads` stages each copy in page-locked memory and queues it (`non_blocking`): it runs in
 stream order (after the work queued before it, before the work queued after it) and the host goes
 on at once. torch's page-locked allocator keeps a staging buffer from reuse until the copy that
-reads it has run (a non_blocking copy records an event on it: checked in torch's CUDA / ROCm
-copy path; other devices' allocators are expected to do the same), and the host values are
+reads it has run (a non_blocking copy records an event on it: checked in torch's GPU copy
+path; other devices' allocators are expected to do the same), and the host values are
 copied into the staging buffer before the call returns, so they may change right after it.
 Freed staging buffers stay in torch's page-locked cache (about one step's inputs per step in
 flight).
