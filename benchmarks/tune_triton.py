@@ -13,14 +13,11 @@ import json
 from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
-_ONE = {"onepass": True}
-
 SWEEPS = [
     ("sparse_mqa_attention", attention, (256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
-    # decode batch (issue 10: <= 15 us at T <= 8): the first path (16 x 64 tiles, serial combine)
-    # against the tile combine at each row block, and 1 / 4 programs per SM instead of 2
-    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [{}, {"combine": "serial", "BK": 64}, {"BK": 64}, {"BK": 32},
-                                                       {"BK": 16}, {"target": 132}, {"target": 528}]),
+    # decode batch (issue 10: <= 15 us at T <= 8): the row block, and 1 / 2 / 4 programs per SM
+    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [{}, {"BK": 64}, {"BK": 32},
+                                                       {"BK": 16}, {"target": 264}, {"target": 528}]),
     ("sparse_mqa_attention", attention, (1,), [{}, {"num_warps": 8}, {"num_stages": 1}, {"cBLOCK": 2048},
                                                {"c_num_warps": 2}, {"BH": 32, "num_warps": 8}]),
     ("sparse_mqa_attention", attention, (64,), [{}, {"S": 2}, {"S": 4}, {"S": 2, "BK": 32}, {"num_stages": 3},
@@ -61,15 +58,6 @@ SWEEPS = [
                                          {"BNu": 16, "BNd": 64, "BK": 256, "num_warps": 8}]),
     ("moe_experts", moe, (1, 8), [{}, {"BK": 128}, {"BK": 256, "num_stages": 3}, {"BNu": 32, "BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
-    # the one-pass hc_pre / hc_head kernel (off by default: every one-pass variant sets it) against
-    # the two-pass path; T=4096: no split, fgrid bounds the x rows in flight for their L2 re-read
-    ("hc_pre", mhc, (1, 8, 64), [{"onepass": False}, _ONE, dict(_ONE, fBT=1), dict(_ONE, fBT=8),
-                                 dict(_ONE, fBT=16), dict(_ONE, ftarget=132), dict(_ONE, fnum_warps=8)]),
-    ("hc_pre", mhc, (4096,), [{"onepass": False}, _ONE, dict(_ONE, fgrid=64), dict(_ONE, fBT=16, fgrid=64),
-                              dict(_ONE, fBT=16, fgrid=96), dict(_ONE, fBT=16, fgrid=132),
-                              dict(_ONE, fBT=64, fnum_warps=8)]),
-    ("hc_head", mhc, (1, 64), [{"onepass": False}, _ONE, dict(_ONE, fBT=16)]),
-    ("hc_head", mhc, (4096,), [{"onepass": False}, _ONE, dict(_ONE, fBT=16, fgrid=96)]),
 ]
 
 

@@ -10,9 +10,9 @@ max m, sum l, unnormalised acc) and a second launch merges them, the sink enteri
 
 The split count comes from the device's SM count and the batch (:func:`plan`), so a decode batch
 of 1-8 tokens still fills the GPU. The combine reads every split of a (token, element) block in
-one [splits, CB] tile: the first combine (one program per head block, splits read one after
-another) made S dependent round trips on 4 SMs at T = 1. No atomics: results are bitwise
-repeatable for a given launch plan.
+one [splits, CB] tile (an earlier combine, one program per head block reading the splits one
+after another, made S dependent round trips on 4 SMs at T = 1: 22.9 µs against 15.2 on the H200,
+tune-s18-h200-flash-read.json). No atomics: results are bitwise repeatable for a given launch plan.
 """
 from __future__ import annotations
 
@@ -93,34 +93,6 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
 
 
 @triton.jit
-def _smqa_combine_serial(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
-                         D: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr):
-    """The first combine (``TUNE["combine"] = "serial"``, kept for the same-run comparison): one
-    program per (t, head block) walks the S splits one after another (S dependent L2 round trips
-    of BH x D fp32 each on one SM)."""
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    heads = hb * BH + tl.arange(0, BH)
-    hm = heads < NH
-    dc = tl.arange(0, D)
-    sink = tl.load(sink_ptr + heads, mask=hm, other=0.0)
-    mx = sink
-    for s in range(S):
-        mx = tl.maximum(mx, tl.load(mp_ptr + (t * S + s) * NH + heads, mask=hm, other=0.0))
-    den = tl.exp(sink - mx)
-    num = tl.zeros([BH, D], dtype=tl.float32)
-    for s in range(S):
-        row = (t * S + s) * NH + heads
-        w = tl.exp(tl.load(mp_ptr + row, mask=hm, other=float("-inf")) - mx)
-        den += w * tl.load(lp_ptr + row, mask=hm, other=0.0)
-        num += w[:, None] * tl.load(op_ptr + row[:, None] * D + dc[None, :], mask=hm[:, None],
-                                    other=0.0)
-    o = num / den[:, None]
-    tl.store(o_ptr + (t * NH + heads[:, None]) * D + dc[None, :], to_out(o, o_ptr, RNE),
-             mask=hm[:, None])
-
-
-@triton.jit
 def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
                          D: tl.constexpr, SP: tl.constexpr, CB: tl.constexpr, RNE: tl.constexpr):
     """Merge the S split partials of token t: one program per CB consecutive (head, column)
@@ -158,8 +130,8 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     and the derived split count. Keys: ``BH`` heads and ``BK`` kv rows per step, ``num_warps``,
     ``num_stages``; ``S`` row splits per token (default: T x ceil(NH / BH) x S programs up to
     ``target``: 1 per SM of the device below T = 128, 2 from there; at least one BK block per
-    split, at most MAX_SPLITS splits); ``target``; ``combine`` "wide" (the [S, CB] tile combine) or "serial" (the first combine);
-    ``cBLOCK`` elements of the combine's tile (S x CB), ``c_num_warps``."""
+    split, at most MAX_SPLITS splits); ``target``; ``cBLOCK`` elements of the combine's tile
+    (S x CB), ``c_num_warps``."""
     big = T >= 128
     # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
     # / 2) is what the H200 sweep found fastest at T = 1..8 (tune-s18-h200-flash-read.json: 15.2 /
@@ -180,10 +152,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
-    combine = TUNE.get("combine", "wide")
-    if combine not in ("wide", "serial"):
-        raise ValueError(f"sparse_mqa_attention: TUNE['combine'] must be 'wide' or 'serial', got {combine!r}")
-    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, combine=combine,
+    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB,
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
@@ -213,11 +182,7 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(T, nhb, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
                               float(scale), FINAL=False, **common)
-    if p["combine"] == "serial":
-        _smqa_combine_serial[(T, nhb)](sink, o, op, mp, lp, NH, S, D=D, BH=BH, RNE=rne(o), num_warps=4,
-                                       **TUNE.options())
-    else:
-        CB = p["CB"]
-        _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
-                                                    RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())
+    CB = p["CB"]
+    _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
+                                                RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())
     return o

@@ -1,33 +1,20 @@
-"""mHC kernels: hc_post (one pass), hc_pre and hc_head (two launches by default, or one pass).
+"""mHC kernels: hc_post (one pass), hc_pre and hc_head (two launches each).
 
-Default: the two-pass path. On the H200 (benchmarks/results/tune-s18-h200-flash-read.json) the
-one-pass kernel below took 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at T = 1 / 8 / 64 / 4096 against
-the two-pass 11.8 / 12.1 / 17.2 / 115 µs: the last program of a token block reduces, runs Sinkhorn
-and collapses alone, and that serial tail costs more than the second launch saves. It stays
-selectable (``TUNE["onepass"] = True``) for tuning and for other devices.
+hc_pre / hc_head:
+  1. ``_hc_mix_kernel``: grid (token blocks, K-slices). Each program computes ``fn @ xf`` and
+     ``sum(xf^2)`` over its K-slice for its tokens and stores the fp32 partial; split-K spreads the
+     1.5 MiB ``fn`` read over all SMs at small T. x stays bf16 (exact) and fn is split into three
+     bf16 parts (bf16x3, fp32-accurate; the SPEC 2 hc_pre accuracy contract would allow TF32);
+     fp32 activations use ``ieee`` products.
+  2. an epilogue kernel per (token, H-block): reduce the partials in slice order, rms, sigmoid /
+     Sinkhorn (n x n in registers, recomputed per H-block, it is tiny), collapse
+     ``y = sum_j pre_j x_j``.
 
-hc_pre / hc_head, one pass (``_hc_fused_kernel``, ``TUNE["onepass"]``, default off):
-  * grid (token blocks, K-slices). Each program computes ``fn @ xf`` and ``sum(xf^2)`` over its
-    K-slice for BT tokens and stores the fp32 partial. Split-K spreads the 1.5 MiB ``fn`` read over
-    all SMs at small T. Under 16 tokens the products run on the vector units (true fp32); from 16 on
-    as MMAs: ``ieee`` for fp32 activations; for bf16, x stays bf16 (exact) and fn is split into three
-    bf16 parts (bf16x3, fp32-accurate; the SPEC 2 hc_pre accuracy contract would allow TF32).
-  * the program of a token block that arrives last (an int32 arrival counter per block, atomic
-    acq_rel after a CTA barrier) reduces the block's partials in slice order (a fixed order: the same
-    bits every call), computes rms, sigmoid / Sinkhorn, writes post / comb and collapses
-    ``y = sum_j pre_j x_j``, re-reading the block's x rows while they are still in L2. It resets its
-    counter to 0, so nothing is cleared between calls (graph replays included). No program waits for
-    another: no co-residency assumption, no deadlock. Counters come from a per-device ring of slots
-    (``_counter``), one slot per call.
-  * without a split (S == 1, large T) each program owns whole token blocks (over all of K), and a
-    grid smaller than the block count (``fgrid``) bounds the x rows in flight so that their re-read
-    stays in L2 (x read from HBM once).
-
-Two-pass (``TUNE["onepass"] = False``; also used under graph capture before any eager call made the
-counter ring):
-  1. ``_hc_mix_kernel``: the split-K partials as above (always MMAs).
-  2. an epilogue kernel per (token, H-block): reduce the partials, rms, sigmoid / Sinkhorn (n x n in
-     registers, recomputed per H-block, it is tiny), collapse ``y = sum_j pre_j x_j``.
+A one-pass variant (the last program of a token block reducing the partials, behind an arrival
+counter, then Sinkhorn and the collapse) was built and timed on the H200 (session 18,
+benchmarks/results/tune-s18-h200-flash-read.json): 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at
+T = 1 / 8 / 64 / 4096 against these two launches' 11.8 / 12.1 / 17.2 / 115 µs (its serial tail costs
+more than the second launch saves), so it was removed; it is in the git history (commit 6100a27).
 """
 from __future__ import annotations
 
@@ -156,167 +143,6 @@ def _mix(x2, fn, M):
     return zp, ssp, S, MP
 
 
-# ---------------------------------------------------------------------------------- one-pass hc_pre / hc_head
-@triton.jit
-def _hc_fused_kernel(x_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, cnt_ptr,
-                     T, H, M, KSPLIT, S, NTB, rms_eps, hc_eps, iters, post_mult,
-                     N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     SB: tl.constexpr, BH: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                     SPLIT: tl.constexpr, HEAD: tl.constexpr, RNE: tl.constexpr):
-    """One launch. Program (p, ps) computes the mixes partial of token block pt over K-slice ps and
-    stores it (sum of squares in column M) to zp[ps]; the program of block pt that arrives LAST (an
-    int32 counter per block, acq_rel after a CTA barrier, reset to 0 by that program) reduces the S
-    partials in slice order, computes the coefficients and collapses the block's x rows (L2-hot).
-    Without a split (S == 1) a program walks token blocks p, p + grid, ... (a grid smaller than the
-    block count bounds the x rows in flight, so their re-read by the collapse stays in L2)."""
-    ps = tl.program_id(1)
-    for pt in range(tl.program_id(0), NTB, tl.num_programs(0)):
-        _fused_mix(x_ptr, fn_ptr, zp_ptr, pt, ps, T, H, M, KSPLIT, N, MP, BT, BK, DOT, IEEE)
-        tl.debug_barrier()   # every thread's partial stored before the release below (or the reads)
-        if SPLIT:
-            arrived = tl.atomic_add(cnt_ptr + pt, 1, sem="acq_rel", scope="gpu")
-            if arrived == S - 1:
-                tl.atomic_xchg(cnt_ptr + pt, 0, sem="relaxed", scope="gpu")   # zero for the next call (graphs)
-                tl.debug_barrier()
-                _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M,
-                              S, rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
-        else:
-            _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
-                          rms_eps, hc_eps, iters, post_mult, N, NP, MP, BT, SB, BH, HEAD, RNE)
-
-
-@triton.jit
-def _fused_mix(x_ptr, fn_ptr, zp_ptr, pt, ps, T, H, M, KSPLIT, N: tl.constexpr, MP: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
-    acc, ss, toks64, tm, ms = _mix_acc(x_ptr, fn_ptr, pt, ps, T, N * H, M, KSPLIT, BT, MP, BK, DOT, IEEE)
-    acc = tl.where(ms[None, :] == M, ss[:, None], acc)
-    tl.store(zp_ptr + (ps * T + toks64)[:, None] * MP + ms[None, :], acc, mask=tm[:, None])
-
-
-@triton.jit
-def _fused_finish(x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, zp_ptr, zs_ptr, pt, T, H, M, S,
-                  rms_eps, hc_eps, iters, post_mult, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-                  BT: tl.constexpr, SB: tl.constexpr, BH: tl.constexpr, HEAD: tl.constexpr, RNE: tl.constexpr):
-    K = N * H
-    toks = pt * BT + tl.arange(0, BT)
-    tm = toks < T
-    toks64 = toks.to(tl.int64)
-    ms = tl.arange(0, MP)
-    # the S partials of this block, summed SB slices at a time in slice order (the same order every
-    # call: bitwise reproducible)
-    z = tl.zeros([BT, MP], dtype=tl.float32)
-    for s0 in range(0, S, SB):
-        sl = s0 + tl.arange(0, SB)
-        p = tl.load(zp_ptr + ((sl[:, None] * T + toks64[None, :]) * MP)[:, :, None] + ms[None, None, :],
-                    mask=(sl < S)[:, None, None] & tm[None, :, None], other=0.0)
-        z += tl.sum(p, axis=0)
-    # through a [T, MP] scratch row to pick the logit groups out by index
-    tl.store(zs_ptr + toks64[:, None] * MP + ms[None, :], z, mask=tm[:, None])
-    tl.debug_barrier()
-    zrow = zs_ptr + toks64 * MP
-    i = tl.arange(0, NP)
-    im = i < N
-    m2 = tm[:, None] & im[None, :]
-    ss = tl.load(zrow + M, mask=tm, other=0.0)
-    rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))
-    z_pre = tl.load(zrow[:, None] + i[None, :], mask=m2, other=0.0)
-    s0 = tl.load(scale_ptr)
-    b_pre = tl.load(base_ptr + i, mask=im, other=0.0)
-    pre = tl.sigmoid(s0 * (rho[:, None] * z_pre) + b_pre[None, :]) + hc_eps
-    # collapse y = sum_j pre_j x_j (fp32, one rounding), BH columns at a time (it needs only pre)
-    for h0 in range(0, H, BH):
-        cols = h0 + tl.arange(0, BH)
-        cm = cols < H
-        xs = tl.load(x_ptr + (toks64 * K)[:, None, None] + (i * H)[None, :, None] + cols[None, None, :],
-                     mask=m2[:, :, None] & cm[None, None, :], other=0.0, eviction_policy="evict_first")
-        y = tl.sum(pre[:, :, None] * xs.to(tl.float32), axis=1)
-        tl.store(y_ptr + toks64[:, None] * H + cols[None, :], to_out(y, y_ptr, RNE), mask=tm[:, None] & cm[None, :])
-    if not HEAD:
-        s1 = tl.load(scale_ptr + 1)
-        b_post = tl.load(base_ptr + N + i, mask=im, other=0.0)
-        z_post = tl.load(zrow[:, None] + N + i[None, :], mask=m2, other=0.0)
-        post = post_mult * tl.sigmoid(s1 * (rho[:, None] * z_post) + b_post[None, :])
-        tl.store(post_ptr + toks64[:, None] * N + i[None, :], post, mask=m2)
-        ij = i[:, None] * N + i[None, :]
-        m3 = tm[:, None, None] & (im[:, None] & im[None, :])[None, :, :]
-        Z = tl.load(zrow[:, None, None] + 2 * N + ij[None, :, :], mask=m3, other=0.0)
-        s2 = tl.load(scale_ptr + 2)
-        B = tl.load(base_ptr + 2 * N + ij, mask=im[:, None] & im[None, :], other=0.0)
-        L = s2 * (rho[:, None, None] * Z) + B[None, :, :]
-        L = tl.where(m3, L, float("-inf"))
-        mx = tl.max(L, axis=2)
-        mx = tl.where(m2, mx, 0.0)
-        E = tl.exp(L - mx[:, :, None])
-        E = tl.where(m3, E, 0.0)
-        rs = tl.sum(E, axis=2)
-        rs = tl.where(m2, rs, 1.0)
-        C = E / rs[:, :, None] + hc_eps
-        C = tl.where(m3, C, 0.0)
-        C = C / (tl.sum(C, axis=1)[:, None, :] + hc_eps)
-        for _ in range(iters - 1):
-            C = C / (tl.sum(C, axis=2)[:, :, None] + hc_eps)
-            C = C / (tl.sum(C, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + toks64[:, None, None] * (N * N) + ij[None, :, :], C, mask=m3)
-
-
-#: per device: a ring of int32 counter slots for the one-pass kernels (zero, and left zero by every
-#: call). Each call takes the next slot, so calls stream-ordered on one stream never share a live
-#: counter, calls on two streams do only if _SLOTS calls apart; a graph keeps the slot of its capture.
-_SLOTS, _SLOT_INTS = 256, 64
-_COUNTERS: dict = {}
-
-
-def _counter(device):
-    """The next counter slot ([_SLOT_INTS] int32, zero) of ``device``, or None under graph capture
-    before any eager call made the ring (its zeroing would only run at replay)."""
-    key = (device.type, device.index)
-    ring = _COUNTERS.get(key)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _COUNTERS[key] = [torch.zeros((_SLOTS, _SLOT_INTS), dtype=torch.int32, device=device), 0]
-    buf, k = ring
-    ring[1] = (k + 1) % _SLOTS
-    return buf[k]
-
-
-def _fused(x, fn, scale, base, y, post, comb, rms_eps, hc_eps, iters, post_mult, head):
-    """Launch the one-pass kernel; False when it cannot run here (the caller runs the two-pass path)."""
-    T, n, H = x.shape
-    K = n * H
-    M = fn.shape[0]
-    MP = max(16, np2(M + 1))          # + the sum-of-squares column
-    # up to 64 tokens: blocks of <= 4 (vector products; more blocks share the collapse), then MMA tiles
-    BT = TUNE.get("fBT", min(np2(T), 4) if T <= 64 else (16 if T <= 1024 else 32))
-    DOT = BT >= 16
-    BK = TUNE.get("fBK", (128 if MP <= 32 else 64) if DOT else max(16, 8192 // (BT * MP)))
-    ntb = cdiv(T, BT)
-    nkb = cdiv(K, BK)
-    S = max(1, min(nkb, TUNE.get("ftarget", target_programs(x.device, _CPU_PROGRAMS)) // ntb))
-    KSPLIT = cdiv(nkb, S) * BK
-    S = cdiv(K, KSPLIT)
-    cnt = None
-    if S > 1:
-        if ntb > _SLOT_INTS:
-            S, KSPLIT = 1, nkb * BK
-        else:
-            cnt = _counter(x.device)
-            if cnt is None:
-                return False
-    zp = torch.empty((S, T, MP), dtype=torch.float32, device=x.device)
-    zs = torch.empty((T, MP), dtype=torch.float32, device=x.device)
-    SB = TUNE.get("fSB", max(1, min(np2(S), 8192 // (BT * MP))))
-    BH = TUNE.get("fBH", max(16, min(np2(H), 8192 // (BT * np2(n)))))
-    grid = ntb if S > 1 else max(1, min(ntb, TUNE.get("fgrid", ntb)))
-    _hc_fused_kernel[(grid, S)](x, fn, scale, base, y, post, comb, zp, zs, zp if cnt is None else cnt,
-                                T, H, M, KSPLIT, S, ntb, float(rms_eps), float(hc_eps), int(iters), float(post_mult),
-                                N=n, NP=np2(n), MP=MP, BT=BT, BK=BK, SB=SB, BH=BH, DOT=DOT,
-                                IEEE=x.dtype == torch.float32 or interp(x), SPLIT=S > 1, HEAD=head, RNE=rne(y),
-                                num_warps=TUNE.get("fnum_warps", 4), num_stages=TUNE.get("fnum_stages", 2),
-                                **TUNE.options())
-    return True
-
-
 # ------------------------------------------------------------------------------------- hc_pre epilogue
 @triton.jit
 def _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH: tl.constexpr, RNE: tl.constexpr):
@@ -400,9 +226,6 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     if T == 0:
         return y, post, comb
     x = c(x)
-    if TUNE.get("onepass", False) and _fused(x, c(fn), c(scale), c(base), y, post, comb, rms_eps, hc_eps, iters, post_mult,
-                              head=False):
-        return y, post, comb
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
@@ -441,8 +264,6 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     if T == 0:
         return y
     x = c(x)
-    if TUNE.get("onepass", False) and _fused(x, c(fn), c(scale), c(base), y, y, y, rms_eps, hc_eps, 1, 1.0, head=True):
-        return y
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
     _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,

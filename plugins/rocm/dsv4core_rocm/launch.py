@@ -86,9 +86,7 @@ def _indexer(f32_stages: int):
 TABLES = {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
-        # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs; the one-pass kernel spills 7-22 SGPRs
-        # at its default tiles (AOT, gfx942): two-pass until tuned on the device
-        "mhc": {"num_stages": 1, "BK": 64, "onepass": False},
+        "mhc": {"num_stages": 1, "BK": 64},  # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs
         "linear": _linear({"BK": 64}),
         "moe": _moe(64, 1),
         "wo_a": _wo_a,
@@ -96,7 +94,7 @@ TABLES = {
     },
     "gfx950": {
         "attention": _attention(32, 1),     # 64 KiB; BK 32 x 2 stages spills SGPRs, BK 64 x 2 needs 132 KiB and spills 400 VGPRs
-        "mhc": {"num_stages": 2, "onepass": False},   # as gfx942: the one-pass kernel not yet tuned here
+        "mhc": {"num_stages": 2},
         "linear": _linear({"BK": 32, "num_stages": 2}),   # FP8 BK 64 still spills 87-91 SGPRs
         "moe": _moe(64, 2),
         "wo_a": _wo_a,
@@ -104,7 +102,7 @@ TABLES = {
     },
     "other": {
         "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1},
-        "mhc": {"num_stages": 1, "onepass": False},
+        "mhc": {"num_stages": 1},
         "moe": _moe(32, 1),
         "wo_a": _wo_a,
         "indexer": lambda *args, **kwargs: {"num_stages": 1},
