@@ -25,6 +25,12 @@ of <= `--prefill-chunk` tokens), then greedy decode, one token per request (argm
   * x b1 step: step time / the batch-1 step of the same backend, mode and context (issue 9: a step's
     host work should not grow with the number of requests).
 `--peer`: transformers' DeepseekV4 (eager experts) on the same weights, after the first backend.
+`--weights official`: the formats of an official DSV4 checkpoint, with the decisions `load_model`
+makes for one (`quantized="auto"`): every projection the checkpoint stores in FP8 (attention,
+compressor, indexer; 128x128 fp32 block scales) kept FP8 where the bound `linear` / `wo_a` reads it
+natively, routed experts packed FP4 e2m1 + UE8M0 / 32 where `moe_experts` does; shared experts,
+embedding and lm_head stay bf16. The random bf16 weights are quantised on the device
+(`dsv4core.hal.quant`); the decisions are in the JSON (`meta.quantization`).
 
     python benchmarks/e2e_decode.py --device cpu --dims small --batches 1,8,64 --contexts 256
     python benchmarks/e2e_decode.py --backend cuda,reference --combos 1x1024,8x8192 --peer --json r.json
@@ -51,6 +57,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsv4core.hal import bind
 from dsv4core.model import DSV4Config, randomize_weights_
+from dsv4core.hal.quant import quantize_fp4, quantize_fp8_block
+from dsv4core.model import experts_quant, fp8
 from dsv4core.model.api import TINY_CONFIG, build_model
 
 CSA, HCA, SW = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -103,6 +111,43 @@ def randomize_on_device_(model, cfg, seed: int) -> None:
     g = torch.Generator(device=model.device).manual_seed(seed)
     for m, _, p in big:
         p.normal_(0.0, 1.0 if isinstance(m, torch.nn.Embedding) else p.shape[-1] ** -0.5, generator=g)
+
+
+@torch.no_grad()
+def quantize_official_(model, dev: torch.device, chunk: int = 16) -> dict:
+    """In place: FP8 projections and packed FP4 routed experts where the bound ops read them (the
+    decisions of `load_model(quantized="auto")` for an official checkpoint; see the module
+    docstring); the kept weights are the quantised random bf16 ones. Returns the decisions."""
+    dtype, ops = model.act_dtype, model.ops
+    mods = dict(model.named_modules())
+    proj = fp8.plan(model, ops, "auto", {n for n, _, _ in fp8.candidates(model)}, dtype, dev)
+    for d in proj:
+        if d.kept:
+            mod = mods[d.weight[: -len(".weight")]]
+            q, s = quantize_fp8_block(mod.weight, torch.float32)
+            mod.keep_fp8()
+            mod.weight.copy_(q)
+            mod.weight_scale_inv.copy_(s)
+            del q, s
+    formats = {f"{n}.experts.{p}": ("fp4", torch.int8) for n, m in mods.items()
+               if hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj_scale_inv") for p in experts_quant.PARTS}
+    ex = experts_quant.plan(model, ops, "auto", formats, dtype, dev, True)
+    bf16 = {n: getattr(mods[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1]) for n in formats}
+    experts_quant.apply(model, ex, formats)
+    for d in ex:
+        if d.kept:
+            owner, part = d.weight.rsplit(".", 1)
+            mod, w = mods[owner], bf16[d.weight]
+            dst, dst_s = getattr(mod, part), getattr(mod, part + "_scale_inv")
+            for e0 in range(0, w.shape[0], chunk):        # bounded fp32 temporaries
+                q, s = quantize_fp4(w[e0:e0 + chunk], scale_dtype=dst_s.dtype)
+                dst[e0:e0 + chunk].copy_(q.view(dst.dtype))
+                dst_s[e0:e0 + chunk].copy_(s)
+            bf16[d.weight] = None
+    del bf16
+    free(dev)
+    return {"decisions": [d.as_dict() for d in proj + ex],
+            "kept": sum(d.kept for d in proj + ex), "declined": sum(not d.kept for d in proj + ex)}
 
 
 def copy_rate(dev: torch.device) -> float:
@@ -349,6 +394,8 @@ def parse_args(argv):
     ap.add_argument("--layers", type=int, default=4, help="layer types cycle sliding, CSA, HCA, CSA")
     ap.add_argument("--experts", type=int, help="routed experts (default: the dims', 256 for flash)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--weights", choices=["bf16", "official"], default="bf16",
+                    help="official: FP8 projections + packed FP4 routed experts where the ops read them")
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma list; every one at every --contexts")
     ap.add_argument("--contexts", default="1024,8192", help="comma list (prompt tokens per request)")
     ap.add_argument("--combos", help="BxCTX list (e.g. 1x1024,8x8192) instead of batches x contexts")
@@ -362,7 +409,10 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=int(os.environ.get("TORCH_NUM_THREADS", 0)) or None)
     ap.add_argument("--json", metavar="PATH", help="results (rewritten after every row)")
     ap.add_argument("--markdown", metavar="PATH", help="the table of PERF-ANCHORS.md section 10, and notes")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.peer and a.weights != "bf16":
+        ap.error("--peer runs transformers on the same weights: bf16 only (--weights bf16)")
+    return a
 
 
 def main(argv=None) -> int:
@@ -380,13 +430,19 @@ def main(argv=None) -> int:
     rate, rate_src = (a.copy_rate * 1e12, "--copy-rate") if a.copy_rate else (copy_rate(dev), "measured, same run")
     model, build_s = timed(lambda: build_model(cfg, dtype=dtype, device=dev, backend=backends[0], seed=None), dev)
     _, rand_s = timed(lambda: randomize_on_device_(model, cfg, seed=0), dev)
+    quant = None
+    if a.weights == "official":
+        quant, q_s = timed(lambda: quantize_official_(model, dev), dev)
+        rand_s += q_s
+        log(f"official formats: {quant['kept']} tensors kept quantised, {quant['declined']} not "
+            f"(meta.quantization in the JSON)")
     wb = weight_bytes(model)
     meta = dict(dims=a.dims, layers=a.layers, layer_types=cfg.layer_types, experts=cfg.n_routed_experts, dtype=a.dtype,
                 device=dev.type, device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 threads=torch.get_num_threads(), torch=torch.__version__, argv=sys.argv[1:],
                 config=cfg.to_hf_dict(), weight_bytes=wb, param_bytes_total=sum(wb.values()), copy_rate_Bps=rate,
                 copy_rate_source=rate_src, steps=a.steps, warmup=a.warmup, prefill_chunk=a.prefill_chunk,
-                build_s=build_s + rand_s, graph_status={}, hal={})
+                build_s=build_s + rand_s, graph_status={}, hal={}, weights=a.weights, quantization=quant)
     res = {"meta": meta, "rows": [], "skipped": []}
     log(f"copy rate {rate / 1e12:.3f} TB/s ({rate_src}); {a.dims} model built on {dev} in {build_s + rand_s:.1f} s: "
         f"{sum(wb.values()) / 2**30:.2f} GiB of parameters")

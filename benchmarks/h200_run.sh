@@ -9,7 +9,8 @@
 #   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
 #           conformance; those that fail stay unserved for the steps after it
 #   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all)
-#   e2e     graph-vs-eager test + benchmarks/e2e_decode.py (PEER=1: transformers eager too)
+#   e2e     graph-vs-eager test (E2E_TEST=0: skipped) + benchmarks/e2e_decode.py (PEER=1: transformers eager
+#           too; E2E_WEIGHTS=official: FP8 projections + packed FP4 experts, files e2e-decode-h200-official.*)
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
@@ -59,11 +60,13 @@ conf() {
 e2e() {
   local peer=""
   [ "${PEER:-0}" = 1 ] && peer="--peer --peer-combos 1x1024,8x1024,32x1024"
-  python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
+  local w=${E2E_WEIGHTS:-bf16} tag=""
+  [ "$w" = bf16 ] || tag="-$w"
+  [ "${E2E_TEST:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
   timeout ${E2E_LIMIT:-420} python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
     --backend cuda --combos ${E2E_COMBOS:-1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192} \
-    --steps 16 --warmup 3 $peer --time-budget ${E2E_BUDGET:-240} \
-    --json "$OUT/e2e-decode-h200.json" --markdown "$OUT/e2e-decode-h200.md" 2>&1 | tail -22
+    --steps 16 --warmup 3 $peer --time-budget ${E2E_BUDGET:-240} --weights "$w" \
+    --json "$OUT/e2e-decode-h200$tag.json" --markdown "$OUT/e2e-decode-h200$tag.md" 2>&1 | tail -22
 }
 ops() {
   for b in 1 32; do
