@@ -363,6 +363,21 @@ def hc_post_problem(o, residual, post, comb, device_type="cuda") -> str:
     return _one_cuda_device(device_type, o, residual, post, comb)
 
 
+#: most bytes of the fp32 copy of x that the mix GEMM makes at once (T = 4096, H = 4096: 256 MiB whole)
+MIX_CHUNK_BYTES = 32 << 20
+
+
+def _mix_logits(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The raw mix logits ``x2 @ fn.T`` [T, 24] in fp32 (torch's fp32 GEMM on an fp32 copy of the
+    bf16 rows, exact), a bounded number of token rows at a time (shapes only: graph-capturable)."""
+    T, K = x2.shape
+    out = torch.empty((T, fn.shape[0]), dtype=torch.float32, device=x2.device)
+    rows = max(1, MIX_CHUNK_BYTES // (4 * K))
+    for t0 in range(0, T, rows):
+        torch.mm(x2[t0:t0 + rows].float(), fn.t(), out=out[t0:t0 + rows])
+    return out
+
+
 def hc_pre(mod, x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     T, n, H = x.shape
     post = torch.empty((T, 4), dtype=torch.float32, device=x.device)
@@ -371,7 +386,7 @@ def hc_pre(mod, x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     if T == 0:
         return y, post, comb
     xd = _dense(x)
-    dot = torch.mm(xd.view(T, 4 * H).float(), fn.t())     # raw mix logits [T, 24], fp32
+    dot = _mix_logits(xd.view(T, 4 * H), fn)
     mod.mhc_pre_big_fuse_with_prenorm(post, comb, y, dot, xd, _dense(scale), _dense(base), float(rms_eps),
                                       float(hc_eps), float(hc_eps), float(post_mult), int(iters), 0)
     return y, post, comb
