@@ -1,9 +1,19 @@
 """Ahead-of-time compile of every portable kernel for a GPU target that is not present.
 
     python -m dsv4core.kernels.triton.aot --target hip:gfx942 [--table MODULE:ATTR] [--json out.json]
+    python -m dsv4core.kernels.triton.aot --target cuda:90 --device-branch --json new.json --compare old.json
 
 Triton's stock wheel compiles for ``GPUTarget("hip", "gfx942", 64)`` on a CPU-only machine (no ROCm
 needed): it emits AMDGCN and an HSA code object and reports shared memory (LDS), VGPRs and spills.
+It also compiles for ``GPUTarget("cuda", 90, 32)`` (an H100 / H200: PTX, then a cubin with the
+ptxas it ships); registers and spills come from its ``cuobjdump``.
+
+Every record carries ``code_sha``: a hash of the generated code (PTX / AMDGCN) with the source
+locations and debug sections taken out. ``--compare OLD.json`` matches the records of two runs by
+(op, kernel, constexprs, signature, options) and says which compiled to the same code: a source
+change that leaves a kernel's code unchanged cannot change what it computes on that target (for
+the Triton version that compiled it), so a GPU conformance run of the old code still stands
+for it.
 This module runs each op's conformance cases (shape set ``flash`` by default) through the op's
 Python launcher with the launches turned into compiles, so every kernel specialisation the
 launcher picks (with a plugin's launch table active) is compiled exactly as it would be on the
@@ -35,6 +45,9 @@ from . import OPS
 #: same figures aiter prunes its configs with)
 LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx1100": 64 * 1024}
 WARP_SIZE = {"gfx942": 64, "gfx950": 64, "gfx1100": 32}
+#: shared memory per block (bytes) of a CUDA compute capability (CUDA programming guide: 227 KiB
+#: opt-in on sm90)
+SMEM_LIMIT = {90: 227 * 1024}
 
 
 #: an Intel GPU as Intel's Triton describes one (sub-groups of 16 or 32, DPAS, 2-D block IO); the
@@ -47,20 +60,22 @@ XPU_SLM_LIMIT = 64 * 1024
 
 #: compute units of the arch's largest part (AMD data sheets: MI300X 304, MI355X 256): what
 #: ``_util.target_programs`` reads from a device's properties, which sets the split-K factors
-COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256}
+COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256, 90: 132}   # 90: H100 / H200 SXM, 132 SMs
 
 
 def parse_target(text: str):
-    """``hip:gfx942`` -> GPUTarget("hip", "gfx942", 64); ``xpu`` -> an Intel GPU target (needs
-    Intel's Triton)."""
+    """``hip:gfx942`` -> GPUTarget("hip", "gfx942", 64); ``cuda:90`` -> GPUTarget("cuda", 90, 32);
+    ``xpu`` -> an Intel GPU target (needs Intel's Triton)."""
     from triton.backends.compiler import GPUTarget
 
     backend, _, arch = text.partition(":")
     if backend == "xpu":
         return GPUTarget("xpu", dict(XPU_PROPERTIES), 16)
+    if backend == "cuda" and arch.isdigit() and int(arch) in SMEM_LIMIT:
+        return GPUTarget("cuda", int(arch), 32)
     if backend != "hip" or arch not in WARP_SIZE:
-        raise ValueError(f"aot: --target must be xpu or one of {', '.join('hip:' + a for a in WARP_SIZE)}, "
-                         f"got {text!r}")
+        known = [f"hip:{a}" for a in WARP_SIZE] + [f"cuda:{c}" for c in SMEM_LIMIT] + ["xpu"]
+        raise ValueError(f"aot: --target must be one of {', '.join(known)}, got {text!r}")
     return GPUTarget("hip", arch, WARP_SIZE[arch])
 
 
@@ -145,6 +160,64 @@ def _amdgcn_stats(asm: str) -> dict:
             "sgpr_spills": num(r"\.sgpr_spill_count:\s*(\d+)"), "scratch_bytes": num(r"; ScratchSize:\s*(\d+)")}
 
 
+def _cuda_stats(cubin: bytes) -> dict:
+    """Registers and spill bytes of a cubin, from ``cuobjdump --dump-resource-usage`` (the one
+    Triton's NVIDIA backend ships; None where it cannot be run)."""
+    import os
+    import subprocess
+    import tempfile
+
+    out = {"regs": None, "spill_stores": None, "spill_loads": None, "local_bytes": None}
+    try:
+        import shutil
+
+        import triton.backends.nvidia as nv
+
+        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+        tool = tool if os.access(tool, os.X_OK) else shutil.which("cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  timeout=60).stdout
+    except Exception:  # noqa: BLE001 - no cuobjdump: the figures stay unknown
+        return out
+    for key, pat in (("regs", r"REG:(\d+)"), ("local_bytes", r"LOCAL:(\d+)")):
+        m = re.search(pat, text)
+        out[key] = int(m.group(1)) if m else None
+    # ptxas reports spills only with -v; a kernel without local memory has none
+    out["spill_stores"] = out["spill_loads"] = 0 if out["local_bytes"] == 0 else out["local_bytes"]
+    return out
+
+
+_NOISE = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.amdhsa_|\.ident|\.text\.)")
+
+
+def code_sha(kernel) -> str | None:
+    """sha256 of the kernel's generated code (PTX or AMDGCN) without source locations, comments and
+    debug sections: equal for two source versions that compile to the same instructions."""
+    import hashlib
+
+    asm = kernel.asm.get("ptx") or kernel.asm.get("amdgcn")
+    if not asm:
+        return None
+    if isinstance(asm, bytes):
+        asm = asm.decode(errors="replace")
+    keep, debug = [], False
+    for line in asm.splitlines():
+        if line.lstrip().startswith(".section") and ".debug" in line:
+            debug = True
+            continue
+        if debug:                       # a debug section runs to the next non-debug section or EOF
+            if line.lstrip().startswith(".section") or line.startswith(".text"):
+                debug = False
+            else:
+                continue
+        if not _NOISE.match(line):
+            keep.append(line.split("//")[0].rstrip())
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
 def _constexprs(jit, kernel) -> dict:
     """The kernel's constexpr arguments by name (what distinguishes its specialisations)."""
     consts = getattr(getattr(kernel, "src", None), "constants", {}) or {}
@@ -163,14 +236,16 @@ def _signature(kernel) -> dict:
 
 
 def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
-                dtypes=(torch.bfloat16, torch.float32), ops=None, progress=None) -> list[dict]:
+                dtypes=(torch.bfloat16, torch.float32), ops=None, progress=None,
+                launches: dict | None = None) -> list[dict]:
     """Compile every kernel specialisation reached by the ops' ``shapes`` cases for ``target``.
 
     Either ``table`` (a launch table: the kernels run through the registry's wrapper with it), or
     ``backend``: a plugin's Backend built for CPU tensors, whose implementations are called only
     for the cases its ``supports`` accepts (what the plugin would really launch). One record per
     distinct compiled kernel: op, kernel, constexprs, options, LDS bytes, VGPRs, spills, LDS
-    limit, ok (LDS within the limit and zero VGPR / SGPR spills)."""
+    limit, ok (LDS within the limit and zero VGPR / SGPR spills), code_sha. ``launches`` (a dict,
+    filled if given): "op/case/dtype" -> the [kernel, code_sha] pairs that case launched, in order."""
     from dsv4core.hal import catalogue
 
     specs = catalogue()
@@ -189,13 +264,14 @@ def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
                 from .registry import _lazy   # the same wrapper a plugin's bound op runs through
 
                 fn, accept = _lazy(op, modname, specs[op].signature, "cpu", table), None
-            _compile_op(specs[op], op, fn, accept, target, shapes, dtypes, records, got, progress)
+            _compile_op(specs[op], op, fn, accept, target, shapes, dtypes, records, got, progress,
+                        {} if launches is None else launches)
     return list(records.values())
 
 
-def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, progress):
-    xpu = target.backend == "xpu"
-    limit = XPU_SLM_LIMIT if xpu else LDS_LIMIT.get(target.arch)
+def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, progress, launches):
+    xpu, cuda = target.backend == "xpu", target.backend == "cuda"
+    limit = XPU_SLM_LIMIT if xpu else SMEM_LIMIT.get(target.arch) if cuda else LDS_LIMIT.get(target.arch)
     t0 = time.perf_counter()
     for dt in dtypes:
         for case in spec.sample_cases(shapes, dt, "cpu", seed=0):
@@ -209,6 +285,7 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                     "op": op, "kernel": "?", "case": case.name, "dtype": str(dt),
                     "error": f"{type(e).__name__}: {str(e)[:400]}", "ok": False}
                 continue
+            launches[f"{op}/{case.name}/{dt}"] = [[jit.__name__, code_sha(kernel)] for jit, kernel in got[n0:]]
             for jit, kernel in got[n0:]:
                 meta = kernel.metadata
                 opts = {k: getattr(meta, k) for k in ("num_warps", "num_stages", "waves_per_eu",
@@ -221,11 +298,14 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                     continue
                 if xpu:   # SPIR-V: no native code, so no register / spill figures
                     stats = {"spirv": "spv" in kernel.asm, "vgprs": None, "vgpr_spills": None, "sgpr_spills": None}
+                elif cuda:
+                    stats = _cuda_stats(kernel.asm.get("cubin", b""))
                 else:
                     stats = _amdgcn_stats(kernel.asm.get("amdgcn", ""))
                 lds = int(meta.shared)
-                ok = ((limit is None or lds <= limit) and not stats["vgpr_spills"] and not stats["sgpr_spills"]
-                      and stats.get("spirv", True))
+                spills = (stats.get("spill_stores"),) if cuda else (stats["vgpr_spills"], stats["sgpr_spills"])
+                ok = (limit is None or lds <= limit) and not any(spills) and stats.get("spirv", True)
+                stats["code_sha"] = code_sha(kernel)
                 records[key] = {"op": op, "kernel": jit.__name__, "case": case.name, "dtype": str(dt),
                                 "constexprs": cx, "signature": sig, "options": opts, "lds_bytes": lds, "lds_limit": limit,
                                 **stats, "ok": ok}
@@ -242,7 +322,7 @@ def _triton_version() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4core.kernels.triton.aot", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="hip:gfx942, hip:gfx950 or hip:gfx1100")
+    ap.add_argument("--target", required=True, help="hip:gfx942, hip:gfx950, hip:gfx1100, cuda:90 or xpu")
     ap.add_argument("--table", default=None,
                     help="launch table as MODULE:ATTR (a dict, or a callable taking no argument), "
                          "e.g. dsv4core_rocm.launch:TABLES.gfx942; default: the kernels' own defaults")
@@ -255,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-branch", action="store_true",
                     help="compile the branch a GPU runs (device_branch), not the one CPU tensors select")
     ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--compare", default=None, metavar="OLD.json",
+                    help="an earlier --json of the same target: say which kernels compiled to the same code")
     a = ap.parse_args(argv)
     target = parse_target(a.target)
     table = None
@@ -270,19 +352,43 @@ def main(argv=None) -> int:
         backend = getattr(importlib.import_module(modname), attr)(target.arch)
     ops = a.ops.split(",") if a.ops else None
     dtypes = tuple(getattr(torch, d) for d in a.dtypes.split(","))
+    launches: dict = {}
     with device_branch(target) if a.device_branch else contextlib.nullcontext() as patched:
         recs = compile_all(target, table, backend=backend, shapes=a.shapes, dtypes=dtypes, ops=ops,
-                           progress=lambda s: print(s, file=sys.stderr))
+                           progress=lambda s: print(s, file=sys.stderr), launches=launches)
     for r in recs:
+        regs, spills = (r.get("regs"), r.get("spill_stores")) if target.backend == "cuda" else \
+            (r.get("vgprs"), r.get("vgpr_spills"))
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['op']:22s} {r['kernel']:24s} LDS {r.get('lds_bytes', '-')}"
-              f"/{r.get('lds_limit', '-')} VGPR {r.get('vgprs', '-')} spills {r.get('vgpr_spills', '-')}"
-              f"{'  ' + r['error'] if 'error' in r else ''}")
+              f"/{r.get('lds_limit', '-')} regs {regs if regs is not None else '-'} spills "
+              f"{spills if spills is not None else '-'}{'  ' + r['error'] if 'error' in r else ''}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"target": a.target, "table": a.table, "backend": a.backend, "device_branch": patched,
                        "shapes": a.shapes,
-                       "dtypes": a.dtypes, "triton": _triton_version(), "kernels": recs}, f, indent=1)
+                       "dtypes": a.dtypes, "triton": _triton_version(), "kernels": recs, "launches": launches},
+                      f, indent=1)
+    if a.compare:
+        with open(a.compare) as f:
+            old = json.load(f)
+        cmp = compare(old.get("launches", {}), launches)
+        print(f"cases whose launches compiled to the same code as in {a.compare}: {len(cmp['same'])}; "
+              f"changed: {len(cmp['changed'])}; only here: {len(cmp['new'])}; only there: {len(cmp['gone'])}")
+        for k in ("changed", "new", "gone"):
+            for key in cmp[k]:
+                print(f"  {k}: {key}")
     return 0 if all(r["ok"] for r in recs) else 1
+
+
+def compare(old: dict, new: dict) -> dict[str, list[str]]:
+    """Two runs' ``launches`` matched by case ("op/case/dtype"): "same" (the same kernels compiled
+    to the same code, in the same order), "changed", "new" (only in ``new``), "gone" (only in
+    ``old``). A case that compiled the same code runs the same instructions as before on this
+    target (for the Triton version that compiled both)."""
+    both = sorted(set(old) & set(new))
+    same = [k for k in both if old[k] == new[k] and all(sha for _, sha in new[k])]
+    return {"same": same, "changed": sorted(set(both) - set(same)),
+            "new": sorted(set(new) - set(old)), "gone": sorted(set(old) - set(new))}
 
 
 if __name__ == "__main__":

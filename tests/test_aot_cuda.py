@@ -1,0 +1,53 @@
+"""The ahead-of-time compile for an NVIDIA target on this CPU machine (dsv4core/kernels/triton/aot.py,
+``--target cuda:90``): PTX and a cubin from the ptxas Triton ships, registers and spills from its
+cuobjdump, and the code fingerprint ``--compare`` uses to say which conformance cases still launch
+the code a GPU run verified. Compile-only; a subprocess without TRITON_INTERPRET (the interpreter
+replaces the jit functions)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+
+def _aot(tmp_path, name, *extra, env_extra=None):
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
+    p = subprocess.run([sys.executable, "-m", "dsv4core.kernels.triton.aot", "--target", "cuda:90", "--device-branch",
+                        "--ops", "rms_norm", "--dtypes", "bfloat16", "--shapes", "small", "--json", str(out), *extra],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and out.exists(), p.stdout[-2000:] + p.stderr[-3000:]
+    return json.loads(out.read_text()), p.stdout
+
+
+def test_cuda_target_compiles_and_the_fingerprint_tells_same_from_changed(tmp_path):
+    a, _ = _aot(tmp_path, "a")
+    recs = a["kernels"]
+    assert recs and all(r["ok"] and r["code_sha"] and r["regs"] and r["spill_stores"] == 0 for r in recs), recs
+    assert sum(bool(v) for v in a["launches"].values()) >= len(a["launches"]) // 2   # T = 0 cases launch nothing
+    # the same source again: every case compiles to the same code
+    _, out = _aot(tmp_path, "b", "--compare", str(tmp_path / "a.json"))
+    assert f"same code as in {tmp_path / 'a.json'}: {len(a['launches'])}; changed: 0" in out, out
+    # a launch table that changes the warps: the cases it reaches compile to other code
+    (tmp_path / "warps_table.py").write_text('TABLE = {"norm": {"num_warps": 2}}\n')
+    _, out = _aot(tmp_path, "c", "--table", "warps_table:TABLE", "--compare", str(tmp_path / "a.json"),
+                  env_extra={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    changed = int(out.split("changed: ")[1].split(";")[0])
+    assert changed > 0, out
+
+
+def test_compare_matches_cases_in_order():
+    from dsv4core.kernels.triton.aot import compare
+
+    old = {"op/c1/bf16": [["k", "aa"], ["r", "bb"]], "op/c2/bf16": [["k", "aa"]], "op/c3/bf16": [["k", "cc"]]}
+    new = {"op/c1/bf16": [["k", "aa"], ["r", "bb"]], "op/c2/bf16": [["k", "ab"]], "op/c4/bf16": [["k", "cc"]]}
+    got = compare(old, new)
+    assert got == {"same": ["op/c1/bf16"], "changed": ["op/c2/bf16"], "new": ["op/c4/bf16"], "gone": ["op/c3/bf16"]}
+    # the same kernels in another order is another launch sequence
+    assert compare({"x": [["a", "1"], ["b", "2"]]}, {"x": [["b", "2"], ["a", "1"]]})["changed"] == ["x"]
