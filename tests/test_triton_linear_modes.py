@@ -1,5 +1,5 @@
 """linear / wo_a (one grouped split-K GEMM, dsv4core/kernels/triton/linear.py): every inner-product
-mode (dot, swap), FP8 path (cvt, int, dot_scaled), scale blocks per K step (NBLK) and split-K
+mode (dot, swap), FP8 path (cvt, int, mix, dot_scaled), scale blocks per K step (NBLK) and split-K
 factor the launch parameters can select, judged like the
 conformance suite (dsv4core.kernels.triton.selftest.check_case: per output, the kernel's error vs
 an fp64 evaluation <= k * the reference's error + floor, k = 4 for both ops: SPEC tolerance of a
@@ -57,7 +57,7 @@ specs = catalogue()
 F32, BF16 = torch.float32, torch.bfloat16
 VARIANTS = [({"mode": "swap", "S": 1}, (F32, BF16), False),
             ({"NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), False),
-            ({"fp8": "int", "NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), True),
+            ({"fp8": "mix", "NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), True),
             ({"fp8": "int", "mode": "swap", "NBLK": 4, "S": 1}, (F32, BF16), True),
             ({"fp8": "dot_scaled", "NBLK": 2}, (BF16,), True),
             ({"fp8": "dot_scaled", "mode": "swap", "S": 3, "BN": 16}, (BF16,), True)]
@@ -108,8 +108,10 @@ def test_launch_config_keys_and_errors():
     assert (cfg["NBLK"], cfg["fp8"], cfg["KSUB"] * cfg["BK"]) == (2, "int", 128)   # a step = 2 scale blocks
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 1 \* 3 = 384 must be a power of two"):
         linear._config("linear", 1, False, True, {"NBLK": 3}, linear.linear_tiles)
-    with pytest.raises(ValueError, match=r"linear: TUNE fp8='e5m2'; expected one of cvt, int, dot_scaled"):
+    with pytest.raises(ValueError, match=r"linear: TUNE fp8='e5m2'; expected one of cvt, int, dot_scaled, mix"):
         linear._config("linear", 1, False, True, {"fp8": "e5m2"}, linear.linear_tiles)
+    with pytest.raises(ValueError, match=r"linear: TUNE fp8='mix' alternates sub-blocks .* got 1 \* 1 \(BK=128"):
+        linear._config("linear", 1, False, True, {"fp8": "mix"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"wo_a: TUNE fp8='dot_scaled' needs bf16 activations"):
         linear._config("wo_a", 1, True, True, {"fp8": "dot_scaled"}, wo_a.wo_a_tiles, True, False)
     with pytest.raises(ValueError, match=r"swap mode needs BM, BN, BK >= 16"):

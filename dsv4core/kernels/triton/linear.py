@@ -102,8 +102,10 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     km = ks < k_hi
                     a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
-                if FP8 == 1:
+                if FP8 == 1 or (FP8 == 3 and (nb * KSUB + kin) % 2 == 1):
                     w = e4m3_to_bf16(w)    # uint8 codes -> bf16 by integer operations (quant.py)
+                elif FP8 == 3:
+                    w = w.to(tl.float8e4nv, bitcast=True)   # Triton's conversion (in _mac)
                 if SCALE or IEEE:
                     blk = _mac(blk, a, w, MODE, IEEE, FP8)
                 else:
@@ -155,8 +157,11 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
 #: how FP8 e4m3 codes reach the MMA (TUNE key "fp8"; FP8 weights only): Triton's own conversion
-#: (``.to(tl.bfloat16)``), the integer decode of quant.py, or tl.dot_scaled (bf16 activations)
-FP8_PATHS = {"cvt": 0, "int": 1, "dot_scaled": 2}
+#: (``.to(tl.bfloat16)``; on an H200 two F2F.BF16.F16 a code pair, a quarter-rate pipe), the
+#: integer decode of quant.py (no conversion instruction), or tl.dot_scaled (bf16 activations)
+#: "mix": even sub-blocks of a step by "cvt", odd ones by "int", so that the conversion pipe and
+#: the integer / fp32 pipes decode at the same time (needs KSUB * NBLK >= 2)
+FP8_PATHS = {"cvt": 0, "int": 1, "dot_scaled": 2, "mix": 3}
 
 
 def linear_tiles(M: int, scaled: bool) -> tuple:
@@ -177,7 +182,7 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
-    step, default 1: with block scales, scale blocks a step), ``fp8`` (cvt | int | dot_scaled:
+    step, default 1: with block scales, scale blocks a step), ``fp8`` (cvt | int | dot_scaled | mix:
     how FP8 codes reach the MMA; ignored for bf16 / fp32 weights), ``S`` (a fixed split-K factor)
     and ``target`` (the programs the split rule fills; default 2 per SM)."""
     if ieee:
@@ -199,6 +204,9 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     if scaled and 128 % BK:
         raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     cfg["KSUB"] = max(1, 128 // BK) if scaled or ieee else tune.get("KSUB", 1)
+    if scaled and cfg["fp8"] == "mix" and cfg["KSUB"] * NBLK < 2:
+        raise ValueError(f"{op}: TUNE fp8='mix' alternates sub-blocks of a step and needs KSUB * NBLK >= 2, "
+                         f"got {cfg['KSUB']} * {NBLK} (BK={BK}; set NBLK=2 or BK=64)")
     step = BK * cfg["KSUB"] * NBLK
     if NBLK < 1 or step & (step - 1):   # the split-K step (a multiple of it) and EVEN_K assume powers of two
         raise ValueError(f"{op}: BK * KSUB * NBLK = {BK} * {cfg['KSUB']} * {NBLK} = {step} must be a power of two "
@@ -227,7 +235,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     cfg = _config(op, M, ieee, scaled, tune, tiles, f32, a.dtype == torch.bfloat16)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     fp8 = FP8_PATHS[cfg["fp8"]] if scaled else 0
-    if fp8 == 1:
+    if fp8 in (1, 3):
         w = w.view(torch.uint8)   # the integer decode reads the codes as bytes (same strides)
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
