@@ -111,9 +111,9 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                 else:
                     acc = _mac(acc, a, w, MODE, IEEE, FP8)
             if SCALE:
-                # a group past the end of K (NBLK > 1, ragged K) has blk = 0: its block index is
-                # clamped into the scale grid (an in-bounds read, multiplying zeros)
-                sidx = g * ss_g + (cols // 128) * KB + tl.minimum(kb, k_hi - 1) // 128
+                if NBLK > 1:   # a group past the end of K (ragged K) has blk = 0: its block
+                    kb = tl.minimum(kb, k_hi - 1)   # index is clamped into the scale grid
+                sidx = g * ss_g + (cols // 128) * KB + kb // 128
                 if E8M0:
                     sv = tl.exp2(tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32) - 127.0)
                 else:
