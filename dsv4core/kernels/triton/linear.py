@@ -157,8 +157,9 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
 #: how FP8 e4m3 codes reach the MMA (TUNE key "fp8"; FP8 weights only): Triton's own conversion
-#: (``.to(tl.bfloat16)``; on an H200 two F2F.BF16.F16 a code pair, a quarter-rate pipe), the
-#: integer decode of quant.py (no conversion instruction), or tl.dot_scaled (bf16 activations)
+#: (``.to(tl.bfloat16)``; in sm90 SASS an F2FP a code pair and an F2F a code, on the narrow
+#: conversion pipe), the integer decode of quant.py (no conversion instruction), or tl.dot_scaled
+#: (bf16 activations)
 #: "mix": even sub-blocks of a step by "cvt", odd ones by "int", so that the conversion pipe and
 #: the integer / fp32 pipes decode at the same time (needs KSUB * NBLK >= 2)
 FP8_PATHS = {"cvt": 0, "int": 1, "dot_scaled": 2, "mix": 3}

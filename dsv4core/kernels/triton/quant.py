@@ -1,7 +1,7 @@
 """@triton.jit dequantisation helpers shared by the portable kernels (no launch of their own).
 
 ``e4m3_to_bf16``: FP8 e4m3fn codes (loaded as uint8) -> bf16 by integer operations, an alternative
-to Triton's own ``code.to(tl.bfloat16)`` (which on an H200 is ``cvt.rn.f16x2.e4m3x2`` then two
+to Triton's own ``code.to(tl.bfloat16)`` (in sm90 PTX ``cvt.rn.f16x2.e4m3x2`` then two
 ``cvt.bf16.f16``). Exact for every code, derived as follows.
 
 e4m3fn: sign s, exponent e (4 bits, bias 7), mantissa m (3 bits); normal (e >= 1) values are
@@ -9,18 +9,23 @@ e4m3fn: sign s, exponent e (4 bits, bias 7), mantissa m (3 bits); normal (e >= 1
 (no infinities). bf16: sign, 8 exponent bits (bias 127), 7 mantissa bits.
 
 Place the 7 low code bits at bits 26..20 of a 32-bit word and the sign at bit 31:
-``bits = (s << 31) | ((code & 0x7F) << 20)``. Read as fp32, the exponent field is e and the top three
+``bits = (s << 31) | ((code & 0x7F) << 20)`` (computed as the sign-extended code shifted left by
+20 and masked with 0x87F00000). Read as fp32, the exponent field is e and the top three
 mantissa bits are m, so a normal code reads (-1)^s 2^(e-127) (1 + m/8) and a subnormal code reads
 the fp32 subnormal (-1)^s 2^-126 (m/8): both are the e4m3 value times 2^-120 exactly (the two
 formats' subnormals sit at the same place relative to their biases). One fp32 multiply by 2^120
 (a power of two, exact: every result is normal, |v| in [2^-9, 448]) restores the value. Its bf16
 form is the fp32 word's upper half (3 mantissa bits: the lower half is zero), taken by a shift
-rather than a float conversion: on an H200 the conversions (F2F.BF16.F16 after F2FP.F16.E4M3 in
-Triton's path) issue at a quarter of the integer / fp32 rate, so this decode has no conversion
-instruction at all; it costs about 7 integer / fp32 instructions a code instead (H200 SASS of
-linear's kernel, Triton 3.9). The NaN codes read 480 (above the largest finite e4m3, 448) and are
-mapped to NaN. The multiply must keep fp32 subnormal inputs (no flush to zero): Triton emits
-``mul.f32``, not ``mul.ftz.f32``, for a plain ``*`` (the same PTX shows it).
+rather than a float conversion, so this decode has no conversion instruction at all. Triton's
+own path compiles (sm90 SASS from Triton 3.9's ptxas, compiled on CPU) to one F2FP.F16.E4M3 per
+code pair and one F2F.BF16.F16 per code; the CUDA guide's throughput table puts conversions at
+16 a clock per SM against 64 integer / 128 fp32 operations, so that path may bound a weight
+stream (unverified on the H200: the launch sweep decides). This decode costs about 7 integer /
+fp32 instructions a code instead (same SASS).
+
+The NaN codes read 480 (above the largest finite e4m3, 448) and are mapped to NaN. The multiply
+must keep fp32 subnormal inputs (no flush to zero): Triton emits ``mul.f32``, not
+``mul.ftz.f32``, for a plain ``*`` (the same PTX shows it).
 
 Why the 2^-120 is not folded into the block scale instead: the MMA would then multiply bf16
 activations by weights 2^120 too small, and every product below 2^-6 in magnitude would leave
