@@ -9,7 +9,7 @@ from .launch import Tune
 from .linear import grouped_gemm
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
-#: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, S, target)
+#: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, NBLK, fp8, S, target)
 TUNE = Tune(__name__)
 
 
