@@ -31,11 +31,13 @@ b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", ["hc_pre", "hc_head"])
 specs = catalogue()
 F32, BF16 = torch.float32, torch.bfloat16
-# (TUNE, dtypes): both dtypes once; the other variants change no dtype handling (CPU time is short)
-VARIANTS = {"vec": ({"epi": "vec"}, (F32, BF16)),
-            "vec-BT4-rev": ({"epi": "vec", "vBT": 4, "vBH": 64, "v_rev": True}, (BF16,)),
-            "vec-BT32": ({"epi": "vec", "vBT": 32, "vBH": 128}, (F32,)),
-            "vec-fma": ({"epi": "vec", "mix_fma": True, "target": 8}, (F32,))}
+BOTH = ("hc_pre", "hc_head")
+# (TUNE, dtypes, ops): both dtypes once; the other variants change no dtype handling, and hc_head
+# runs the same collapse code as hc_pre (CPU time is short)
+VARIANTS = {"vec": ({"epi": "vec"}, (F32, BF16), BOTH),
+            "vec-BT4-rev": ({"epi": "vec", "vBT": 4, "vBH": 64, "v_rev": True}, (BF16,), BOTH),
+            "vec-BT32": ({"epi": "vec", "vBT": 32, "vBH": 128}, (F32,), ("hc_pre",)),
+            "vec-fma": ({"epi": "vec", "mix_fma": True, "target": 8}, (F32,), BOTH)}
 g = torch.Generator().manual_seed(3)
 def n3(dt, T=5, H=40):
     n, M = 3, 15
@@ -45,10 +47,10 @@ def n3(dt, T=5, H=40):
     return {"hc_pre": dict(x=x, fn=fn, scale=scale, base=base, rms_eps=1e-6, hc_eps=1e-6, iters=20),
             "hc_head": dict(x=x, fn=fn[:n], scale=scale[:1], base=base[:n], rms_eps=1e-6, hc_eps=1e-6)}
 rep = {"results": [], "passed": 0}
-for name, (v, dtypes) in VARIANTS.items():
+for name, (v, dtypes, ops) in VARIANTS.items():
     mhc.TUNE.clear()
     mhc.TUNE.update(v)
-    for op in ("hc_pre", "hc_head"):
+    for op in ops:
         for dt in dtypes:
             cases = [(c.name, c.kwargs) for c in iter_cases(specs[op], "small", dt, "cpu", 0)]
             for cname, kw in cases + [("n3", n3(dt)[op])]:
@@ -76,14 +78,31 @@ def report(tmp_path_factory):
 def test_every_variant_passes_the_conformance_rule_in_interpreter(report):
     bad = [r for r in report["results"] if r["status"] != "pass"]
     assert not bad, bad[:5]
-    # 5 (variant, dtype) pairs x (hc_pre: small cases incl. n2 + n3, hc_head: small cases + n3), none declined
+    # 9 (variant, op, dtype): hc_pre's small cases incl. n2, hc_head's, both + n3; none declined
     per = {}
     for r in report["results"]:
         per.setdefault((r["variant"], r["op"], r["dtype"]), []).append(r["case"])
-    assert len(per) == 5 * 2 and all("n3" in v for v in per.values())
+    assert len(per) == 9 and all("n3" in v for v in per.values())
     assert all("n2" in v for k, v in per.items() if k[1] == "hc_pre")
-    assert report["passed"] == len(report["results"]) > 5 * 2 * 5
+    assert report["passed"] == len(report["results"]) > 9 * 5
 
 
 def test_unknown_epilogue_is_a_clear_error(report):
     assert "hc_pre / hc_head: TUNE epi='nope', expected 'tile' or 'vec'" in report["bad_epi"]
+
+
+def test_dependent_launch_flag_follows_the_launch_keywords(monkeypatch):
+    """launch_pdl in TUNE's launch keywords turns the kernels' grid-dependency waits on (the PDL
+    constexpr); a Triton without grid-dependency control refuses it by name. No kernel runs."""
+    from dsv4core.kernels.triton import mhc
+
+    try:
+        assert mhc._pdl() is False
+        mhc.TUNE.update(launch={"launch_pdl": True})
+        if mhc.gdc_wait is not None:
+            assert mhc._pdl() is True
+        monkeypatch.setattr(mhc, "gdc_wait", None)
+        with pytest.raises(ValueError, match="TUNE launch_pdl=True, but this Triton has no"):
+            mhc._pdl()
+    finally:
+        mhc.TUNE.clear()

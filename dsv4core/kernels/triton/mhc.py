@@ -10,6 +10,21 @@ hc_pre / hc_head:
      Sinkhorn (n x n in registers, recomputed per H-block, it is tiny), collapse
      ``y = sum_j pre_j x_j``.
 
+Variants selected by TUNE keys (defaults: the above; benchmarks/tune_triton.py sweeps them):
+
+* ``epi="vec"``: :func:`_hc_vec_epi_kernel`. A program owns BT tokens (``vBT``) and every
+  per-token value is a [BT] vector; the n x n Sinkhorn is a tuple of n*n vectors whose row and
+  column sums are explicit adds (no tl.sum, no shuffles: a dependent chain of adds and
+  divisions only). Program column 0 computes post / comb; the other columns only collapse
+  (``vBH`` columns each, their x loads issued first), so the collapse never waits on the
+  Sinkhorn. ``v_rev``: collapse the last columns first (at large T those x lines are the mix
+  kernel's last reads, still in L2).
+* ``target``: programs the split-K mixes aims for (fewer, fatter K-slices: a shorter partial
+  reduction in the epilogue); ``mix_fma`` (T < 16): fp32 FMA mixes, no 16-token MMA tile.
+* ``launch={"launch_pdl": True}`` (Triton's NVIDIA backend): programmatic dependent launch. Each
+  kernel here waits on the grid dependency before reading an earlier kernel's output; the mixes
+  kernel lets the epilogue launch at once, so its launch and x loads overlap the mixes.
+
 A one-pass variant (the last program of a token block reducing the partials, behind an arrival
 counter, then Sinkhorn and the collapse) was built and timed on the H200 (session 18,
 benchmarks/results/tune-s18-h200-flash-read.json): 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at
