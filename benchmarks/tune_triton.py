@@ -39,21 +39,17 @@ SWEEPS = [
     ("wo_a_fp8", wo_a, (1, 8), [{"mode": "fma"}]),
     # hc_pre / hc_head (issue 10 item 4; mhc.py's TUNE keys): {} = the tile epilogue; epi "vec" =
     # per-token vectors, Sinkhorn without shuffles in its own program column; target = fewer,
-    # fatter mix slices; mix_fma = fp32 FMA mixes at T < 16; v_rev = collapse last columns first;
-    # launch_pdl = programmatic dependent launch (the epilogue starts while the mixes run)
+    # fatter mix slices; mix_fma = fp32 FMA mixes at T < 16; v_rev = collapse last columns first
     ("hc_pre", mhc, (1, 8, 64), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}, {"epi": "vec", "target": 32},
-                                 {"epi": "vec", "vBH": 128}, {"launch": {"launch_pdl": True}},
-                                 {"epi": "vec", "launch": {"launch_pdl": True}}]),
+                                 {"epi": "vec", "vBH": 128}]),
     ("hc_pre", mhc, (1, 8), [{"epi": "vec", "mix_fma": True}, {"epi": "vec", "mix_fma": True, "target": 64}]),
     ("hc_pre", mhc, (64,), [{"epi": "vec", "vBT": 4}, {"epi": "vec", "vBT": 16, "vBH": 128}]),
     ("hc_pre", mhc, (4096,), [{}, {"epi": "vec"}, {"epi": "vec", "v_rev": True},
                               {"epi": "vec", "vBT": 64, "v_num_warps": 8},
                               {"epi": "vec", "vBT": 16, "v_num_warps": 4, "v_rev": True},
                               {"BT": 128, "num_warps": 8}, {"BK": 64, "num_stages": 4},
-                              {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}, {"target": 528},
-                              {"epi": "vec", "launch": {"launch_pdl": True}}]),
+                              {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}, {"target": 528}]),
     ("hc_head", mhc, (1, 64, 4096), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}]),
-    ("hc_head", mhc, (1,), [{"epi": "vec", "launch": {"launch_pdl": True}}]),
     ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
                                {"post_BLOCK": 128, "post_num_warps": 4}]),
     ("hc_post", mhc, (4096,), [{}, {"post_BLOCK": 2048, "post_num_warps": 8}, {"post_BLOCK": 512, "post_num_warps": 4}]),

@@ -89,20 +89,3 @@ def test_every_variant_passes_the_conformance_rule_in_interpreter(report):
 
 def test_unknown_epilogue_is_a_clear_error(report):
     assert "hc_pre / hc_head: TUNE epi='nope', expected 'tile' or 'vec'" in report["bad_epi"]
-
-
-def test_dependent_launch_flag_follows_the_launch_keywords(monkeypatch):
-    """launch_pdl in TUNE's launch keywords turns the kernels' grid-dependency waits on (the PDL
-    constexpr); a Triton without grid-dependency control refuses it by name. No kernel runs."""
-    from dsv4core.kernels.triton import mhc
-
-    try:
-        assert mhc._pdl() is False
-        mhc.TUNE.update(launch={"launch_pdl": True})
-        if mhc.gdc_wait is not None:
-            assert mhc._pdl() is True
-        monkeypatch.setattr(mhc, "gdc_wait", None)
-        with pytest.raises(ValueError, match="TUNE launch_pdl=True, but this Triton has no"):
-            mhc._pdl()
-    finally:
-        mhc.TUNE.clear()

@@ -21,9 +21,9 @@ Variants selected by TUNE keys (defaults: the above; benchmarks/tune_triton.py s
   kernel's last reads, still in L2).
 * ``target``: programs the split-K mixes aims for (fewer, fatter K-slices: a shorter partial
   reduction in the epilogue); ``mix_fma`` (T < 16): fp32 FMA mixes, no 16-token MMA tile.
-* ``launch={"launch_pdl": True}`` (Triton's NVIDIA backend): programmatic dependent launch. Each
-  kernel here waits on the grid dependency before reading an earlier kernel's output; the mixes
-  kernel lets the epilogue launch at once, so its launch and x loads overlap the mixes.
+
+Programmatic dependent launch (Triton's NVIDIA extras) was considered and left out: the portable
+kernels use no vendor extras; a plugin-side way to enable it is an open idea.
 
 A one-pass variant (the last program of a token block reducing the partials, behind an arrival
 counter, then Sinkhorn and the collapse) was built and timed on the H200 (session 18,
@@ -40,11 +40,6 @@ import triton.language as tl
 from ._util import c, np2, cdiv, interp, rne, target_programs, to_out
 from .launch import Tune
 
-try:   # grid-dependency control (Triton's NVIDIA backend): used only with the launch keyword launch_pdl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
-
 #: programs wanted under the interpreter (CPU); on a GPU: 2 per SM of the device
 _CPU_PROGRAMS = 264
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
@@ -52,26 +47,11 @@ _CPU_PROGRAMS = 264
 TUNE = Tune(__name__)
 
 
-def _pdl() -> bool:
-    """The PDL constexpr: TUNE's launch keywords (a table's or the tuner's ``launch`` entry) ask for
-    ``launch_pdl`` (programmatic dependent launch: a kernel may start before the previous one
-    ends). Every kernel here then waits on that grid dependency before it reads what an earlier
-    kernel wrote, and the mixes kernel lets its epilogue launch early (the epilogue's x loads,
-    which need nothing from the mixes, go before its wait)."""
-    on = bool(TUNE.options().get("launch_pdl", False))
-    if on and gdc_wait is None:
-        raise ValueError("hc_pre / hc_head / hc_post: TUNE launch_pdl=True, but this Triton has no "
-                         "triton.language.extra.cuda.gdc_wait (grid-dependency control)")
-    return on
-
-
 # --------------------------------------------------------------------------------------------- hc_post
 @triton.jit
 def _hc_post_kernel(o_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, H,
                     N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
-                    RNE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+                    RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     cols = hb * BLOCK + tl.arange(0, BLOCK)
@@ -101,7 +81,7 @@ def hc_post(o, residual, post, comb):
     BLOCK = TUNE.get("post_BLOCK", BLOCK)
     nw = TUNE.get("post_num_warps", 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1))
     _hc_post_kernel[(T, cdiv(H, BLOCK))](o, residual, post, comb, out, H, N=n, NP=np2(n),
-                                         BLOCK=BLOCK, RNE=rne(out), PDL=_pdl(), num_warps=nw, **TUNE.options())
+                                         BLOCK=BLOCK, RNE=rne(out), num_warps=nw, **TUNE.options())
     return out
 
 
@@ -152,10 +132,7 @@ def _mix_acc(x_ptr, fn_ptr, pt, ps, T, K, M, KSPLIT, BT: tl.constexpr, MP: tl.co
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
                    BT: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, IEEE: tl.constexpr,
-                   DOT: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+                   DOT: tl.constexpr):
     ps = tl.program_id(1)
     acc, ss, toks64, tm, ms = _mix_acc(x_ptr, fn_ptr, tl.program_id(0), ps, T, K, M, KSPLIT, BT, MP, BK, DOT, IEEE)
     row = ps * T + toks64
@@ -181,7 +158,7 @@ def _mix(x2, fn, M):
     zp = torch.empty((S, T, MP), dtype=torch.float32, device=x2.device)
     ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
     _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
-                             IEEE=x2.dtype == torch.float32 or interp(x2), DOT=dot, PDL=_pdl(),
+                             IEEE=x2.dtype == torch.float32 or interp(x2), DOT=dot,
                              num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3), **TUNE.options())
     return zp, ssp, S, MP
 
@@ -206,9 +183,7 @@ def _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH: tl.constexpr, RNE:
 def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                        T, H, S, rms_eps, hc_eps, iters, post_mult,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, SP: tl.constexpr, HCH, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+                       RNE: tl.constexpr, SP: tl.constexpr, HCH):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     K = N * H
@@ -339,7 +314,7 @@ def _vec_sinkhorn(L, hc_eps, N: tl.constexpr, ITERS: tl.constexpr):
 @triton.jit
 def _vec_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, toks64, tm, hb, T, H, S, rms_eps, hc_eps,
                   N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, SP: tl.constexpr,
-                  RNE: tl.constexpr, PDL: tl.constexpr):
+                  RNE: tl.constexpr):
     """y[toks, BH-block hb] = sum_j pre_j x_j (fp32 accumulate in j order, one rounding)."""
     K = N * H
     cols = hb * BH + tl.arange(0, BH)
@@ -347,8 +322,6 @@ def _vec_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, toks64, tm
     xs = ()
     for j in tl.static_range(N):
         xs = xs + (tl.load(x_ptr + toks64[:, None] * K + j * H + cols[None, :], mask=xm, other=0.0),)
-    if PDL:
-        gdc_wait()
     z, ss = _vec_partials(zp_ptr, ssp_ptr, toks64, tm, T, S, 0, N, MP, SP)
     rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))
     s0 = tl.load(scale_ptr)
@@ -362,10 +335,8 @@ def _vec_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, toks64, tm
 @triton.jit
 def _vec_post_comb(zp_ptr, ssp_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, toks64, tm, T, H, S,
                    rms_eps, hc_eps, post_mult, N: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                   ITERS: tl.constexpr, PDL: tl.constexpr):
+                   ITERS: tl.constexpr):
     """post[toks] and comb[toks] = Sinkhorn of the comb logits (SPEC hc_pre steps 3-4)."""
-    if PDL:
-        gdc_wait()
     z, ss = _vec_partials(zp_ptr, ssp_ptr, toks64, tm, T, S, N, (2 + N) * N, MP, SP)
     rho = tl.div_rn(1.0, tl.sqrt_rn(ss / (N * H) + rms_eps))
     s1 = tl.load(scale_ptr + 1)
@@ -386,7 +357,7 @@ def _hc_vec_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
                        T, H, S, rms_eps, hc_eps, post_mult,
                        N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
                        SP: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr, REV: tl.constexpr,
-                       RNE: tl.constexpr, PDL: tl.constexpr):
+                       RNE: tl.constexpr):
     """hc_head (HEAD): every program collapses. hc_pre: program column 0 computes post / comb,
     column 1 + b collapses H-block b. REV: the H-blocks in reverse order (last columns first)."""
     toks = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -400,14 +371,14 @@ def _hc_vec_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
             hb = tl.where(hb == 0, 0, tl.cdiv(H, BH) + 1 - hb)
     if HEAD:
         _vec_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, toks64, tm, hb, T, H, S, rms_eps,
-                      hc_eps, N, MP, BT, BH, SP, RNE, PDL)
+                      hc_eps, N, MP, BT, BH, SP, RNE)
     else:
         if hb == 0:
             _vec_post_comb(zp_ptr, ssp_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, toks64, tm, T, H, S,
-                           rms_eps, hc_eps, post_mult, N, MP, SP, ITERS, PDL)
+                           rms_eps, hc_eps, post_mult, N, MP, SP, ITERS)
         else:
             _vec_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, toks64, tm, hb - 1, T, H, S,
-                          rms_eps, hc_eps, N, MP, BT, BH, SP, RNE, PDL)
+                          rms_eps, hc_eps, N, MP, BT, BH, SP, RNE)
 
 
 def _vec_epi(x, zp, ssp, S, MP, scale, base, y, post, comb, rms_eps, hc_eps, iters, post_mult, head):
@@ -422,7 +393,7 @@ def _vec_epi(x, zp, ssp, S, MP, scale, base, y, post, comb, rms_eps, hc_eps, ite
     grid = (cdiv(T, BT), cdiv(H, BH) + (0 if head else 1))
     _hc_vec_epi_kernel[grid](x, zp, ssp, scale, base, y, post, comb, T, H, S, float(rms_eps), float(hc_eps),
                              float(post_mult), N=n, MP=MP, BT=BT, BH=BH, SP=np2(S), ITERS=int(iters),
-                             HEAD=head, REV=bool(TUNE.get("v_rev", False)), RNE=rne(y), PDL=_pdl(), num_warps=nw, **TUNE.options())
+                             HEAD=head, REV=bool(TUNE.get("v_rev", False)), RNE=rne(y), num_warps=nw, **TUNE.options())
 
 
 def _epi_kind() -> str:
@@ -450,7 +421,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
                                          T, H, S, float(rms_eps), float(hc_eps), int(iters),
                                          float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
-                                         HCH=HCH, PDL=_pdl(), num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
+                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
     return y, post, comb
 
 
@@ -459,9 +430,7 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
 def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
                         T, H, S, rms_eps, hc_eps,
                         N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, SP: tl.constexpr, HCH, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+                       RNE: tl.constexpr, SP: tl.constexpr, HCH):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     K = N * H
@@ -494,5 +463,5 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
                                           float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
                                           BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,
-                                          PDL=_pdl(), num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
+                                          num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
     return y
