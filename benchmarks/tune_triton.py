@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
@@ -51,7 +53,19 @@ SWEEPS = [
     ("wo_a_fp8", wo_a, (1, 64), [{}, {"fp8": "int"}, {"fp8": "dot_scaled"}, {"NBLK": 2}, {"NBLK": 2, "fp8": "mix"},
                                  {"NBLK": 2, "num_stages": 5}, {"BN": 64, "NBLK": 2, "num_stages": 4},
                                  {"num_stages": 6}]),
-    ("hc_pre", mhc, (1, 64, 4096), [{}, {"target": 64}, {"target": 132}]),
+    # hc_pre / hc_head (issue 10 item 4; mhc.py's TUNE keys): {} = the tile epilogue; epi "vec" =
+    # per-token vectors, Sinkhorn without shuffles in its own program column; target = fewer,
+    # fatter mix slices; mix_fma = fp32 FMA mixes at T < 16; v_rev = collapse last columns first
+    ("hc_pre", mhc, (1, 8, 64), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}, {"epi": "vec", "target": 32},
+                                 {"epi": "vec", "vBH": 128}]),
+    ("hc_pre", mhc, (1, 8), [{"epi": "vec", "mix_fma": True}, {"epi": "vec", "mix_fma": True, "target": 64}]),
+    ("hc_pre", mhc, (64,), [{"epi": "vec", "vBT": 4}, {"epi": "vec", "vBT": 16, "vBH": 128}]),
+    ("hc_pre", mhc, (4096,), [{}, {"epi": "vec"}, {"epi": "vec", "v_rev": True},
+                              {"epi": "vec", "vBT": 64, "v_num_warps": 8},
+                              {"epi": "vec", "vBT": 16, "v_num_warps": 4, "v_rev": True},
+                              {"BT": 128, "num_warps": 8}, {"BK": 64, "num_stages": 4},
+                              {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}, {"target": 528}]),
+    ("hc_head", mhc, (1, 64, 4096), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}]),
     ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
                                {"post_BLOCK": 128, "post_num_warps": 4}]),
     ("hc_post", mhc, (4096,), [{}, {"post_BLOCK": 2048, "post_num_warps": 8}, {"post_BLOCK": 512, "post_num_warps": 4}]),
@@ -78,17 +92,29 @@ SWEEPS = [
 
 
 def _parts(timer, shapes, rows):
-    """hc_pre / hc_head: the split-K mixes kernel alone vs the whole op."""
-    for T in (1, 64, 4096):
+    """hc_pre / hc_head: the split-K mixes kernel alone vs the whole op (default, and the FMA
+    mixes at T < 16)."""
+    for T in (1, 8, 64, 4096):
         case = make_case("hc_pre", shapes, T, "cuda")
         x, fn = case.kwargs["x"], case.kwargs["fn"]
         n, H = x.shape[1], x.shape[2]
-        t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
-        # the bytes this kernel must move: x and fn (case.bytes also counts the op's outputs)
-        mix_bytes = x.numel() * x.element_size() + fn.numel() * fn.element_size()
-        r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=mix_bytes / t / 1e9)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+        for cfg in ({}, {"mix_fma": True}) if T < 16 else ({},):
+            mhc.TUNE.clear()
+            mhc.TUNE.update(cfg)
+            t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
+            # the bytes this kernel must move: x and fn (case.bytes also counts the op's outputs)
+            mix_bytes = x.numel() * x.element_size() + fn.numel() * fn.element_size()
+            r = dict(op="hc_pre[mix kernel only]", T=T, cfg=cfg, us=t * 1e6, GBps=mix_bytes / t / 1e9)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        mhc.TUNE.clear()
+
+
+def _rel_diff(out, base) -> float:
+    """max |out - base| / max |base|, the worst over the outputs of a tuple-returning op."""
+    pairs = zip(out, base) if isinstance(base, tuple) else ((out, base),)
+    return max(float((o.float() - b.float()).abs().max() / b.float().abs().max())
+               for o, b in pairs if isinstance(b, torch.Tensor) and b.numel())
 
 
 def main(argv=None):
@@ -113,15 +139,12 @@ def main(argv=None):
                 impl = b.impls[case.op]
                 mod.TUNE.clear()
                 base = impl.fn(**case.kwargs)
-                base = base[0] if isinstance(base, tuple) else base
                 for v in variants:
                     mod.TUNE.clear()
                     mod.TUNE.update(v)
                     try:
                         t = timer.time(lambda: impl.fn(**case.kwargs), reps=15, graph=case.graphable)
-                        out = impl.fn(**case.kwargs)
-                        out = out[0] if isinstance(out, tuple) else out
-                        diff = float((out.float() - base.float()).abs().max() / base.float().abs().max())
+                        diff = _rel_diff(impl.fn(**case.kwargs), base)
                         r = dict(op=op, T=T, cfg=v, flush=a.flush, us=t * 1e6, GBps=case.bytes / t / 1e9,
                                  TFLOPs=case.flops / t / 1e12, graphed=timer.last_graphed, diff=diff)
                     except Exception as e:  # noqa: BLE001
