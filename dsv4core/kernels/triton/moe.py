@@ -1,7 +1,8 @@
 """moe_experts: routed SwiGLU experts as two grouped GEMMs over (token, slot) pairs sorted by expert,
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
-place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values).
+place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
+is a launch key (``DECODES``: FP4 "join" / "split" / "scaled", FP8 "cvt" / "scaled").
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
