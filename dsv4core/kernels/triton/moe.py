@@ -107,16 +107,36 @@ def _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: t
 
 
 @triton.jit
+def _fp4_bf16_normal(nib, t6, keep, nan):
+    """``_fp4_bf16`` for scale bytes >= 2 (no bf16 subnormal results) in fewer integer ops, from
+    per-group terms: t6 = (2 * sb - 2) << 6, and the NaN masks keep / nan (0 / 0x7FC0 for byte 255,
+    else 0xFFFF / 0). idx >= 2: (idx << 6) + t6 (clamped at 0x7F80 = inf: the reference's fp32
+    overflow); code 1: t6 (the field sb - 1, mantissa 0); code 0: 0."""
+    idx = nib & 7
+    mag = tl.minimum(tl.where(idx < 2, idx * t6, (idx << 6) + t6), 0x7F80)
+    bits = ((mag | ((nib & 8) << 12)) & keep) | nan
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _fp4_halves(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
                 IEEE: tl.constexpr):
     """FP4 "split" decode: (even columns, odd columns) of [rows, k0 : k0 + BK] as two [rows, BK/2]
-    tiles, the low and the high nibbles decoded by ``_fp4_bf16`` (no interleave); fp32 under IEEE."""
+    tiles, the low and the high nibbles decoded into bf16 bit patterns by integer ops (no
+    interleave); fp32 under IEEE. A tile holding a scale byte 0 or 1 (bf16 subnormal weights, never
+    in real checkpoints) takes the general ``_fp4_bf16``: exact either way."""
     b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
     b = b.to(tl.int32)
-    sb = tl.reshape(tl.broadcast_to(sb.to(tl.int32)[:, :, None], (rows.shape[0], BK // 32, 16)),
-                    (rows.shape[0], BK // 2))
-    lo = _fp4_bf16(b & 0xF, sb)
-    hi = _fp4_bf16(b >> 4, sb)
+    sg = sb.to(tl.int32)
+    t6 = (2 * sg - 2) << 6
+    keep = tl.where(sg == 255, 0, 0xFFFF)
+    nan = tl.where(sg == 255, 0x7FC0, 0)
+    lo = _fp4_bf16_normal(b & 0xF, _per_column(t6, BK), _per_column(keep, BK), _per_column(nan, BK))
+    hi = _fp4_bf16_normal(b >> 4, _per_column(t6, BK), _per_column(keep, BK), _per_column(nan, BK))
+    if tl.min(sg) < 2:
+        sbc = _per_column(sg, BK)
+        lo = _fp4_bf16(b & 0xF, sbc)
+        hi = _fp4_bf16(b >> 4, sbc)
     if IEEE:
         lo = lo.to(tl.float32)
         hi = hi.to(tl.float32)
@@ -124,14 +144,21 @@ def _fp4_halves(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: 
 
 
 @triton.jit
+def _per_column(g, BK: tl.constexpr):
+    """Per-group values [rows, BK/32] repeated for each of a group's 16 bytes: [rows, BK/2]."""
+    return tl.reshape(tl.broadcast_to(g[:, :, None], (g.shape[0], BK // 32, 16)), (g.shape[0], BK // 2))
+
+
+@triton.jit
 def _act_halves(p_ptr, rows, rmask, k0, C, BK: tl.constexpr, EVEN: tl.constexpr):
-    """(even, odd) columns of [rows, k0 : k0 + BK] of a row-major [., C] activation (rows int64)."""
-    jj = k0 + 2 * tl.arange(0, BK // 2)
-    m = rmask[:, None] & (jj < C)[None, :]
+    """(even, odd) columns of [rows, k0 : k0 + BK] of a row-major [., C] activation (rows int64):
+    one contiguous load, split in registers."""
+    ks = k0 + tl.arange(0, BK)
+    m = rmask[:, None] & (ks < C)[None, :]
     if EVEN:
         m = rmask[:, None]
-    ptr = p_ptr + rows[:, None] * C + jj[None, :]
-    return tl.load(ptr, mask=m, other=0.0), tl.load(ptr + 1, mask=m, other=0.0)
+    t = tl.load(p_ptr + rows[:, None] * C + ks[None, :], mask=m, other=0.0)
+    return tl.split(tl.reshape(t, (rows.shape[0], BK // 2, 2)))
 
 
 @triton.jit
@@ -200,8 +227,7 @@ def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.c
     if FMT == 2:
         b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
         b = b.to(tl.int32)
-        sb = tl.reshape(tl.broadcast_to(sb.to(tl.int32)[:, :, None], (rows.shape[0], BK // 32, 16)),
-                        (rows.shape[0], BK // 2))
+        sb = _per_column(sb.to(tl.int32), BK)
         w = tl.reshape(tl.join(_fp4_values(b & 0xF, sb), _fp4_values(b >> 4, sb)), (rows.shape[0], BK))
     else:
         w = _w_raw(w_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
