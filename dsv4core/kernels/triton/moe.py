@@ -69,24 +69,33 @@ def _fp4_values(b, sb):
 
 
 @triton.jit
-def _fp4_bf16(nib, sb):
-    """e2m1 codes ``nib`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as bf16, built with
-    integer ops from the bf16 bit pattern (no float multiply). Exact for every byte: the reference
-    value code * 2^(sb - 127) (fp32) has at most two significant bits, so it is a bf16 value; bf16
-    subnormals (scale bytes 0 / 1) are built as such, results >= 2^128 are +-inf (the reference's
-    fp32 overflow), byte 255 is NaN (the reference's NaN scale), code 0 / 8 is +0 / -0.
+def _fp4_terms(sb):
+    """Per-scale-group terms of ``_fp4_bf16`` from UE8M0 bytes ``sb`` (int32): (t1, t2, lin, nan).
 
-    With idx = |code| (0..7; e2m1 exponent idx >> 1, mantissa idx & 1) the scaled value's bf16
-    exponent field and mantissa bit are (q >> 1, q & 1) for q = idx + 2 * sb - 2 (idx >= 2); the
-    subnormal code 1 (0.5) is the exponent field sb - 1 with mantissa 0, i.e. q = 2 * sb - 2. q < 2
-    (only sb <= 1) is a bf16 subnormal: q in {-2, 0, 1} -> mantissa 32 / 64 / 96 (x 2^-133)."""
+    The scaled value code * 2^(sb - 127) has at most two significant bits, so it is a bf16 value
+    (the reference's fp32 product is exact); its bf16 bits, with idx = |code| (0..7; e2m1 exponent
+    idx >> 1, mantissa idx & 1), are for sb >= 2: idx * 64 + t (idx >= 2; exponent field and
+    mantissa bit of q = idx + 2 * sb - 2) and t (idx = 1: 0.5 * 2^(sb-127), the field sb - 1),
+    t = (2 * sb - 2) << 6. Bytes 0 / 1 give bf16 subnormals (mantissa units of 2^-133): sb = 1
+    is idx * 64 for every idx (t1 = 64, t2 = 0); sb = 0 is max(idx * 64 - 128, idx * 32) (t1 =
+    32, t2 = -128, lin = 32). Byte 255 (the reference's NaN) ORs in 0x7FC0: NaN whatever the code."""
+    t = (2 * sb - 2) << 6
+    t1 = tl.where(sb < 2, 32 << sb, t)
+    lin = tl.where(sb == 0, 32, 0)
+    nan = tl.where(sb == 255, 0x7FC0, 0)
+    return t1, t, lin, nan
+
+
+@triton.jit
+def _fp4_bf16(nib, t1, t2, lin, nan):
+    """e2m1 codes ``nib`` (int32, 0..15) times their UE8M0 scale as bf16, exact for every scale byte,
+    from integer ops on the bf16 bit pattern (no float multiply) and the ``_fp4_terms`` of the
+    code's group: code 0 / 8 is +0 / -0, results >= 2^128 are +-inf (0x7F80, the reference's fp32
+    overflow), byte 255 NaN."""
     idx = nib & 7
-    q = idx + 2 * sb - 2 - (idx == 1).to(tl.int32)
-    sub = tl.where(q < 0, 32, (2 + (q & 1)) << 5)
-    mag = tl.where(q >= 2, q << 6, sub)
-    mag = tl.where(q >= 510, 0x7F80, mag)
-    mag = tl.where(idx == 0, 0, mag)
-    bits = tl.where(sb == 255, 0x7FC0, mag | ((nib & 8) << 12))
+    mag = tl.where(idx < 2, idx * t1, (idx << 6) + t2)
+    mag = tl.minimum(tl.maximum(mag, idx * lin), 0x7F80)
+    bits = mag | ((nib & 8) << 12) | nan
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
@@ -107,36 +116,17 @@ def _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: t
 
 
 @triton.jit
-def _fp4_bf16_normal(nib, t6, keep, nan):
-    """``_fp4_bf16`` for scale bytes >= 2 (no bf16 subnormal results) in fewer integer ops, from
-    per-group terms: t6 = (2 * sb - 2) << 6, and the NaN masks keep / nan (0 / 0x7FC0 for byte 255,
-    else 0xFFFF / 0). idx >= 2: (idx << 6) + t6 (clamped at 0x7F80 = inf: the reference's fp32
-    overflow); code 1: t6 (the field sb - 1, mantissa 0); code 0: 0."""
-    idx = nib & 7
-    mag = tl.minimum(tl.where(idx < 2, idx * t6, (idx << 6) + t6), 0x7F80)
-    bits = ((mag | ((nib & 8) << 12)) & keep) | nan
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _fp4_halves(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
                 IEEE: tl.constexpr):
     """FP4 "split" decode: (even columns, odd columns) of [rows, k0 : k0 + BK] as two [rows, BK/2]
-    tiles, the low and the high nibbles decoded into bf16 bit patterns by integer ops (no
-    interleave); fp32 under IEEE. A tile holding a scale byte 0 or 1 (bf16 subnormal weights, never
-    in real checkpoints) takes the general ``_fp4_bf16``: exact either way."""
+    tiles, the low and the high nibbles decoded into bf16 bit patterns by integer ops (exact; no
+    interleave, no float multiply); fp32 under IEEE."""
     b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
     b = b.to(tl.int32)
-    sg = sb.to(tl.int32)
-    t6 = (2 * sg - 2) << 6
-    keep = tl.where(sg == 255, 0, 0xFFFF)
-    nan = tl.where(sg == 255, 0x7FC0, 0)
-    lo = _fp4_bf16_normal(b & 0xF, _per_column(t6, BK), _per_column(keep, BK), _per_column(nan, BK))
-    hi = _fp4_bf16_normal(b >> 4, _per_column(t6, BK), _per_column(keep, BK), _per_column(nan, BK))
-    if tl.min(sg) < 2:
-        sbc = _per_column(sg, BK)
-        lo = _fp4_bf16(b & 0xF, sbc)
-        hi = _fp4_bf16(b >> 4, sbc)
+    t1, t2, lin, nan = _fp4_terms(sb.to(tl.int32))
+    t1, t2, lin, nan = _per_column(t1, BK), _per_column(t2, BK), _per_column(lin, BK), _per_column(nan, BK)
+    lo = _fp4_bf16(b & 0xF, t1, t2, lin, nan)
+    hi = _fp4_bf16(b >> 4, t1, t2, lin, nan)
     if IEEE:
         lo = lo.to(tl.float32)
         hi = hi.to(tl.float32)
