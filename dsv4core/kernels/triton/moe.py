@@ -542,17 +542,22 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 
 
 #: TUNE["fp4"] / TUNE["fp8"]: how the kernels read FP4 / FP8 expert weights (the launch keys next
-#: to the tiles). All exact, up to the deviations stated:
+#: to the tiles). All exact, up to the deviation stated:
 #:   fp4 "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved;
-#:       "split": no interleave: the activation's even / odd columns (two stride-2 loads) dot the
-#:       low / high nibble tiles, each decoded by integer ops into bf16 bit patterns (_fp4_bf16);
-#:       "scaled": tl.dot_scaled(bf16 activation, packed bytes, UE8M0 scales, "e2m1"). On a GPU
-#:       without native microscaling (H200) Triton upcasts: scale byte 0 becomes 0 instead of
-#:       2^-127, so weights of such a group read as 0 (|error| <= 6 * 2^-127 a weight); byte 255
-#:       is NaN, as in the reference (fast_math off). The interpreter keeps 2^-127.
+#:       "split": no interleave: the activation tile's even / odd columns (one load, split in
+#:       registers) dot the low / high nibble tiles, each decoded by integer ops straight into bf16
+#:       bit patterns (_fp4_terms / _fp4_bf16: exact for every scale byte, no float multiply);
+#:       "scaled": tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble
+#:       first, UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200)
+#:       Triton upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes
+#:       0, not 2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
+#:       multiply flush subnormals) reads as 0: |error| <= 6 * 2^-126 a weight; byte 255 is NaN as
+#:       in the reference (fast_math off). The interpreter keeps 2^-127.
 #:   fp8 "cvt" (default): e4m3 tile converted to the dot dtype; "scaled": tl.dot_scaled(bf16
 #:       activation, e4m3 tile, no microscale) with the block scale on the partial sum as in "cvt".
 #: "scaled" needs bf16 operands: fp32 activations (the IEEE path) read FP4 as "split", FP8 as "cvt".
+#: In the down GEMM it stacks a_hi / a_lo into one [2 BM, BK] operand (the weight decoded once a
+#: step) and sums the two halves of the [2 BM, BNd] accumulator at the end.
 DECODES = {"fp4": ("join", "split", "scaled"), "fp8": ("cvt", "scaled")}
 
 
