@@ -88,6 +88,26 @@ SWEEPS = [
                                          {"BNu": 16, "BNd": 64, "BK": 256, "num_warps": 8}]),
     ("moe_experts", moe, (1, 8), [{}, {"BK": 128}, {"BK": 256, "num_stages": 3}, {"BNu": 32, "BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
+    # session 19 (H1): the quantised-expert decodes (moe.DECODES; {} = "join" / "cvt") and tiles
+    # around them; bf16 big tiles at T = 4096 (>= 50 % of mm wanted)
+    ("moe_experts_fp4", moe, (1, 64), [{}, {"fp4": "split"}, {"fp4": "scaled"},
+                                       {"fp4": "split", "BK": 128}, {"fp4": "scaled", "BK": 128},
+                                       {"fp4": "scaled", "BNu": 32, "BNd": 64}, {"fp4": "split", "num_warps": 8}]),
+    ("moe_experts_fp4", moe, (1,), [{"fp4": "scaled", "BK": 256, "num_stages": 3},
+                                    {"fp4": "split", "BNu": 32, "BNd": 64}]),
+    ("moe_experts_fp4", moe, (4096,), [{"fp4": "split"}, {"fp4": "scaled"}, {"fp4": "scaled", "BNu": 128},
+                                       {"fp4": "split", "BNu": 128, "num_stages": 4},
+                                       {"fp4": "scaled", "num_stages": 4}]),
+    # "scaled" stacks the down GEMM's a_hi / a_lo rows: a [2 BM, BNd] accumulator (8 warps, or BM 64)
+    ("moe_experts_fp8", moe, (1, 64, 4096), [{"fp8": "scaled"}, {"fp8": "scaled", "num_warps": 8}]),
+    ("moe_experts_fp8", moe, (1,), [{"fp8": "scaled", "BK": 64}]),
+    ("moe_experts_fp8", moe, (64,), [{}]),
+    ("moe_experts_fp8", moe, (4096,), [{"fp8": "scaled", "BM": 64, "num_warps": 8}]),
+    ("moe_experts", moe, (4096,), [{"BNu": 128, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
+                                   {"BNu": 128, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+                                   {"BNu": 64, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+                                   {"BNu": 128, "BNd": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+                                   {"BNu": 128, "BNd": 128, "BK": 32, "num_warps": 8, "num_stages": 4}]),
 ]
 
 
