@@ -14,14 +14,20 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    ("sparse_mqa_attention", attention, (256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
-    # decode batch (issue 10: <= 15 us at T <= 8): the row block, and 1 / 2 / 4 programs per SM
-    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [{}, {"BK": 64}, {"BK": 32},
-                                                       {"BK": 16}, {"target": 264}, {"target": 528}]),
-    ("sparse_mqa_attention", attention, (1,), [{}, {"num_warps": 8}, {"num_stages": 1}, {"cBLOCK": 2048},
-                                               {"c_num_warps": 2}, {"BH": 32, "num_warps": 8}]),
-    ("sparse_mqa_attention", attention, (64,), [{}, {"S": 2}, {"S": 4}, {"S": 2, "BK": 32}, {"num_stages": 3},
-                                                {"num_warps": 8}, {"BH": 32, "num_warps": 8}]),
+    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`, 50
+    # rows): the variants of kernels/triton/attention.py (hand-pipelined gather, 32 heads on 8
+    # warps, the DV column split with all 64 heads a program on Hopper-sized dots, lo_apart), the
+    # single-launch plan (S 1), and the pipelining at T = 64 / 256 (non-regression). The earlier
+    # block-size / split / warp sweeps that set today's defaults: tune-s18-h200-flash-read.json.
+    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [
+        {}, {"pipe": 1}, {"BK": 32, "pipe": 2}, {"BH": 32, "num_warps": 8},
+        {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"DV": 256}, {"BH": 64, "DV": 128, "BK": 32},
+        {"BH": 64, "DV": 128, "BK": 16, "target": 264},
+        {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "lo_apart": True},
+        {"BH": 64, "DV": 256, "BK": 32, "num_warps": 8, "lo_apart": True}]),
+    ("sparse_mqa_attention", attention, (1, 8), [{"S": 1, "BH": 64, "DV": 128, "BK": 32, "pipe": 1},
+                                                 {"S": 1, "BH": 32, "num_warps": 8, "BK": 32, "pipe": 2}]),
+    ("sparse_mqa_attention", attention, (64, 256), [{}, {"pipe": 1}, {"BK": 32, "pipe": 2}]),
     # linear / wo_a at decode sizes (issue 10): {} is the default; linear bf16 {} and linear_fp8 /
     # wo_a_fp8 {"mode": "dot"} are the tiles timed before the modes existed; wo_a {} = the tiles of
     # wo_a's former own kernel. Run with --flush read too (see dsv4core.bench.Timer).
