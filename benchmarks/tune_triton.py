@@ -14,17 +14,17 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`, 50
+    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`, 54
     # rows): the variants of kernels/triton/attention.py (hand-pipelined gather, 32 heads on 8
-    # warps, the DV column split with all 64 heads a program on Hopper-sized dots, lo_apart), the
+    # warps, all 64 heads a program on Hopper-sized dots: the DV column split, pv apart / dup), the
     # single-launch plan (S 1), and the pipelining at T = 64 / 256 (non-regression). The earlier
     # block-size / split / warp sweeps that set today's defaults: tune-s18-h200-flash-read.json.
     ("sparse_mqa_attention", attention, (1, 2, 4, 8), [
         {}, {"pipe": 1}, {"BK": 32, "pipe": 2}, {"BH": 32, "num_warps": 8},
         {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"DV": 256}, {"BH": 64, "DV": 128, "BK": 32},
         {"BH": 64, "DV": 128, "BK": 16, "target": 264},
-        {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "lo_apart": True},
-        {"BH": 64, "DV": 256, "BK": 32, "num_warps": 8, "lo_apart": True}]),
+        {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "pv": "apart"},
+        {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 16}, {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 32}]),
     ("sparse_mqa_attention", attention, (1, 8), [{"S": 1, "BH": 64, "DV": 128, "BK": 32, "pipe": 1},
                                                  {"S": 1, "BH": 32, "num_warps": 8, "BK": 32, "pipe": 2}]),
     ("sparse_mqa_attention", attention, (64, 256), [{}, {"pipe": 1}, {"BK": 32, "pipe": 2}]),

@@ -23,8 +23,11 @@ Variants for the decode batch (issue 10: <= 15 us at T <= 8), chosen through TUN
   D / DV programs share a (token, head block, split). Meant for ``BH`` 64 (all DSV4 heads of a
   token in one program, Hopper-sized dots: M = 64) with DV 128, which keeps the [64, DV] fp32
   accumulator in registers; a kv row is then read D / DV times per token instead of NH / BH.
-- ``lo_apart``: the lo half of p in its own fp32 sum, added after the hi dot (for BH = 64 on 8 warps:
-  see the kernel); otherwise today's order.
+- ``pv`` (bf16): how p = p_hi + p_lo meets v. "chain" (default): two dots on one accumulator;
+  "apart": the lo dot in its own fp32 sum, added after; "dup": each kv row gathered twice, one dot
+  of depth 2 BK (p_hi against one copy, p_lo against the other; q.k then runs on 2 BK columns).
+  The last two keep one MMA layout where Triton would give chained dots two (BH = 64 on 8 warps,
+  see the kernel).
 - ``S`` 1 is the single-launch path (no partials, no combine); ``S`` >= the row blocks gives one
   block per program.
 """
@@ -44,9 +47,13 @@ TUNE = Tune(__name__)
 
 
 @triton.jit
-def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
-    """Rows k0 .. k0+BK of token t's index list: (row, valid); invalid (-1, >= N, past k_hi) -> row 0."""
-    ks = k0 + tl.arange(0, BK)
+def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr, DUP: tl.constexpr):
+    """Rows k0 .. k0+BK of token t's index list: (row, valid); invalid (-1, >= N, past k_hi) -> row 0.
+    DUP: each entry twice (2 BK long: entries k0, k0, k0+1, k0+1, ...)."""
+    if DUP:
+        ks = k0 + tl.arange(0, 2 * BK) // 2
+    else:
+        ks = k0 + tl.arange(0, BK)
     idx = tl.load(idx_ptr + t * K + ks, mask=ks < k_hi, other=-1).to(tl.int64)
     valid = (idx >= 0) & (idx < N)
     return tl.where(valid, idx, 0), valid
@@ -56,7 +63,7 @@ def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
 def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr,
                  T, NH, N, K, KPS, S, scale,
                  D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                 PIPE: tl.constexpr, LO_APART: tl.constexpr, F32: tl.constexpr,
+                 PIPE: tl.constexpr, PV: tl.constexpr, F32: tl.constexpr,
                  FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1) // (D // DV)
@@ -77,16 +84,16 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
     # wait for its index load; 2 = the next block's kv rows are gathered too (a register double
     # buffer) before the current block is computed
     if PIPE >= 1:
-        rows, valid = _smqa_rows(idx_ptr, t, K, N, k_lo, k_hi, BK)
+        rows, valid = _smqa_rows(idx_ptr, t, K, N, k_lo, k_hi, BK, PV == 2)
     if PIPE == 2:
         kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
     for k0 in range(k_lo, k_hi, BK):
         if PIPE == 0:
-            rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK)
+            rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK, PV == 2)
         if PIPE != 2:
             kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
         if PIPE >= 1:
-            rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK)
+            rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK, PV == 2)
         if PIPE == 2:
             kv_n = tl.load(kv_ptr + rows_n[:, None] * D + dc[None, :], mask=valid_n[:, None], other=0.0)
         if DV == D:
@@ -105,16 +112,29 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if PV == 2:   # every row twice: its weight counts once
+            even = (tl.arange(0, 2 * BK) % 2) == 0
+            l_i = l_i * alpha + tl.sum(tl.where(even[None, :], p, 0.0), axis=1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if F32:
             acc += tl.dot(p, vv, input_precision="ieee")
-        elif INTERP and not LO_APART:
+        elif INTERP and PV == 0:
             acc += tl.dot(p, vv.to(tl.float32), input_precision="ieee")
         else:
             p_hi = p.to(vv.dtype)
             p_lo = (p - p_hi.to(tl.float32)).to(vv.dtype)
-            if LO_APART:
+            if PV == 2:
+                # the kv rows come twice (2k, 2k + 1): one dot of depth 2 BK takes p_hi against
+                # the first copy and p_lo against the second, so there is one p @ v dot (one MMA
+                # layout) and the [BH, DV] accumulator is not copied between layouts
+                a = tl.where(even[None, :], p_hi, p_lo)
+                if INTERP:   # the same bf16 operands, their (exact) products in fp32
+                    acc = tl.dot(a.to(tl.float32), vv.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, vv, acc)
+            elif PV == 1:
                 # the lo products in their own fp32 sum, added after: no dot feeds another, so
                 # Triton gives both the same MMA layout (a dot->dot chain gets warps along M only,
                 # which at BH = 64 on 8 warps swaps the [BH, DV] accumulator between two layouts
@@ -183,6 +203,10 @@ def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
     tl.store(o_ptr + t * (NH * D) + f, to_out(o, o_ptr, RNE), mask=fm)
 
 
+#: the p @ v forms for bf16 inputs (TUNE key "pv"; the kernel's PV constexpr is the position):
+#: two dots on one accumulator (hi then lo), the lo dot apart, one dot over duplicated kv rows
+PV_MODES = ("chain", "apart", "dup")
+
 #: most row splits per token (the combine loads all of them at once: a [np2(S), CB] tile)
 MAX_SPLITS = 64
 
@@ -194,7 +218,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     ``target``: 1 per SM of the device below T = 128, 2 from there; at least one BK block per
     split, at most MAX_SPLITS splits); ``target``; ``cBLOCK`` elements of the combine's tile
     (S x CB), ``c_num_warps``; ``DV`` output columns per program (D, D/2 or D/4; programs: T x
-    ceil(NH / BH) x D / DV x S); ``pipe`` 0 / 1 / 2 and ``lo_apart`` (module docstring)."""
+    ceil(NH / BH) x D / DV x S); ``pipe`` 0 / 1 / 2 and ``pv`` (:data:`PV_MODES`; module docstring)."""
     big = T >= 128
     # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
     # / 2) is what the H200 sweep found fastest at T = 1..8 (tune-s18-h200-flash-read.json: 15.2 /
@@ -219,12 +243,15 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
+    pv = TUNE.get("pv", "chain")
+    if pv not in PV_MODES:
+        raise ValueError(f"sparse_mqa_attention: TUNE pv={pv!r}; expected one of {', '.join(PV_MODES)}")
     pipe = TUNE.get("pipe", 0)
     if pipe not in (0, 1, 2):
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none), 1 (indices one "
                          f"block ahead) or 2 (indices and kv rows one block ahead)")
     return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, DV=DV, pipe=pipe,
-                lo_apart=bool(TUNE.get("lo_apart", False)),
+                pv=pv,
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
@@ -243,7 +270,7 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     p = plan(T, NH, D, K, f32, q.device)
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb * (D // p["DV"]))
-    common = dict(D=D, BH=BH, BK=BK, DV=p["DV"], PIPE=p["pipe"], LO_APART=p["lo_apart"], F32=f32, INTERP=interp(q), RNE=rne(o), num_warps=p["num_warps"],
+    common = dict(D=D, BH=BH, BK=BK, DV=p["DV"], PIPE=p["pipe"], PV=0 if f32 else PV_MODES.index(p["pv"]), F32=f32, INTERP=interp(q), RNE=rne(o), num_warps=p["num_warps"],
                   num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
