@@ -21,7 +21,8 @@ SWEEPS = [
     # block-size / split / warp sweeps that set today's defaults: tune-s18-h200-flash-read.json.
     ("sparse_mqa_attention", attention, (1, 2, 4, 8), [
         {}, {"pipe": 1}, {"BK": 32, "pipe": 2}, {"BH": 32, "num_warps": 8},
-        {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"DV": 256}, {"BH": 64, "DV": 128, "BK": 32},
+        {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"BH": 32, "num_warps": 8, "BK": 32, "pv": "dup"},
+        {"BH": 64, "DV": 128, "BK": 32},
         {"BH": 64, "DV": 128, "BK": 16, "target": 264},
         {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "pv": "apart"},
         {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 16}, {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 32}]),
