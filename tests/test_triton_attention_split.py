@@ -145,7 +145,8 @@ for dtype in (torch.float32, torch.bfloat16):
                                     BH=plan["BH"], ratio=float(r.max()), nan=bool(torch.isnan(o).any()),
                                     empty_zero=bool((o[1] == 0).all())))
     # pipelining moves loads only: bitwise the unpipelined result of the same plan
-    rep.setdefault("pipe_bitwise", {})[str(dtype)] = [bool(torch.equal(outs[n], outs["base"])) for n in ("pipe1", "pipe2")]
+    rep.setdefault("pipe_bitwise", {})[str(dtype)] = [bool(torch.equal(outs[n], outs["base"]))
+                                                      for n in ("pipe1", "pipe2")]
     # bf16 outputs of pv apart / dup (p split in hi + lo) against the same plan on the fp32 p
     rep.setdefault("pv_flips", {})[str(dtype)] = [float((outs[a] != outs[b]).float().mean())
                                                   for a, b in (("apart-BH64-DV32", "BH64-DV32"), ("dup-BH64", "BH64"))]

@@ -250,8 +250,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     if pipe not in (0, 1, 2):
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none), 1 (indices one "
                          f"block ahead) or 2 (indices and kv rows one block ahead)")
-    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, DV=DV, pipe=pipe,
-                pv=pv,
+    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, DV=DV, pipe=pipe, pv=pv,
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
@@ -270,18 +269,20 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     p = plan(T, NH, D, K, f32, q.device)
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb * (D // p["DV"]))
-    common = dict(D=D, BH=BH, BK=BK, DV=p["DV"], PIPE=p["pipe"], PV=0 if f32 else PV_MODES.index(p["pv"]), F32=f32, INTERP=interp(q), RNE=rne(o), num_warps=p["num_warps"],
-                  num_stages=p["num_stages"], **TUNE.options())
+    # fp32 inputs never split p: the pv forms are the bf16 path's
+    pv = 0 if f32 else PV_MODES.index(p["pv"])
+    common = dict(D=D, BH=BH, BK=BK, DV=p["DV"], PIPE=p["pipe"], PV=pv, F32=f32, INTERP=interp(q), RNE=rne(o),
+                  num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                  float(scale), FINAL=True, **common)
+                                 float(scale), FINAL=True, **common)
         return o
     # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(*grid, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                              float(scale), FINAL=False, **common)
+                             float(scale), FINAL=False, **common)
     CB = p["CB"]
     _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
                                                 RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())
