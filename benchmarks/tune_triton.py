@@ -16,14 +16,21 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    ("sparse_mqa_attention", attention, (256, 4096), [{}, {"BK": 32}, {"BH": 16}, {"BH": 32}]),
-    # decode batch (issue 10: <= 15 us at T <= 8): the row block, and 1 / 2 / 4 programs per SM
-    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [{}, {"BK": 64}, {"BK": 32},
-                                                       {"BK": 16}, {"target": 264}, {"target": 528}]),
-    ("sparse_mqa_attention", attention, (1,), [{}, {"num_warps": 8}, {"num_stages": 1}, {"cBLOCK": 2048},
-                                               {"c_num_warps": 2}, {"BH": 32, "num_warps": 8}]),
-    ("sparse_mqa_attention", attention, (64,), [{}, {"S": 2}, {"S": 4}, {"S": 2, "BK": 32}, {"num_stages": 3},
-                                                {"num_warps": 8}, {"BH": 32, "num_warps": 8}]),
+    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`, 54
+    # rows): the variants of kernels/triton/attention.py (hand-pipelined gather, 32 heads on 8
+    # warps, all 64 heads a program on Hopper-sized dots: the DV column split, pv apart / dup), the
+    # single-launch plan (S 1), and the pipelining at T = 64 / 256 (non-regression). The earlier
+    # block-size / split / warp sweeps that set today's defaults: tune-s18-h200-flash-read.json.
+    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [
+        {}, {"pipe": 1}, {"BK": 32, "pipe": 2}, {"BH": 32, "num_warps": 8},
+        {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"BH": 32, "num_warps": 8, "BK": 32, "pv": "dup"},
+        {"BH": 64, "DV": 128, "BK": 32},
+        {"BH": 64, "DV": 128, "BK": 16, "target": 264},
+        {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "pv": "apart"},
+        {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 16}, {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 32}]),
+    ("sparse_mqa_attention", attention, (1, 8), [{"S": 1, "BH": 64, "DV": 128, "BK": 32, "pipe": 1},
+                                                 {"S": 1, "BH": 32, "num_warps": 8, "BK": 32, "pipe": 2}]),
+    ("sparse_mqa_attention", attention, (64, 256), [{}, {"pipe": 1}, {"BK": 32, "pipe": 2}]),
     # linear / wo_a FP8 (issue 10: >= 80 % of copy at T <= 64, >= 60 % of the bf16 mm rate at
     # T = 4096; session 19). {} is the default. Keys (linear.py): fp8 = how the e4m3 codes reach the
     # MMA (cvt: Triton's conversion, int: quant.py's integer decode, mix: alternate sub-blocks of
