@@ -190,7 +190,9 @@ def _cuda_stats(cubin: bytes) -> dict:
     return out
 
 
-_NOISE = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.amdhsa_|\.ident|\.text\.)")
+#: lines that are not instructions: source locations, comments, debug sections, and PTX's debug
+#: labels ($L__tmpN:, referenced only by the debug sections; their count follows the inlining)
+_NOISE = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.amdhsa_|\.ident|\.text\.|\$L__tmp\d+:\s*$)")
 
 
 def code_sha(kernel) -> str | None:
