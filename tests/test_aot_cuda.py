@@ -42,12 +42,16 @@ def test_cuda_target_compiles_and_the_fingerprint_tells_same_from_changed(tmp_pa
     assert changed > 0, out
 
 
-def test_compare_matches_cases_in_order():
+def test_compare_matches_cases_in_order_code_and_grid():
     from dsv4core.kernels.triton.aot import compare
 
-    old = {"op/c1/bf16": [["k", "aa"], ["r", "bb"]], "op/c2/bf16": [["k", "aa"]], "op/c3/bf16": [["k", "cc"]]}
-    new = {"op/c1/bf16": [["k", "aa"], ["r", "bb"]], "op/c2/bf16": [["k", "ab"]], "op/c4/bf16": [["k", "cc"]]}
+    old = {"op/c1/bf16": [["k", "aa", [1]], ["r", "bb", [2, 1]]], "op/c2/bf16": [["k", "aa", [1]]],
+           "op/c3/bf16": [["k", "cc", [1]]], "op/c5/bf16": [["k", "aa", [4]]]}
+    new = {"op/c1/bf16": [["k", "aa", [1]], ["r", "bb", [2, 1]]], "op/c2/bf16": [["k", "ab", [1]]],
+           "op/c4/bf16": [["k", "cc", [1]]], "op/c5/bf16": [["k", "aa", [8]]]}
     got = compare(old, new)
-    assert got == {"same": ["op/c1/bf16"], "changed": ["op/c2/bf16"], "new": ["op/c4/bf16"], "gone": ["op/c3/bf16"]}
+    # c2: other code; c5: the same code on another grid (a host-side split change)
+    assert got == {"same": ["op/c1/bf16"], "changed": ["op/c2/bf16", "op/c5/bf16"], "new": ["op/c4/bf16"],
+                   "gone": ["op/c3/bf16"]}
     # the same kernels in another order is another launch sequence
-    assert compare({"x": [["a", "1"], ["b", "2"]]}, {"x": [["b", "2"], ["a", "1"]]})["changed"] == ["x"]
+    assert compare({"x": [["a", "1", [1]], ["b", "2", [1]]]}, {"x": [["b", "2", [1]], ["a", "1", [1]]]})["changed"] == ["x"]

@@ -97,7 +97,7 @@ class _FakeDriver:
 
 @contextlib.contextmanager
 def _compile_only(target, sink: list):
-    """Every ``kernel[grid](...)`` compiles for ``target`` (appending (jit fn, compiled)) and returns."""
+    """Every ``kernel[grid](...)`` compiles for ``target`` (appending (jit fn, compiled, grid)) and returns."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -107,7 +107,7 @@ def _compile_only(target, sink: list):
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-        sink.append((self, kernel))
+        sink.append((self, kernel, grid))
         return kernel
 
     prev = getattr(driver, "_active", None)
@@ -118,7 +118,7 @@ def _compile_only(target, sink: list):
     finally:
         JITFunction.run = orig_run
         driver._active = prev
-        for jit, _ in sink:   # their binders hold the fake target
+        for jit, *_ in sink:   # their binders hold the fake target
             jit.device_caches.clear()
 
 
@@ -220,6 +220,13 @@ def code_sha(kernel) -> str | None:
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
 
 
+def _grid(grid) -> list | str:
+    """A launch grid as recorded: its sizes (a callable grid: its repr, not resolved here)."""
+    if callable(grid):
+        return repr(grid)
+    return [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
+
+
 def _constexprs(jit, kernel) -> dict:
     """The kernel's constexpr arguments by name (what distinguishes its specialisations)."""
     consts = getattr(getattr(kernel, "src", None), "constants", {}) or {}
@@ -247,7 +254,7 @@ def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
     for the cases its ``supports`` accepts (what the plugin would really launch). One record per
     distinct compiled kernel: op, kernel, constexprs, options, LDS bytes, VGPRs, spills, LDS
     limit, ok (LDS within the limit and zero VGPR / SGPR spills), code_sha. ``launches`` (a dict,
-    filled if given): "op/case/dtype" -> the [kernel, code_sha] pairs that case launched, in order."""
+    filled if given): "op/case/dtype" -> the [kernel, code_sha, grid] of each launch of that case, in order."""
     from dsv4core.hal import catalogue
 
     specs = catalogue()
@@ -287,8 +294,8 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                     "op": op, "kernel": "?", "case": case.name, "dtype": str(dt),
                     "error": f"{type(e).__name__}: {str(e)[:400]}", "ok": False}
                 continue
-            launches[f"{op}/{case.name}/{dt}"] = [[jit.__name__, code_sha(kernel)] for jit, kernel in got[n0:]]
-            for jit, kernel in got[n0:]:
+            launches[f"{op}/{case.name}/{dt}"] = [[jit.__name__, code_sha(kernel), _grid(g)] for jit, kernel, g in got[n0:]]
+            for jit, kernel, _ in got[n0:]:
                 meta = kernel.metadata
                 opts = {k: getattr(meta, k) for k in ("num_warps", "num_stages", "waves_per_eu",
                                                       "matrix_instr_nonkdim") if hasattr(meta, k)}
@@ -384,11 +391,12 @@ def main(argv=None) -> int:
 
 def compare(old: dict, new: dict) -> dict[str, list[str]]:
     """Two runs' ``launches`` matched by case ("op/case/dtype"): "same" (the same kernels compiled
-    to the same code, in the same order), "changed", "new" (only in ``new``), "gone" (only in
-    ``old``). A case that compiled the same code runs the same instructions as before on this
-    target (for the Triton version that compiled both)."""
+    to the same code and launched on the same grids, in the same order), "changed", "new" (only in
+    ``new``), "gone" (only in ``old``). A "same" case runs the same instructions over the same
+    programs as before on this target (for the Triton version that compiled both); the host code
+    around the launches (workspace sizes, tensor views) is not compared."""
     both = sorted(set(old) & set(new))
-    same = [k for k in both if old[k] == new[k] and all(sha for _, sha in new[k])]
+    same = [k for k in both if old[k] == new[k] and all(launch[1] for launch in new[k])]
     return {"same": same, "changed": sorted(set(both) - set(same)),
             "new": sorted(set(new) - set(old)), "gone": sorted(set(old) - set(new))}
 
