@@ -412,6 +412,8 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     if a.peer and a.weights != "bf16":
         ap.error("--peer runs transformers on the same weights: bf16 only (--weights bf16)")
+    if a.weights != "bf16" and a.backend and "," in a.backend:
+        ap.error("--weights official keeps what the first backend's ops read natively: one --backend only")
     return a
 
 

@@ -55,3 +55,23 @@ def test_compare_matches_cases_in_order_code_and_grid():
                    "gone": ["op/c3/bf16"]}
     # the same kernels in another order is another launch sequence
     assert compare({"x": [["a", "1", [1]], ["b", "2", [1]]]}, {"x": [["b", "2", [1]], ["a", "1", [1]]]})["changed"] == ["x"]
+
+
+def test_code_sha_ignores_locations_comments_debug_but_not_instructions():
+    from types import SimpleNamespace
+
+    from dsv4core.kernels.triton.aot import code_sha
+
+    def sha(text):
+        return code_sha(SimpleNamespace(asm={"ptx": text}))
+
+    body = ".visible .entry k(\n.param .u64 p)\n{\n\tld.global.b32 %r1, [%rd1];\n\tadd.s32 %r2, %r1, 1;\n}\n"
+    located = body.replace("\tadd.s32 %r2, %r1, 1;", "\t.loc 1 42 7\n$L__tmp3:\n\tadd.s32 %r2, %r1, 1; // x + 1")
+    debug = body + '\t.file 1 "/some/path/k.py"\n\t.section\t.debug_info\n\t{\n.b8 1\n.b8 0\n\t}\n'
+    assert sha(body) == sha(located) == sha(debug)
+    assert sha(body) != sha(body.replace("add.s32 %r2, %r1, 1", "add.s32 %r2, %r1, 2"))   # an instruction
+    assert sha(body) != sha(body.replace("ld.global.b32", "ld.global.nc.b32"))
+    # AMDGCN: the kernel descriptor's execution modes are part of the code
+    amd = "\t.amdhsa_float_denorm_mode_32 3\n\ts_endpgm\n"
+    assert code_sha(SimpleNamespace(asm={"amdgcn": amd})) != \
+        code_sha(SimpleNamespace(asm={"amdgcn": amd.replace("mode_32 3", "mode_32 0")}))

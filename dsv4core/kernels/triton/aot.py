@@ -107,7 +107,7 @@ def _compile_only(target, sink: list):
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-        sink.append((self, kernel, grid))
+        sink.append((self, kernel, (grid, _args(args))))
         return kernel
 
     prev = getattr(driver, "_active", None)
@@ -134,7 +134,7 @@ def device_branch(target):
     cus = COMPUTE_UNITS.get(getattr(target, "arch", None))
     if cus is None:
         raise ValueError(f"aot: --device-branch needs the compute-unit count of {target}; known: "
-                         f"{', '.join('hip:' + a for a in COMPUTE_UNITS)}")
+                         f"{', '.join(f'cuda:{a}' if isinstance(a, int) else f'hip:{a}' for a in COMPUTE_UNITS)}")
     answers = {"interp": lambda t: False, "interpreting": lambda t: False, "rne": lambda out: False,
                "accurate": lambda t: True, "target_programs": lambda device, cpu=16: 2 * cus}
     saved = []
@@ -192,7 +192,7 @@ def _cuda_stats(cubin: bytes) -> dict:
 
 #: lines that are not instructions: source locations, comments, debug sections, and PTX's debug
 #: labels ($L__tmpN:, referenced only by the debug sections; their count follows the inlining)
-_NOISE = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.amdhsa_|\.ident|\.text\.|\$L__tmp\d+:\s*$)")
+_NOISE = re.compile(r"^\s*(\.loc|\.file|//|;|\.section\s+\.debug|\.ident|\$L__tmp\d+:\s*$)")
 
 
 def code_sha(kernel) -> str | None:
@@ -211,7 +211,7 @@ def code_sha(kernel) -> str | None:
             debug = True
             continue
         if debug:                       # a debug section runs to the next non-debug section or EOF
-            if line.lstrip().startswith(".section") or line.startswith(".text"):
+            if line.lstrip().startswith((".section", ".text", ".amdgpu_metadata")):
                 debug = False
             else:
                 continue
@@ -225,6 +225,20 @@ def _grid(grid) -> list | str:
     if callable(grid):
         return repr(grid)
     return [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
+
+
+def _args(args) -> list:
+    """A launch's positional arguments as recorded: scalars by value, tensors by shape, strides and
+    dtype (their values are the case's inputs, the same in both runs)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append([list(a.shape), list(a.stride()), str(a.dtype)])
+        elif a is None or isinstance(a, (bool, int, float, str)):
+            out.append(a)
+        else:
+            out.append(type(a).__name__)
+    return out
 
 
 def _constexprs(jit, kernel) -> dict:
@@ -254,7 +268,8 @@ def compile_all(target, table=None, *, backend=None, shapes: str = "flash",
     for the cases its ``supports`` accepts (what the plugin would really launch). One record per
     distinct compiled kernel: op, kernel, constexprs, options, LDS bytes, VGPRs, spills, LDS
     limit, ok (LDS within the limit and zero VGPR / SGPR spills), code_sha. ``launches`` (a dict,
-    filled if given): "op/case/dtype" -> the [kernel, code_sha, grid] of each launch of that case, in order."""
+    filled if given): "op/case/dtype" -> the [kernel, code_sha, grid, arguments] of each launch of
+    that case, in order (arguments: scalars by value, tensors by shape / strides / dtype)."""
     from dsv4core.hal import catalogue
 
     specs = catalogue()
@@ -294,7 +309,8 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                     "op": op, "kernel": "?", "case": case.name, "dtype": str(dt),
                     "error": f"{type(e).__name__}: {str(e)[:400]}", "ok": False}
                 continue
-            launches[f"{op}/{case.name}/{dt}"] = [[jit.__name__, code_sha(kernel), _grid(g)] for jit, kernel, g in got[n0:]]
+            launches[f"{op}/{case.name}/{dt}"] = [[jit.__name__, code_sha(kernel), _grid(g), a]
+                                                  for jit, kernel, (g, a) in got[n0:]]
             for jit, kernel, _ in got[n0:]:
                 meta = kernel.metadata
                 opts = {k: getattr(meta, k) for k in ("num_warps", "num_stages", "waves_per_eu",
@@ -313,7 +329,8 @@ def _compile_op(spec, op, fn, accept, target, shapes, dtypes, records, got, prog
                     stats = _amdgcn_stats(kernel.asm.get("amdgcn", ""))
                 lds = int(meta.shared)
                 spills = (stats.get("spill_stores"),) if cuda else (stats["vgpr_spills"], stats["sgpr_spills"])
-                ok = (limit is None or lds <= limit) and not any(spills) and stats.get("spirv", True)
+                known = not cuda or stats.get("regs") is not None     # no cuobjdump: unknown is not ok
+                ok = (limit is None or lds <= limit) and known and not any(spills) and stats.get("spirv", True)
                 stats["code_sha"] = code_sha(kernel)
                 records[key] = {"op": op, "kernel": jit.__name__, "case": case.name, "dtype": str(dt),
                                 "constexprs": cx, "signature": sig, "options": opts, "lds_bytes": lds, "lds_limit": limit,
@@ -391,10 +408,11 @@ def main(argv=None) -> int:
 
 def compare(old: dict, new: dict) -> dict[str, list[str]]:
     """Two runs' ``launches`` matched by case ("op/case/dtype"): "same" (the same kernels compiled
-    to the same code and launched on the same grids, in the same order), "changed", "new" (only in
-    ``new``), "gone" (only in ``old``). A "same" case runs the same instructions over the same
-    programs as before on this target (for the Triton version that compiled both); the host code
-    around the launches (workspace sizes, tensor views) is not compared."""
+    to the same code and launched on the same grids with the same scalar arguments and tensor
+    shapes / strides / dtypes, in the same order), "changed", "new" (only in ``new``), "gone" (only
+    in ``old``). A "same" case runs the same instructions over the same programs and the same
+    memory layout as before on this target (for the Triton version that compiled both). Both runs
+    must come from the same aot.py (the fingerprint's rules are part of it)."""
     both = sorted(set(old) & set(new))
     same = [k for k in both if old[k] == new[k] and all(launch[1] for launch in new[k])]
     return {"same": same, "changed": sorted(set(both) - set(same)),

@@ -368,8 +368,10 @@ MIX_CHUNK_BYTES = 32 << 20
 
 
 def _mix_logits(x2: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """The raw mix logits ``x2 @ fn.T`` [T, 24] in fp32 (torch's fp32 GEMM on an fp32 copy of the
-    bf16 rows, exact), a bounded number of token rows at a time (shapes only: graph-capturable)."""
+    """The raw mix logits ``x2 @ fn.T`` [T, 24] in fp32: torch's fp32 GEMM on an fp32 copy of the
+    bf16 rows (the copy is exact), a bounded number of token rows at a time (shapes only:
+    graph-capturable; the chunks may pick other GEMM kernels than one call would, so the logits
+    can differ from an unchunked product in the last bits)."""
     T, K = x2.shape
     out = torch.empty((T, fn.shape[0]), dtype=torch.float32, device=x2.device)
     rows = max(1, MIX_CHUNK_BYTES // (4 * K))
