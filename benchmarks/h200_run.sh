@@ -14,7 +14,8 @@
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
-#   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels; FLUSH=read|write)
+#   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels; TUNE_SET: a list of
+#           sweeps, default all; FLUSH=read|write)
 #   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes; FLUSH=read|write)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
@@ -85,7 +86,7 @@ vendor() {   # every table at small shapes, then the flash shapes for as many ta
     --json "$OUT/conformance-vendor-tables-h200-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
 }
 tune() {
-  timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} --flush ${FLUSH:-read} \
+  timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} ${TUNE_SET:+--set $TUNE_SET} --flush ${FLUSH:-read} \
     --json "$OUT/tune-h200-flash-${FLUSH:-read}.json" 2>&1 | tail -${TUNE_LINES:-5}
 }
 bench() {

@@ -118,6 +118,30 @@ SWEEPS = [
 ]
 
 
+# session 20: the choices the session-19 sweep left open (its rows: tune-s20-h200-flash-read-a.json),
+# each timed beside the current default, with the default repeated to show the run's noise.
+# `--set s20`.
+_FP4 = {"fp4": "scaled"}
+_BIG = {"BNu": 128, "BNd": 256, "BK": 64, "num_warps": 8, "num_stages": 3}
+S20 = [
+    ("moe_experts_fp4", moe, (1, 8, 64), [{}, _FP4, {**_FP4, "BK": 128}, {**_FP4, "BK": 128, "num_warps": 8},
+                                          {**_FP4, "BK": 128, "num_stages": 3}, {**_FP4, "BK": 128, "BNu": 128}, {}]),
+    ("moe_experts_fp4", moe, (4096,), [{**_FP4, "BNu": 128}, {**_FP4, "BNu": 128, "BNd": 256},
+                                       {**_FP4, "BNu": 128, "BNd": 256, "num_stages": 4}]),
+    ("moe_experts", moe, (4096,), [{}, _BIG, {**_BIG, "num_stages": 4}, {}]),
+    ("moe_experts", moe, (2048,), [{}, {**_BIG, "BM": 128}]),
+    ("moe_experts_fp8", moe, (4096,), [{}, {**_BIG, "BK": 128}]),
+    ("wo_a_fp8", wo_a, (1, 8, 16), [{}, {"NBLK": 2}, {}]),
+    ("linear_fp8", linear, (512, 1024, 2048), [{}, {"mode": "swap"}]),
+    ("sparse_mqa_attention", attention, (16, 32, 128), [{}, {"pipe": 1}]),
+    ("hc_pre", mhc, (256, 1024, 4096), [{}, {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+                                        {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 3}, {}]),
+    ("hc_head", mhc, (4096,), [{}, {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}]),
+    ("linear_lm_head", linear, (1,), [{}, {"BN": 32}, {}, {"BN": 128}]),
+]
+SETS = {"all": SWEEPS, "s20": S20}
+
+
 def _parts(timer, shapes, rows):
     """hc_pre / hc_head: the split-K mixes kernel alone vs the whole op (default, and the FMA
     mixes at T < 16)."""
@@ -149,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="flash")
     ap.add_argument("--ops", default=None, help="comma list of sweep labels (default: all)")
+    ap.add_argument("--set", default="all", choices=sorted(SETS), help="which list of sweeps (default: all)")
     ap.add_argument("--flush", default="write", choices=("write", "read"),
                     help="how L2 is emptied before each timed call (dsv4core.bench.Timer)")
     a = ap.parse_args(argv)
@@ -156,9 +181,9 @@ def main(argv=None):
     b = get_backend("cuda")
     timer = Timer("cuda", flush=a.flush)
     rows = []
-    if want is None or "hc_pre" in want:
+    if a.set == "all" and (want is None or "hc_pre" in want):
         _parts(timer, a.shapes, rows)
-    for label, mod, toks, variants in SWEEPS:
+    for label, mod, toks, variants in SETS[a.set]:
         if want is None or label in want:
             for T in toks:
                 case = make_case(label, a.shapes, T, "cuda")
