@@ -16,63 +16,39 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`, 54
-    # rows): the variants of kernels/triton/attention.py (hand-pipelined gather, 32 heads on 8
-    # warps, all 64 heads a program on Hopper-sized dots: the DV column split, pv apart / dup), the
-    # single-launch plan (S 1), and the pipelining at T = 64 / 256 (non-regression). The earlier
-    # block-size / split / warp sweeps that set today's defaults: tune-s18-h200-flash-read.json.
-    ("sparse_mqa_attention", attention, (1, 2, 4, 8), [
-        {}, {"pipe": 1}, {"BK": 32, "pipe": 2}, {"BH": 32, "num_warps": 8},
-        {"BH": 32, "num_warps": 8, "BK": 32, "pipe": 1}, {"BH": 32, "num_warps": 8, "BK": 32, "pv": "dup"},
-        {"BH": 64, "DV": 128, "BK": 32},
-        {"BH": 64, "DV": 128, "BK": 16, "target": 264},
-        {"BH": 64, "DV": 128, "BK": 32, "num_warps": 8, "pv": "apart"},
-        {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 16}, {"BH": 64, "num_warps": 8, "pv": "dup", "BK": 32}]),
-    ("sparse_mqa_attention", attention, (1, 8), [{"S": 1, "BH": 64, "DV": 128, "BK": 32, "pipe": 1},
-                                                 {"S": 1, "BH": 32, "num_warps": 8, "BK": 32, "pipe": 2}]),
-    ("sparse_mqa_attention", attention, (64, 256), [{}, {"pipe": 1}, {"BK": 32, "pipe": 2}]),
+    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`): the
+    # hand-pipelined gather (pipe 1: 6-15 % faster at T <= 64, 4 % slower at T = 256, bitwise equal;
+    # tune-s20-h200-flash-read-mhc-attn.json, where the removed variants DV / pv / pipe 2 / S 1 lost),
+    # 32 heads on 8 warps. The block-size / split / warp sweeps that set today's defaults:
+    # tune-s18-h200-flash-read.json.
+    ("sparse_mqa_attention", attention, (1, 2, 4, 8, 64, 256), [{}, {"pipe": 1}, {"BH": 32, "num_warps": 8},
+                                                                {"BH": 32, "num_warps": 8, "pipe": 1}]),
     # linear / wo_a FP8 (issue 10: >= 80 % of copy at T <= 64, >= 60 % of the bf16 mm rate at
-    # T = 4096; session 19). {} is the default. Keys (linear.py): fp8 = how the e4m3 codes reach the
-    # MMA (cvt: Triton's conversion, int: quant.py's integer decode, mix: alternate sub-blocks of
-    # the two, dot_scaled: tl.dot_scaled); NBLK = 128-column scale blocks per K step; bigger BN /
-    # more stages = more FP8 bytes in flight per program; mode swap = the converted weight tile
-    # feeds wgmma from registers (T = 4096; num_stages 2: two programs an SM, one converting while
-    # the other multiplies). Each row was compiled for sm90 on CPU (Triton 3.9, ptxas): shared
-    # memory fits, no spills but 3 stores at BN 256, T = 8. The session-18 rows (swap / fma at
-    # T <= 64, both slower) are in tune-s18-h200-flash-read.json. Run with --flush read.
+    # T = 4096). {} is the default. NBLK = 128-column scale blocks per K step; bigger BN / more
+    # stages = more FP8 bytes in flight per program; mode swap = the converted weight tile feeds
+    # wgmma from registers (won at T = 4096: 1004 vs 1132 µs). The removed FP8 decodes (int, mix,
+    # dot_scaled) lost or tied: tune-s20-h200-flash-read-linear.json. Run with --flush read.
     ("linear", linear, (1, 64), [{}]),       # bf16: unchanged path (NBLK = 1), a regression check
-    ("linear_fp8", linear, (1, 8), [{}, {"fp8": "int"}, {"fp8": "dot_scaled"}, {"num_stages": 5},
-                                    {"NBLK": 2}, {"NBLK": 2, "num_stages": 4}, {"NBLK": 2, "fp8": "mix"},
-                                    {"NBLK": 2, "fp8": "mix", "num_stages": 4},
+    ("linear_fp8", linear, (1, 8), [{}, {"num_stages": 5}, {"NBLK": 2}, {"NBLK": 2, "num_stages": 4},
                                     {"BN": 128, "num_warps": 8, "num_stages": 4},
                                     {"BN": 128, "NBLK": 2, "num_warps": 8, "num_stages": 4},
                                     {"BN": 256, "num_warps": 8, "num_stages": 4},
                                     {"BN": 256, "num_warps": 8, "num_stages": 5}]),
-    ("linear_fp8", linear, (64,), [{}, {"fp8": "int"}, {"fp8": "mix"}, {"fp8": "dot_scaled"},
-                                   {"BK": 128, "num_stages": 4}, {"NBLK": 2, "num_warps": 8},
+    ("linear_fp8", linear, (64,), [{}, {"BK": 128, "num_stages": 4}, {"NBLK": 2, "num_warps": 8},
                                    {"BN": 256, "num_warps": 8, "num_stages": 4}, {"BN": 64, "BK": 128, "num_stages": 5}]),
-    ("linear_fp8", linear, (4096,), [{}, {"mode": "swap"}, {"mode": "swap", "fp8": "int"}, {"mode": "swap", "fp8": "mix"},
-                                     {"fp8": "mix"}, {"fp8": "dot_scaled"}, {"mode": "swap", "BK": 128},
-                                     {"mode": "swap", "num_stages": 4}, {"mode": "swap", "num_stages": 2},
-                                     {"mode": "swap", "fp8": "mix", "num_stages": 2}]),
+    ("linear_fp8", linear, (4096,), [{}, {"mode": "swap"}, {"mode": "swap", "BK": 128},
+                                     {"mode": "swap", "num_stages": 4}, {"mode": "swap", "num_stages": 2}]),
     ("linear_lm_head", linear, (1,), [{}, {"BN": 64}]),
     ("wo_a", wo_a, (1,), [{}]),              # bf16 regression check
-    ("wo_a_fp8", wo_a, (1, 64), [{}, {"fp8": "int"}, {"fp8": "dot_scaled"}, {"NBLK": 2}, {"NBLK": 2, "fp8": "mix"},
-                                 {"NBLK": 2, "num_stages": 5}, {"BN": 64, "NBLK": 2, "num_stages": 4},
+    ("wo_a_fp8", wo_a, (1, 64), [{}, {"NBLK": 2}, {"NBLK": 2, "num_stages": 5}, {"BN": 64, "NBLK": 2, "num_stages": 4},
                                  {"num_stages": 6}]),
-    # hc_pre / hc_head (issue 10 item 4; mhc.py's TUNE keys): {} = the tile epilogue; epi "vec" =
-    # per-token vectors, Sinkhorn without shuffles in its own program column; target = fewer,
-    # fatter mix slices; mix_fma = fp32 FMA mixes at T < 16; v_rev = collapse last columns first
-    ("hc_pre", mhc, (1, 8, 64), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}, {"epi": "vec", "target": 32},
-                                 {"epi": "vec", "vBH": 128}]),
-    ("hc_pre", mhc, (1, 8), [{"epi": "vec", "mix_fma": True}, {"epi": "vec", "mix_fma": True, "target": 64}]),
-    ("hc_pre", mhc, (64,), [{"epi": "vec", "vBT": 4}, {"epi": "vec", "vBT": 16, "vBH": 128}]),
-    ("hc_pre", mhc, (4096,), [{}, {"epi": "vec"}, {"epi": "vec", "v_rev": True},
-                              {"epi": "vec", "vBT": 64, "v_num_warps": 8},
-                              {"epi": "vec", "vBT": 16, "v_num_warps": 4, "v_rev": True},
-                              {"BT": 128, "num_warps": 8}, {"BK": 64, "num_stages": 4},
+    # hc_pre / hc_head (issue 10 item 4; mhc.py's TUNE keys): target = fewer, fatter mix slices;
+    # BT / BK / warps / stages of the mix GEMM (BT 128, BK 64, 8 warps, 4 stages: 105 vs 116 µs at
+    # T = 4096). The removed epilogue "vec" and the FMA mixes lost: tune-s20-h200-flash-read-mhc-attn.json.
+    ("hc_pre", mhc, (1, 8, 64), [{}, {"target": 64}, {"target": 32}]),
+    ("hc_pre", mhc, (4096,), [{}, {"BT": 128, "num_warps": 8}, {"BK": 64, "num_stages": 4},
                               {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}, {"target": 528}]),
-    ("hc_head", mhc, (1, 64, 4096), [{}, {"epi": "vec"}, {"epi": "vec", "target": 64}]),
+    ("hc_head", mhc, (1, 64, 4096), [{}, {"target": 64}]),
     ("hc_post", mhc, (1, 64), [{}, {"post_BLOCK": 512, "post_num_warps": 4}, {"post_BLOCK": 256, "post_num_warps": 2},
                                {"post_BLOCK": 128, "post_num_warps": 4}]),
     ("hc_post", mhc, (4096,), [{}, {"post_BLOCK": 2048, "post_num_warps": 8}, {"post_BLOCK": 512, "post_num_warps": 4}]),
@@ -95,21 +71,14 @@ SWEEPS = [
                                          {"BNu": 16, "BNd": 64, "BK": 256, "num_warps": 8}]),
     ("moe_experts", moe, (1, 8), [{}, {"BK": 128}, {"BK": 256, "num_stages": 3}, {"BNu": 32, "BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
-    # session 19 (H1): the quantised-expert decodes (moe.DECODES; {} = "join" / "cvt") and tiles
-    # around them; bf16 big tiles at T = 4096 (>= 50 % of mm wanted)
-    ("moe_experts_fp4", moe, (1, 64), [{}, {"fp4": "split"}, {"fp4": "scaled"},
-                                       {"fp4": "split", "BK": 128}, {"fp4": "scaled", "BK": 128},
-                                       {"fp4": "scaled", "BNu": 32, "BNd": 64}, {"fp4": "split", "num_warps": 8}]),
-    ("moe_experts_fp4", moe, (1,), [{"fp4": "scaled", "BK": 256, "num_stages": 3},
-                                    {"fp4": "split", "BNu": 32, "BNd": 64}]),
-    ("moe_experts_fp4", moe, (4096,), [{"fp4": "split"}, {"fp4": "scaled"}, {"fp4": "scaled", "BNu": 128},
-                                       {"fp4": "split", "BNu": 128, "num_stages": 4},
-                                       {"fp4": "scaled", "num_stages": 4}]),
-    # "scaled" stacks the down GEMM's a_hi / a_lo rows: a [2 BM, BNd] accumulator (8 warps, or BM 64)
-    ("moe_experts_fp8", moe, (1, 64, 4096), [{"fp8": "scaled"}, {"fp8": "scaled", "num_warps": 8}]),
-    ("moe_experts_fp8", moe, (1,), [{"fp8": "scaled", "BK": 64}]),
+    # the quantised-expert decodes (moe.DECODES; {} = "join"): "scaled" (tl.dot_scaled) won, 33-39 %
+    # faster at T = 1 / 64 (the removed "split" and FP8 "scaled" lost: tune-s20-h200-flash-read-moe.json);
+    # bf16 big tiles at T = 4096 (>= 50 % of mm wanted)
+    ("moe_experts_fp4", moe, (1, 64), [{}, {"fp4": "scaled"}, {"fp4": "scaled", "BK": 128},
+                                       {"fp4": "scaled", "BNu": 32, "BNd": 64}]),
+    ("moe_experts_fp4", moe, (1,), [{"fp4": "scaled", "BK": 256, "num_stages": 3}]),
+    ("moe_experts_fp4", moe, (4096,), [{"fp4": "scaled"}, {"fp4": "scaled", "BNu": 128}, {"fp4": "scaled", "num_stages": 4}]),
     ("moe_experts_fp8", moe, (64,), [{}]),
-    ("moe_experts_fp8", moe, (4096,), [{"fp8": "scaled", "BM": 64, "num_warps": 8}]),
     ("moe_experts", moe, (4096,), [{"BNu": 128, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 3},
                                    {"BNu": 128, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
                                    {"BNu": 64, "BNd": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
@@ -143,22 +112,18 @@ SETS = {"all": SWEEPS, "s20": S20}
 
 
 def _parts(timer, shapes, rows):
-    """hc_pre / hc_head: the split-K mixes kernel alone vs the whole op (default, and the FMA
-    mixes at T < 16)."""
+    """hc_pre / hc_head: the split-K mixes kernel alone (compare with the whole op's rows)."""
     for T in (1, 8, 64, 4096):
         case = make_case("hc_pre", shapes, T, "cuda")
         x, fn = case.kwargs["x"], case.kwargs["fn"]
         n, H = x.shape[1], x.shape[2]
-        for cfg in ({}, {"mix_fma": True}) if T < 16 else ({},):
-            mhc.TUNE.clear()
-            mhc.TUNE.update(cfg)
-            t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
-            # the bytes this kernel must move: x and fn (case.bytes also counts the op's outputs)
-            mix_bytes = x.numel() * x.element_size() + fn.numel() * fn.element_size()
-            r = dict(op="hc_pre[mix kernel only]", T=T, cfg=cfg, us=t * 1e6, GBps=mix_bytes / t / 1e9)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
         mhc.TUNE.clear()
+        t = timer.time(lambda: mhc._mix(x.view(T, n * H), fn, fn.shape[0]), reps=15)
+        # the bytes this kernel must move: x and fn (case.bytes also counts the op's outputs)
+        mix_bytes = x.numel() * x.element_size() + fn.numel() * fn.element_size()
+        r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=mix_bytes / t / 1e9)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
 
 
 def _rel_diff(out, base) -> float:
