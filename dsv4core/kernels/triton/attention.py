@@ -14,22 +14,19 @@ one [splits, CB] tile (an earlier combine, one program per head block reading th
 after another, made S dependent round trips on 4 SMs at T = 1: 22.9 µs against 15.2 on the H200,
 tune-s18-h200-flash-read.json). No atomics: results are bitwise repeatable for a given launch plan.
 
-Variants for the decode batch (issue 10: <= 15 us at T <= 8), chosen through TUNE / a launch table
-(keys of :func:`plan`; the defaults run none of them):
+``S`` = 1 (the plan's choice once T x head blocks fill the GPU, or for one row block) is the
+single launch: no partials, no combine.
 
-- ``pipe`` 1 / 2: the row gather pipelined by hand (next block's indices, or indices and kv rows,
-  loaded before the current block is computed); the same arithmetic in the same order.
-- ``DV``: a program computes q.k over all D columns but p @ v (and its output) for DV of them, so
-  D / DV programs share a (token, head block, split). Meant for ``BH`` 64 (all DSV4 heads of a
-  token in one program, Hopper-sized dots: M = 64) with DV 128, which keeps the [64, DV] fp32
-  accumulator in registers; a kv row is then read D / DV times per token instead of NH / BH.
-- ``pv`` (bf16): how p = p_hi + p_lo meets v. "chain" (default): two dots on one accumulator;
-  "apart": the lo dot in its own fp32 sum, added after; "dup": each kv row gathered twice, one dot
-  of depth 2 BK (p_hi against one copy, p_lo against the other; q.k then runs on 2 BK columns).
-  The last two keep one MMA layout where Triton would give chained dots two (BH = 64 on 8 warps,
-  see the kernel).
-- ``S`` 1 is the single-launch path (no partials, no combine); ``S`` >= the row blocks gives one
-  block per program.
+TUNE ``pipe`` 1 (default 0): the row gather pipelined by hand, the next
+block's indices loaded before the current block is computed; the same arithmetic in the same
+order (bitwise equal results).
+
+Removed after the H200 sweep (session 20, benchmarks/results/tune-s20-h200-flash-read-mhc-attn.json;
+the code is at commit 2494243): a column split of p @ v (``DV``: D / DV programs share a token's
+head block and split), p @ v with the lo half of p in its own dot or over duplicated kv rows
+(``pv`` "apart" / "dup"), and ``pipe`` 2 (the next block's kv rows gathered ahead too, a register
+double buffer). At T = 1 / 2 / 4 / 8 the best of them took 18.8 / 17.3 / 18.6 / 22.8 µs against
+pipe 1's 14.0 / 16.2 / 17.4 / 20.8; pipe 2 took 77.4 / 289 µs at T = 64 / 256 against 61.8 / 199.
 """
 from __future__ import annotations
 
@@ -47,13 +44,9 @@ TUNE = Tune(__name__)
 
 
 @triton.jit
-def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr, DUP: tl.constexpr):
-    """Rows k0 .. k0+BK of token t's index list: (row, valid); invalid (-1, >= N, past k_hi) -> row 0.
-    DUP: each entry twice (2 BK long: entries k0, k0, k0+1, k0+1, ...)."""
-    if DUP:
-        ks = k0 + tl.arange(0, 2 * BK) // 2
-    else:
-        ks = k0 + tl.arange(0, BK)
+def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
+    """Rows k0 .. k0+BK of token t's index list: (row, valid); invalid (-1, >= N, past k_hi) -> row 0."""
+    ks = k0 + tl.arange(0, BK)
     idx = tl.load(idx_ptr + t * K + ks, mask=ks < k_hi, other=-1).to(tl.int64)
     valid = (idx >= 0) & (idx < N)
     return tl.where(valid, idx, 0), valid
@@ -62,44 +55,31 @@ def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr, DUP: tl.constexpr):
 @triton.jit
 def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr,
                  T, NH, N, K, KPS, S, scale,
-                 D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr,
-                 PIPE: tl.constexpr, PV: tl.constexpr, F32: tl.constexpr,
-                 FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr):
+                 D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr,
+                 F32: tl.constexpr, FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1) // (D // DV)
-    vb = tl.program_id(1) % (D // DV)         # this program's DV output columns (p @ v); q.k uses all D
+    hb = tl.program_id(1)
     sp = tl.program_id(2)
     heads = hb * BH + tl.arange(0, BH)
     hm = heads < NH
     dc = tl.arange(0, D)
-    dv = vb * DV + tl.arange(0, DV)
     q = tl.load(q_ptr + (t * NH + heads[:, None]) * D + dc[None, :], mask=hm[:, None], other=0.0)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, DV], dtype=tl.float32)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
     k_lo = sp * KPS
     k_hi = tl.minimum(k_lo + KPS, K)
-    # PIPE (software pipelining by hand; the same arithmetic in the same order, only the loads
-    # move): 1 = the next block's indices are loaded one step ahead, so a step's kv gather does not
-    # wait for its index load; 2 = the next block's kv rows are gathered too (a register double
-    # buffer) before the current block is computed
-    if PIPE >= 1:
-        rows, valid = _smqa_rows(idx_ptr, t, K, N, k_lo, k_hi, BK, PV == 2)
-    if PIPE == 2:
-        kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
+    # PIPE 1 (software pipelining by hand; the same arithmetic in the same order, only the loads
+    # move): the next block's indices are loaded one step ahead, so a step's kv gather does not
+    # wait for its index load
+    if PIPE == 1:
+        rows, valid = _smqa_rows(idx_ptr, t, K, N, k_lo, k_hi, BK)
     for k0 in range(k_lo, k_hi, BK):
         if PIPE == 0:
-            rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK, PV == 2)
-        if PIPE != 2:
-            kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
-        if PIPE >= 1:
-            rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK, PV == 2)
-        if PIPE == 2:
-            kv_n = tl.load(kv_ptr + rows_n[:, None] * D + dc[None, :], mask=valid_n[:, None], other=0.0)
-        if DV == D:
-            vv = kv
-        else:
-            vv = tl.load(kv_ptr + rows[:, None] * D + dv[None, :], mask=valid[:, None], other=0.0)
+            rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK)
+        kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
+        if PIPE == 1:
+            rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK)
         if F32:
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
         elif INTERP:
@@ -112,66 +92,35 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        if PV == 2:   # every row twice: its weight counts once
-            even = (tl.arange(0, 2 * BK) % 2) == 0
-            l_i = l_i * alpha + tl.sum(tl.where(even[None, :], p, 0.0), axis=1)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if F32:
-            acc += tl.dot(p, vv, input_precision="ieee")
-        elif INTERP and PV == 0:
-            acc += tl.dot(p, vv.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(p, kv, input_precision="ieee")
+        elif INTERP:
+            acc += tl.dot(p, kv.to(tl.float32), input_precision="ieee")
         else:
-            p_hi = p.to(vv.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(vv.dtype)
-            if PV == 2:
-                # the kv rows come twice (2k, 2k + 1): one dot of depth 2 BK takes p_hi against
-                # the first copy and p_lo against the second, so there is one p @ v dot (one MMA
-                # layout) and the [BH, DV] accumulator is not copied between layouts
-                a = tl.where(even[None, :], p_hi, p_lo)
-                if INTERP:   # the same bf16 operands, their (exact) products in fp32
-                    acc = tl.dot(a.to(tl.float32), vv.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, vv, acc)
-            elif PV == 1:
-                # the lo products in their own fp32 sum, added after: no dot feeds another, so
-                # Triton gives both the same MMA layout (a dot->dot chain gets warps along M only,
-                # which at BH = 64 on 8 warps swaps the [BH, DV] accumulator between two layouts
-                # every step). The 2^8 scaling is exact both ways (powers of two; p_lo <= 2^-7);
-                # it keeps Triton from folding the add back into the chain
-                # (add(dot(a, b, 0), c) -> dot(a, b, c)).
-                lo8 = (p_lo.to(tl.float32) * 256.0).to(vv.dtype)
-                if INTERP:   # the same bf16 operands, their (exact) products in fp32
-                    lo = tl.dot(lo8.to(tl.float32), vv.to(tl.float32), input_precision="ieee")
-                    acc = tl.dot(p_hi.to(tl.float32), vv.to(tl.float32), acc, input_precision="ieee")
-                    acc = acc + lo * 0.00390625
-                else:
-                    acc = tl.dot(p_hi, vv, acc) + tl.dot(lo8, vv) * 0.00390625
-            else:
-                acc += tl.dot(p_hi, vv)
-                acc += tl.dot(p_lo, vv)
+            # p = p_hi + p_lo (two bf16 halves), two dots on one accumulator
+            p_hi = p.to(kv.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(kv.dtype)
+            acc += tl.dot(p_hi, kv)
+            acc += tl.dot(p_lo, kv)
         m_i = m_new
-        if PIPE >= 1:
+        if PIPE == 1:
             rows = rows_n
             valid = valid_n
-        if PIPE == 2:
-            kv = kv_n
     if FINAL:
         sink = tl.load(sink_ptr + heads, mask=hm, other=0.0)
         mx = tl.maximum(m_i, sink)
         w = tl.exp(m_i - mx)
         den = l_i * w + tl.exp(sink - mx)
         o = acc * (w / den)[:, None]
-        tl.store(o_ptr + (t * NH + heads[:, None]) * D + dv[None, :], to_out(o, o_ptr, RNE),
+        tl.store(o_ptr + (t * NH + heads[:, None]) * D + dc[None, :], to_out(o, o_ptr, RNE),
                  mask=hm[:, None])
     else:
         row = (t * S + sp) * NH + heads
-        tl.store(op_ptr + row[:, None] * D + dv[None, :], acc, mask=hm[:, None])
-        # every column block of a head computes the same m, l (the same q.k): the first stores them
-        if vb == 0:
-            tl.store(mp_ptr + row, m_i, mask=hm)
-            tl.store(lp_ptr + row, l_i, mask=hm)
+        tl.store(op_ptr + row[:, None] * D + dc[None, :], acc, mask=hm[:, None])
+        tl.store(mp_ptr + row, m_i, mask=hm)
+        tl.store(lp_ptr + row, l_i, mask=hm)
 
 
 @triton.jit
@@ -203,10 +152,6 @@ def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
     tl.store(o_ptr + t * (NH * D) + f, to_out(o, o_ptr, RNE), mask=fm)
 
 
-#: the p @ v forms for bf16 inputs (TUNE key "pv"; the kernel's PV constexpr is the position):
-#: two dots on one accumulator (hi then lo), the lo dot apart, one dot over duplicated kv rows
-PV_MODES = ("chain", "apart", "dup")
-
 #: most row splits per token (the combine loads all of them at once: a [np2(S), CB] tile)
 MAX_SPLITS = 64
 
@@ -217,8 +162,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     ``num_stages``; ``S`` row splits per token (default: T x ceil(NH / BH) x S programs up to
     ``target``: 1 per SM of the device below T = 128, 2 from there; at least one BK block per
     split, at most MAX_SPLITS splits); ``target``; ``cBLOCK`` elements of the combine's tile
-    (S x CB), ``c_num_warps``; ``DV`` output columns per program (D, D/2 or D/4; programs: T x
-    ceil(NH / BH) x D / DV x S); ``pipe`` 0 / 1 / 2 and ``pv`` (:data:`PV_MODES`; module docstring)."""
+    (S x CB), ``c_num_warps``; ``pipe`` 0 / 1 (module docstring)."""
     big = T >= 128
     # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
     # / 2) is what the H200 sweep found fastest at T = 1..8 (tune-s18-h200-flash-read.json: 15.2 /
@@ -231,26 +175,19 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     bk = 16 if f32 else (32 if big else 64)
     BK = TUNE.get("BK", bk)
     nkb = cdiv(K, BK)
-    DV = TUNE.get("DV", D)
-    if DV not in (D, D // 2, D // 4) or DV < 16:
-        raise ValueError(f"sparse_mqa_attention: TUNE DV={DV!r} (output columns per program) must be "
-                         f"D, D/2 or D/4 and >= 16 with D = {D}")
     S = TUNE.get("S")
     if S is None:
-        S = target // (T * nhb * (D // DV))
+        S = target // (T * nhb)
     S = max(1, min(int(S), nkb, MAX_SPLITS))
     KPS = cdiv(nkb, S) * BK          # rows per split, a whole number of BK blocks
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
-    pv = TUNE.get("pv", "chain")
-    if pv not in PV_MODES:
-        raise ValueError(f"sparse_mqa_attention: TUNE pv={pv!r}; expected one of {', '.join(PV_MODES)}")
     pipe = TUNE.get("pipe", 0)
-    if pipe not in (0, 1, 2):
-        raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none), 1 (indices one "
-                         f"block ahead) or 2 (indices and kv rows one block ahead)")
-    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, DV=DV, pipe=pipe, pv=pv,
+    if pipe not in (0, 1):
+        raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none) or 1 (indices one "
+                         f"block ahead)")
+    return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, pipe=pipe,
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
@@ -268,10 +205,8 @@ def sparse_mqa_attention(q, kv, indices, sink, scale):
     f32 = q.dtype == torch.float32
     p = plan(T, NH, D, K, f32, q.device)
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
-    grid = (T, nhb * (D // p["DV"]))
-    # fp32 inputs never split p: the pv forms are the bf16 path's
-    pv = 0 if f32 else PV_MODES.index(p["pv"])
-    common = dict(D=D, BH=BH, BK=BK, DV=p["DV"], PIPE=p["pipe"], PV=pv, F32=f32, INTERP=interp(q), RNE=rne(o),
+    grid = (T, nhb)
+    common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
                   num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
