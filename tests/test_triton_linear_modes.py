@@ -1,6 +1,6 @@
 """linear / wo_a (one grouped split-K GEMM, dsv4core/kernels/triton/linear.py): every inner-product
-mode (dot, swap), FP8 path (cvt, int, mix, dot_scaled), scale blocks per K step (NBLK) and split-K
-factor the launch parameters can select, judged like the
+mode (dot, swap), scale blocks per K step (NBLK) and split-K factor the launch parameters can
+select, judged like the
 conformance suite (dsv4core.kernels.triton.selftest.check_case: per output, the kernel's error vs
 an fp64 evaluation <= k * the reference's error + floor, k = 4 for both ops: SPEC tolerance of a
 length-K fp32 dot product) on every "small" sample case of both ops, fp32 and bf16, under the
@@ -9,10 +9,8 @@ Triton interpreter. The suite's own run (tests/test_triton_kernels.py) covers th
 Interpreter limits (stated, not hidden): it runs the fp32-product branch of each mode (the
 interpreter's bf16 tl.dot is unreliable, see _util.interp), so the bf16 / FP8 MMA branches and the
 unscaled ``KSUB`` unroll compile only on a GPU (and in the ROCm AOT gate, tests/test_rocm_aot.py).
-The FP8 paths' decoding does run: the integer decode (quant.py) feeds the fp32 products, and
-tl.dot_scaled is the interpreter's own (fp32 matmul of the decoded codes; it reads the bf16
-operand through float16, exact for the cases' magnitudes). dot_scaled takes bf16 activations
-only (float32 ones are refused by _config), so its variants run the bf16 cases.
+The FP8 block-scale bookkeeping does run (the fp32 products take the interpreter's decode of the
+e4m3 codes): one scale per 128-column block for every mode, NBLK and split.
 """
 from __future__ import annotations
 
@@ -25,28 +23,12 @@ import pytest
 pytest.importorskip("triton")
 
 _MODES = """
-import torch, triton, triton.language as tl
+import torch
 from dsv4core.hal import Backend, catalogue
 from dsv4core.kernels.triton import linear, wo_a
-from dsv4core.kernels.triton.quant import e4m3_to_bf16
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
 from dsv4core.conformance.runner import iter_cases
-
-# quant.e4m3_to_bf16 on all 256 codes against torch's float8_e4m3fn -> bf16 (bit for bit; NaN as NaN)
-@triton.jit
-def _decode(c_ptr, o_ptr):
-    i = tl.arange(0, 256)
-    tl.store(o_ptr + i, e4m3_to_bf16(tl.load(c_ptr + i)))
-
-codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-got = torch.empty(256, dtype=torch.bfloat16)
-_decode[(1,)](codes, got)
-want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
-nan = want.isnan()
-assert int(nan.sum()) == 2 and bool(got[nan].isnan().all()), got[nan]
-assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), (got, want)
-print("decode ok")
 
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", ["linear", "wo_a"])
@@ -57,10 +39,8 @@ specs = catalogue()
 F32, BF16 = torch.float32, torch.bfloat16
 VARIANTS = [({"mode": "swap", "S": 1}, (F32, BF16), False),
             ({"NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), False),
-            ({"fp8": "mix", "NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), True),
-            ({"fp8": "int", "mode": "swap", "NBLK": 4, "S": 1}, (F32, BF16), True),
-            ({"fp8": "dot_scaled", "NBLK": 2}, (BF16,), True),
-            ({"fp8": "dot_scaled", "mode": "swap", "S": 3, "BN": 16}, (BF16,), True)]
+            ({"mode": "swap", "NBLK": 4, "S": 1}, (F32, BF16), True),
+            ({"mode": "swap", "S": 3, "BN": 16}, (F32, BF16), True)]
 for v, dts, fp8_only in VARIANTS:
     n = 0
     for op, mod in (("linear", linear), ("wo_a", wo_a)):
@@ -78,15 +58,13 @@ for v, dts, fp8_only in VARIANTS:
 """
 
 
-def test_every_mode_fp8_path_and_split_passes_the_conformance_rule_in_interpreter():
+def test_every_mode_nblk_and_split_passes_the_conformance_rule_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _MODES], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.split("\n")
-    assert lines[0] == "decode ok", proc.stdout
-    counts = [int(line.split()[1]) for line in lines[1:] if line.startswith("ok ")]
+    counts = [int(line.split()[1]) for line in proc.stdout.split("\n") if line.startswith("ok ")]
     # cases passed, none declined: all cases = linear 13 + wo_a 7 a dtype; FP8 cases = linear 5 + wo_a 2
-    assert counts == [2 * 20, 2 * 20, 2 * 7, 2 * 7, 7, 7], proc.stdout
+    assert counts == [2 * 20, 2 * 20, 2 * 7, 2 * 7], proc.stdout
 
 
 def test_launch_config_keys_and_errors():
@@ -104,16 +82,10 @@ def test_launch_config_keys_and_errors():
         linear._config("linear", 1, False, False, {"mode": "gemv"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"wo_a: BK=256 must divide 128"):
         linear._config("wo_a", 1, False, True, {"BK": 256}, wo_a.wo_a_tiles)
-    cfg = linear._config("linear", 1, False, True, {"NBLK": 2, "fp8": "int"}, linear.linear_tiles)
-    assert (cfg["NBLK"], cfg["fp8"], cfg["KSUB"] * cfg["BK"]) == (2, "int", 128)   # a step = 2 scale blocks
+    cfg = linear._config("linear", 1, False, True, {"NBLK": 2}, linear.linear_tiles)
+    assert (cfg["NBLK"], cfg["KSUB"] * cfg["BK"]) == (2, 128)   # a step = 2 scale blocks of 128
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 1 \* 3 = 384 must be a power of two"):
         linear._config("linear", 1, False, True, {"NBLK": 3}, linear.linear_tiles)
-    with pytest.raises(ValueError, match=r"linear: TUNE fp8='e5m2'; expected one of cvt, int, dot_scaled, mix"):
-        linear._config("linear", 1, False, True, {"fp8": "e5m2"}, linear.linear_tiles)
-    with pytest.raises(ValueError, match=r"linear: TUNE fp8='mix' alternates sub-blocks .* got 1 \* 1 \(BK=128"):
-        linear._config("linear", 1, False, True, {"fp8": "mix"}, linear.linear_tiles)
-    with pytest.raises(ValueError, match=r"wo_a: TUNE fp8='dot_scaled' needs bf16 activations"):
-        linear._config("wo_a", 1, True, True, {"fp8": "dot_scaled"}, wo_a.wo_a_tiles, True, False)
     with pytest.raises(ValueError, match=r"swap mode needs BM, BN, BK >= 16"):
         linear._config("linear", 1, False, False, {"mode": "swap", "BM": 8}, linear.linear_tiles)
     # wo_a's TUNE reaches the shared kernel through wo_a (not linear's TUNE): a bad key there raises

@@ -11,11 +11,10 @@ split over programs (split-K) and a second kernel sums the fp32 partials in a fi
 tree sum over the splits: the result does not depend on scheduling). Two inner products (TUNE
 key ``mode``): "dot" (an MMA on [T, N] tiles) and "swap" (an MMA on [N, T] tiles: the weight rows
 are the MMA's M side, so T = 1 pads the MMA's N side to 16 instead of its M side to 64, and an
-FP8 tile converted in registers feeds a Hopper wgmma from registers). FP8 codes reach the MMA
-three ways (TUNE key ``fp8``): Triton's conversion, the integer decode of quant.py, or
-tl.dot_scaled. ``NBLK`` makes a K step cover several 128-column scale blocks (more bytes in
-flight per program; each block's scale still multiplies its own partial sum). ``grouped_gemm``
-takes G groups: it serves ``wo_a`` too (wo_a.py passes its own defaults and TUNE).
+FP8 tile converted in registers feeds a Hopper wgmma from registers). ``NBLK`` makes a K step
+cover several 128-column scale blocks (more bytes in flight per program; each block's scale
+still multiplies its own partial sum). ``grouped_gemm`` takes G groups: it serves ``wo_a`` too
+(wo_a.py passes its own defaults and TUNE).
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import triton.language as tl
 from ._util import interp, np2, rne, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, cdiv
-from .quant import e4m3_to_bf16
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
@@ -34,19 +32,13 @@ TUNE = Tune(__name__)
 
 
 @triton.jit
-def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr):
     """``acc + a @ w^T`` for an activation tile a [BM, BK] and a weight tile w [BN, BK], in the
     layout of ``MODE``: 0 "dot" accumulates [BM, BN], 1 "swap" accumulates [BN, BM] (the weight
     tile is the MMA's M side: at small T its rows fill the MMA, and an FP8 tile converted in
-    registers feeds a Hopper wgmma from registers, with no shared-memory round trip). FP8 = 2: w
-    holds e4m3 codes, multiplied through tl.dot_scaled (no scales: Triton converts the codes
-    itself). IEEE: fp32 operands and products (fp32 inputs, the interpreter)."""
-    if FP8 == 2:
-        if MODE == 1:
-            r = tl.dot_scaled(w, None, "e4m3", tl.trans(a), None, "bf16", acc)
-        else:
-            r = tl.dot_scaled(a, None, "bf16", tl.trans(w), None, "e4m3", acc)
-    elif MODE == 1:
+    registers feeds a Hopper wgmma from registers, with no shared-memory round trip). IEEE: fp32
+    operands and products (fp32 inputs, the interpreter)."""
+    if MODE == 1:
         if IEEE:
             r = acc + tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:
@@ -66,7 +58,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, FP8: tl.constexpr):
+                 MODE: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -102,14 +94,10 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     km = ks < k_hi
                     a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
-                if FP8 == 1 or (FP8 == 3 and (nb * KSUB + kin) % 2 == 1):
-                    w = e4m3_to_bf16(w)    # uint8 codes -> bf16 by integer operations (quant.py)
-                elif FP8 == 3:
-                    w = w.to(tl.float8e4nv, bitcast=True)   # Triton's conversion (in _mac)
                 if SCALE or IEEE:
-                    blk = _mac(blk, a, w, MODE, IEEE, FP8)
+                    blk = _mac(blk, a, w, MODE, IEEE)
                 else:
-                    acc = _mac(acc, a, w, MODE, IEEE, FP8)
+                    acc = _mac(acc, a, w, MODE, IEEE)
             if SCALE:
                 if NBLK > 1:   # a group past the end of K (ragged K) has blk = 0: its block
                     kb = tl.minimum(kb, k_hi - 1)   # index is clamped into the scale grid
@@ -156,13 +144,6 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
-#: how FP8 e4m3 codes reach the MMA (TUNE key "fp8"; FP8 weights only): Triton's own conversion
-#: (``.to(tl.bfloat16)``; in sm90 SASS an F2FP a code pair and an F2F a code, on the narrow
-#: conversion pipe), the integer decode of quant.py (no conversion instruction), or tl.dot_scaled
-#: (bf16 activations)
-#: "mix": even sub-blocks of a step by "cvt", odd ones by "int", so that the conversion pipe and
-#: the integer / fp32 pipes decode at the same time (needs KSUB * NBLK >= 2)
-FP8_PATHS = {"cvt": 0, "int": 1, "dot_scaled": 2, "mix": 3}
 
 
 def linear_tiles(M: int, scaled: bool) -> tuple:
@@ -178,36 +159,27 @@ def linear_tiles(M: int, scaled: bool) -> tuple:
     return "dot", 128, 128, 64, 8, 3
 
 
-def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, bf16_act: bool = True) -> dict:
+def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True) -> dict:
     """The launch of one call: ``tiles(M, scaled)`` (the op's defaults; small fp32 tiles when the
     products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
-    step, default 1: with block scales, scale blocks a step), ``fp8`` (cvt | int | dot_scaled | mix:
-    how FP8 codes reach the MMA; ignored for bf16 / fp32 weights), ``S`` (a fixed split-K factor)
-    and ``target`` (the programs the split rule fills; default 2 per SM)."""
+    step, default 1: with block scales, scale blocks a step), ``S`` (a fixed split-K factor) and
+    ``target`` (the programs the split rule fills; default 2 per SM)."""
     if ieee:
         # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
         mode, BM, BN, BK, nw, ns = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
         mode, BM, BN, BK, nw, ns = tiles(M, scaled)
-    cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=1, fp8="cvt")
+    cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=1)
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
         raise ValueError(f"{op}: TUNE mode={cfg['mode']!r}; expected one of {', '.join(MODES)}")
-    if cfg["fp8"] not in FP8_PATHS:
-        raise ValueError(f"{op}: TUNE fp8={cfg['fp8']!r}; expected one of {', '.join(FP8_PATHS)}")
-    if scaled and cfg["fp8"] == "dot_scaled" and not bf16_act:
-        raise ValueError(f"{op}: TUNE fp8='dot_scaled' needs bf16 activations (tl.dot_scaled's 'bf16' "
-                         f"operand), got float32 (TUNE override?)")
     BK, NBLK = cfg["BK"], cfg["NBLK"]
     if scaled and 128 % BK:
         raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     cfg["KSUB"] = max(1, 128 // BK) if scaled or ieee else tune.get("KSUB", 1)
-    if scaled and cfg["fp8"] == "mix" and cfg["KSUB"] * NBLK < 2:
-        raise ValueError(f"{op}: TUNE fp8='mix' alternates sub-blocks of a step and needs KSUB * NBLK >= 2, "
-                         f"got {cfg['KSUB']} * {NBLK} (BK={BK}; set NBLK=2 or BK=64)")
     step = BK * cfg["KSUB"] * NBLK
     if NBLK < 1 or step & (step - 1):   # the split-K step (a multiple of it) and EVEN_K assume powers of two
         raise ValueError(f"{op}: BK * KSUB * NBLK = {BK} * {cfg['KSUB']} * {NBLK} = {step} must be a power of two "
@@ -233,11 +205,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
     ieee = f32 or interp(a)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, a.dtype == torch.bfloat16)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
-    fp8 = FP8_PATHS[cfg["fp8"]] if scaled else 0
-    if fp8 in (1, 3):
-        w = w.view(torch.uint8)   # the integer decode reads the codes as bytes (same strides)
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
     if e8:
@@ -255,7 +224,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
-                       EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]], FP8=fp8,
+                       EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **tune.options())
     if S > 1:
         R = M * G * N

@@ -1,15 +1,15 @@
 """wo_a: grouped projection out[t,g,r] = sum_d o[t,g,d] w[g,r,d]; bf16/fp32 weights, or fp8 e4m3
 weights with 128x128 block dequant multipliers (fp32 or e8m0). fp32 accumulation.
 
-Served by linear's grouped split-K GEMM (linear.py: one kernel, its inner-product modes, FP8 paths and
-its split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`) and TUNE (same keys)."""
+Served by linear's grouped split-K GEMM (linear.py: one kernel, its inner-product modes and its
+split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`) and TUNE (same keys)."""
 from __future__ import annotations
 
 from .launch import Tune
 from .linear import grouped_gemm
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
-#: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, NBLK, fp8, S, target)
+#: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, NBLK, S, target)
 TUNE = Tune(__name__)
 
 
