@@ -102,6 +102,11 @@ S20 = [
     ("moe_experts_fp8", moe, (4096,), [{}, {**_BIG, "BK": 128}]),
     ("wo_a_fp8", wo_a, (1, 8, 16), [{}, {"NBLK": 2}, {}]),
     ("linear_fp8", linear, (512, 1024, 2048), [{}, {"mode": "swap"}]),
+    # fp8 "via_f32": the same bf16 operand with one conversion a code pair fewer on sm90
+    # (sass-sm90-s20-t1-decode-loops.md: the default FP8 GEMV is conversion-bound)
+    ("linear_fp8", linear, (1, 8, 64, 4096), [{}, {"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2},
+                                              {"fp8": "via_f32", "mode": "swap"}, {}]),
+    ("wo_a_fp8", wo_a, (1, 8, 64), [{"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2}]),
     ("sparse_mqa_attention", attention, (16, 32, 128), [{}, {"pipe": 1}]),
     ("hc_pre", mhc, (256, 1024, 4096), [{}, {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
                                         {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 3}, {}]),

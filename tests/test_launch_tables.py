@@ -15,7 +15,7 @@ from dsv4core.kernels.triton.launch import AMD_ONLY, Tune, active, for_target
 
 
 def test_tune_layers_override_table_default():
-    t = Tune("dsv4core.kernels.triton.attention")
+    t = Tune("dsv4core.kernels.triton.attention", ("BK", "BH"))
     assert t.get("BK", 64) == 64 and not t and t.options() == {}
     with active({"attention": {"BK": 32, "launch": {"waves_per_eu": 2}}, "norm": {"ROWS": 4}}):
         assert t.get("BK", 64) == 32 and t.get("BH", 16) == 16 and t
@@ -26,9 +26,49 @@ def test_tune_layers_override_table_default():
     assert t.get("BK", 64) == 64           # the table is gone after the block
 
 
+def test_tune_refuses_unknown_keys():
+    """A retired or misspelt key must not silently run the defaults under its name."""
+    t = Tune("dsv4core.kernels.triton.attention", ("BK",))
+    for set_it in (lambda: t.__setitem__("pv", "dup"), lambda: t.update({"BK": 32, "DV": 128}),
+                   lambda: t.update(pipe=2), lambda: t.setdefault("bk", 32)):
+        with pytest.raises(ValueError, match=r"launch parameters of attention \(TUNE\): unknown key"):
+            set_it()
+        assert dict(t) == {}               # nothing set by a refused update
+    t.update({"BK": 32, "launch": {"num_ctas": 1}})
+    assert t.get("BK") == 32
+
+
+def test_every_kernel_module_declares_what_it_reads():
+    """Each module's TUNE keys cover the keys its source reads (TUNE.get / tune.get("..."))."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    import dsv4core.kernels.triton as pkg
+
+    for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+        src = path.read_text()
+        if "TUNE = Tune(" not in src:
+            continue
+        mod = importlib.import_module(f"dsv4core.kernels.triton.{path.stem}")
+        read = set(re.findall(r'(?:TUNE|tune)\.get\("(\w+)"', src))
+        assert read <= mod.TUNE.keys, (path.stem, sorted(read - mod.TUNE.keys))
+
+
+def test_registry_refuses_a_table_entry_with_unknown_keys():
+    from dsv4core.kernels.triton import norm
+
+    b = Backend("t-badtable", device_types=("cpu",), priority=1)
+    registry.register_ops(b, "cpu", ops=("rms_norm",), launch={"norm": {"ROWS": 2, "rows": 4}})
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="launch parameters of norm .*unknown key.*rows"):
+        b.impls["rms_norm"].fn(x, torch.ones(8), 1e-6)
+    assert norm.TUNE.keys >= {"ROWS", "num_warps", "launch"}
+
+
 def test_registry_wrapper_activates_the_backends_table(monkeypatch):
     seen = []
-    tune = Tune("norm")
+    tune = Tune("norm", ("ROWS",))
 
     def rms_norm(x, weight, eps):
         seen.append((tune.get("ROWS", 1), tune.options()))
@@ -88,3 +128,19 @@ def test_amd_options_are_what_triton_amd_accepts_and_cuda_rejects():
     cuda = accepted_options(GPUTarget("cuda", 90, 32))
     assert {"waves_per_eu", "matrix_instr_nonkdim", "kpack"} <= amd
     assert not ({"waves_per_eu", "matrix_instr_nonkdim", "kpack"} & cuda)
+
+
+def test_the_sweep_rows_use_known_keys():
+    """benchmarks/tune_triton.py's rows set TUNE keys the kernel modules read (a refused key would
+    stop the GPU sweep at that row)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_triton.py"
+    spec = importlib.util.spec_from_file_location("tune_triton_rows", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for rows in mod.SETS.values():
+        for label, kmod, _, variants in rows:
+            for v in variants:
+                kmod.TUNE.check(v, f"sweep {label}")

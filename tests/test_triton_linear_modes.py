@@ -40,7 +40,8 @@ F32, BF16 = torch.float32, torch.bfloat16
 VARIANTS = [({"mode": "swap", "S": 1}, (F32, BF16), False),
             ({"NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), False),
             ({"mode": "swap", "NBLK": 4, "S": 1}, (F32, BF16), True),
-            ({"mode": "swap", "S": 3, "BN": 16}, (F32, BF16), True)]
+            ({"mode": "swap", "S": 3, "BN": 16}, (F32, BF16), True),
+            ({"fp8": "via_f32", "S": 2}, (F32, BF16), True)]
 for v, dts, fp8_only in VARIANTS:
     n = 0
     for op, mod in (("linear", linear), ("wo_a", wo_a)):
@@ -64,7 +65,7 @@ def test_every_mode_nblk_and_split_passes_the_conformance_rule_in_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [int(line.split()[1]) for line in proc.stdout.split("\n") if line.startswith("ok ")]
     # cases passed, none declined: all cases = linear 13 + wo_a 7 a dtype; FP8 cases = linear 5 + wo_a 2
-    assert counts == [2 * 20, 2 * 20, 2 * 7, 2 * 7], proc.stdout
+    assert counts == [2 * 20, 2 * 20, 2 * 7, 2 * 7, 2 * 7], proc.stdout
 
 
 def test_launch_config_keys_and_errors():
@@ -86,6 +87,8 @@ def test_launch_config_keys_and_errors():
     assert (cfg["NBLK"], cfg["KSUB"] * cfg["BK"]) == (2, 128)   # a step = 2 scale blocks of 128
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 1 \* 3 = 384 must be a power of two"):
         linear._config("linear", 1, False, True, {"NBLK": 3}, linear.linear_tiles)
+    with pytest.raises(ValueError, match=r"linear: TUNE fp8='int'; expected one of cvt, via_f32"):
+        linear._config("linear", 1, False, True, {"fp8": "int"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"swap mode needs BM, BN, BK >= 16"):
         linear._config("linear", 1, False, False, {"mode": "swap", "BM": 8}, linear.linear_tiles)
     # wo_a's TUNE reaches the shared kernel through wo_a (not linear's TUNE): a bad key there raises
@@ -95,3 +98,43 @@ def test_launch_config_keys_and_errors():
             wo_a.wo_a(torch.zeros(1, 2, 128), torch.zeros(2, 64, 128))
     finally:
         wo_a.TUNE.clear()
+
+
+_VIA32 = """
+import os, shutil, subprocess, sys, tempfile
+import torch
+import triton.backends.nvidia as nv
+from dsv4core.kernels.triton import aot, linear
+target = aot.parse_target("cuda:90")
+tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+tool = tool if os.access(tool, os.X_OK) else shutil.which("cuobjdump")
+if not tool:
+    print("no cuobjdump"); sys.exit(0)
+for path in ("cvt", "via_f32"):
+    got = []
+    linear.TUNE.clear()
+    linear.TUNE.update(fp8=path)
+    with aot.device_branch(target), aot._compile_only(target, got):
+        linear.linear(torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.float8_e4m3fn),
+                      torch.empty(2, 2), torch.bfloat16)
+    (_, kern, _), = [g for g in got if g[0].__name__ == "_gemm_kernel"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"]); f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = [ln.split()[1] for ln in sass.splitlines() if "/*" in ln and len(ln.split()) > 1 and ln.split()[1][:1].isupper()]
+    print(path, sum(o.startswith("F2F.") for o in ops), sum(o.startswith("F2FP") for o in ops))
+"""
+
+
+def test_fp8_via_f32_compiles_without_the_f16_to_bf16_conversions():
+    """TUNE fp8="via_f32" gives the MMA the same bf16 values by another conversion chain; its point
+    (benchmarks/results/sass-sm90-s20-t1-decode-loops.md) is that sm90 code then has no per-code
+    f16 -> bf16 conversion (F2F), which the default chain has. Compile-only (no GPU: not timed)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _VIA32], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "no cuobjdump" in proc.stdout:
+        pytest.skip("cuobjdump not found (Triton's NVIDIA backend ships it)")
+    got = {line.split()[0]: (int(line.split()[1]), int(line.split()[2])) for line in proc.stdout.splitlines()}
+    assert got["cvt"][0] > 0 and got["via_f32"][0] == 0 and got["via_f32"][1] > 0, proc.stdout

@@ -17,7 +17,7 @@ from ._util import cdiv, np2, rne, to_out
 from .launch import Tune
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("BD", "BR", "num_warps"))
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from ._util import c, np2, cdiv, rne, to_out
 from .launch import Tune
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("BD", "num_warps", "windows_BD", "windows_num_warps"))
 
 
 @triton.jit

@@ -18,7 +18,7 @@ from ._util import cdiv, interpreting, np2
 from .launch import Tune
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages"))
 
 
 @triton.jit

@@ -34,11 +34,36 @@ AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "l
 
 class Tune(dict):
     """A kernel module's launch parameters: its own entries (tuning overrides) over the active
-    launch table's entry for the module, over the default the kernel passes to :meth:`get`."""
+    launch table's entry for the module, over the default the kernel passes to :meth:`get`.
 
-    def __init__(self, module: str):
+    ``keys``: the tuning keys the module reads (``launch`` is always allowed). Setting any other key,
+    here or in a launch table's entry for the module, raises: a misspelt or retired key would
+    otherwise time or run the defaults under the variant's name."""
+
+    def __init__(self, module: str, keys):
         super().__init__()
         self.module = module.rsplit(".", 1)[-1]
+        self.keys = frozenset(keys) | {"launch"}
+
+    def check(self, entry: Mapping, where: str = "TUNE") -> Mapping:
+        """``entry`` unchanged, or ValueError naming the module, the unknown keys and the known ones."""
+        unknown = set(entry) - self.keys
+        if unknown:
+            raise ValueError(f"launch parameters of {self.module} ({where}): unknown key(s) "
+                             f"{', '.join(sorted(map(str, unknown)))}; expected some of {', '.join(sorted(self.keys))}")
+        return entry
+
+    def __setitem__(self, key, value):
+        self.check({key: value})
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs):
+        new = dict(*args, **kwargs)
+        super().update(self.check(new))
+
+    def setdefault(self, key, default=None):
+        self.check({key: default})
+        return super().setdefault(key, default)
 
     def _table(self) -> Mapping:
         entry = (_ACTIVE.get() or {}).get(self.module)

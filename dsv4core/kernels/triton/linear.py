@@ -28,16 +28,21 @@ from .predicates import _E8M0, cdiv
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__)
+#: the keys of grouped_gemm's launches (linear's and wo_a's TUNE; see _config)
+GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
+TUNE = Tune(__name__, GEMM_KEYS)
 
 
 @triton.jit
-def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr):
+def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr):
     """``acc + a @ w^T`` for an activation tile a [BM, BK] and a weight tile w [BN, BK], in the
     layout of ``MODE``: 0 "dot" accumulates [BM, BN], 1 "swap" accumulates [BN, BM] (the weight
     tile is the MMA's M side: at small T its rows fill the MMA, and an FP8 tile converted in
     registers feeds a Hopper wgmma from registers, with no shared-memory round trip). IEEE: fp32
-    operands and products (fp32 inputs, the interpreter)."""
+    operands and products (fp32 inputs, the interpreter). VIA32: FP8 codes reach the bf16 operand
+    through fp32 (the same values: TUNE ``fp8`` "via_f32")."""
+    if VIA32:
+        w = w.to(tl.float32)
     if MODE == 1:
         if IEEE:
             r = acc + tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
@@ -58,7 +63,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr):
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -95,9 +100,9 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
                 if SCALE or IEEE:
-                    blk = _mac(blk, a, w, MODE, IEEE)
+                    blk = _mac(blk, a, w, MODE, IEEE, VIA32)
                 else:
-                    acc = _mac(acc, a, w, MODE, IEEE)
+                    acc = _mac(acc, a, w, MODE, IEEE, VIA32)
             if SCALE:
                 if NBLK > 1:   # a group past the end of K (ragged K) has blk = 0: its block
                     kb = tl.minimum(kb, k_hi - 1)   # index is clamped into the scale grid
@@ -144,6 +149,11 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
+#: how FP8 e4m3 codes become the MMA's bf16 operand (TUNE key "fp8"; both give the same bf16
+#: values, so the same result bit for bit): "cvt" (default) converts e4m3 -> bf16, "via_f32"
+#: e4m3 -> fp32 -> bf16, a chain that some targets run with fewer conversion instructions (sm90
+#: SASS: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; not yet timed)
+FP8_PATHS = ("cvt", "via_f32")
 
 
 def linear_tiles(M: int, scaled: bool) -> tuple:
@@ -164,8 +174,9 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
-    step, default 1: with block scales, scale blocks a step), ``S`` (a fixed split-K factor) and
-    ``target`` (the programs the split rule fills; default 2 per SM)."""
+    step, default 1: with block scales, scale blocks a step), ``fp8`` (:data:`FP8_PATHS`; FP8
+    weights only), ``S`` (a fixed split-K factor) and ``target`` (the programs the split rule
+    fills; default 2 per SM)."""
     if ieee:
         # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
@@ -176,6 +187,9 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
         raise ValueError(f"{op}: TUNE mode={cfg['mode']!r}; expected one of {', '.join(MODES)}")
+    cfg["fp8"] = tune.get("fp8", FP8_PATHS[0])
+    if cfg["fp8"] not in FP8_PATHS:
+        raise ValueError(f"{op}: TUNE fp8={cfg['fp8']!r}; expected one of {', '.join(FP8_PATHS)}")
     BK, NBLK = cfg["BK"], cfg["NBLK"]
     if scaled and 128 % BK:
         raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
@@ -221,11 +235,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     S = cdiv(K, KPS)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
     grid = (mt, nt, G * S)
+    # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
+    via = {"VIA32": True} if scaled and cfg["fp8"] == "via_f32" else {}
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
                        EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **tune.options())
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
     if S > 1:
         R = M * G * N
         SP = np2(S)

@@ -10,7 +10,7 @@ from .launch import Tune
 
 _SINGLE_MAX = 8192  # rows up to this width stay in registers (one HBM read)
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("ROWS", "num_warps"))
 
 
 @triton.jit

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 
 import torch
 
@@ -56,13 +57,22 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
 
     def impl(*args, **kwargs):
         if not target:
-            fn, table = getattr(_module(modname), op), (launch() if callable(launch) else launch)
+            mod = _module(modname)
+            fn, table = getattr(mod, op), (launch() if callable(launch) else launch)
             entry = (table or {}).get(modname)
-            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}]
-        fn, entry, static = target
+            tune = getattr(mod, "TUNE", None)
+            if tune is not None and entry is not None and not callable(entry):
+                tune.check(entry, f"the launch table's entry, op {op}")
+            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}, tune]
+        fn, entry, static, tune = target
         if entry is None:
             return run(fn, args, kwargs)
-        tok = _ACTIVE.set(static or {modname: entry(*args, **kwargs)})
+        if static is None:
+            got = entry(*args, **kwargs)
+            if tune is not None and isinstance(got, Mapping):
+                tune.check(got, f"the launch table's entry, op {op}")
+            static = {modname: got}
+        tok = _ACTIVE.set(static)
         try:
             return run(fn, args, kwargs)
         finally:

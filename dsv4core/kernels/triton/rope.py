@@ -11,7 +11,7 @@ from ._util import accurate, c, np2, cdiv, rne, to_out
 from .launch import Tune
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("HB", "num_warps", "rowpos_below"))
 
 
 @triton.jit

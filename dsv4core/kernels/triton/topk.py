@@ -22,7 +22,7 @@ import triton.language as tl
 from ._util import c, np2
 from .launch import Tune
 
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, ("BLOCK", "TB", "num_warps"))
 
 _MASKED = tl.constexpr(-2147483648)     # int32 min: below the key of -inf (-2139095041)
 _NAN = tl.constexpr(2147483647)         # int32 max: above the key of +inf (2139095040)

@@ -6,11 +6,11 @@ split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`) and TUNE (same 
 from __future__ import annotations
 
 from .launch import Tune
-from .linear import grouped_gemm
+from .linear import GEMM_KEYS, grouped_gemm
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
 #: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, NBLK, S, target)
-TUNE = Tune(__name__)
+TUNE = Tune(__name__, GEMM_KEYS)
 
 
 def wo_a_tiles(T: int, scaled: bool) -> tuple:
