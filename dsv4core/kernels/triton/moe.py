@@ -2,7 +2,7 @@
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
-is a launch key (``DECODES``: FP4 "join" / "split" / "scaled", FP8 "cvt" / "scaled").
+for FP4, is a launch key (``DECODES``: "join" / "scaled").
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
@@ -59,44 +59,14 @@ def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _fp4_values(b, sb):
     """e2m1 codes ``b`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as fp32, built from
-    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal)."""
+    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal; byte 255, the reference's
+    NaN, is 2^128 = inf: +-inf for nonzero codes, NaN for +-0)."""
     idx = b & 7
     ex = idx >> 1
     mant = idx & 1
     bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
     scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
     return bits.to(tl.float32, bitcast=True) * scale
-
-
-@triton.jit
-def _fp4_terms(sb):
-    """Per-scale-group terms of ``_fp4_bf16`` from UE8M0 bytes ``sb`` (int32): (t1, t2, lin, nan).
-
-    The scaled value code * 2^(sb - 127) has at most two significant bits, so it is a bf16 value
-    (the reference's fp32 product is exact); its bf16 bits, with idx = |code| (0..7; e2m1 exponent
-    idx >> 1, mantissa idx & 1), are for sb >= 2: idx * 64 + t (idx >= 2; exponent field and
-    mantissa bit of q = idx + 2 * sb - 2) and t (idx = 1: 0.5 * 2^(sb-127), the field sb - 1),
-    t = (2 * sb - 2) << 6. Bytes 0 / 1 give bf16 subnormals (mantissa units of 2^-133): sb = 1
-    is idx * 64 for every idx (t1 = 64, t2 = 0); sb = 0 is max(idx * 64 - 128, idx * 32) (t1 =
-    32, t2 = -128, lin = 32). Byte 255 (the reference's NaN) ORs in 0x7FC0: NaN whatever the code."""
-    t = (2 * sb - 2) << 6
-    t1 = tl.where(sb < 2, 32 << sb, t)
-    lin = tl.where(sb == 0, 32, 0)
-    nan = tl.where(sb == 255, 0x7FC0, 0)
-    return t1, t, lin, nan
-
-
-@triton.jit
-def _fp4_bf16(nib, t1, t2, lin, nan):
-    """e2m1 codes ``nib`` (int32, 0..15) times their UE8M0 scale as bf16, exact for every scale byte,
-    from integer ops on the bf16 bit pattern (no float multiply) and the ``_fp4_terms`` of the
-    code's group: code 0 / 8 is +0 / -0, results >= 2^128 are +-inf (0x7F80, the reference's fp32
-    overflow), byte 255 NaN."""
-    idx = nib & 7
-    mag = tl.where(idx < 2, idx * t1, (idx << 6) + t2)
-    mag = tl.minimum(tl.maximum(mag, idx * lin), 0x7F80)
-    bits = mag | ((nib & 8) << 12) | nan
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -113,52 +83,6 @@ def _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: t
     sm = rmask[:, None] & (gg < C // 32)[None, :]
     sb = tl.load(s_ptr + r[:, None] * (C // 32) + gg[None, :], mask=sm, other=127)
     return b.to(tl.uint8, bitcast=True), sb.to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _fp4_halves(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
-                IEEE: tl.constexpr):
-    """FP4 "split" decode: (even columns, odd columns) of [rows, k0 : k0 + BK] as two [rows, BK/2]
-    tiles, the low and the high nibbles decoded into bf16 bit patterns by integer ops (exact; no
-    interleave, no float multiply); fp32 under IEEE."""
-    b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
-    b = b.to(tl.int32)
-    t1, t2, lin, nan = _fp4_terms(sb.to(tl.int32))
-    t1, t2, lin, nan = _per_column(t1, BK), _per_column(t2, BK), _per_column(lin, BK), _per_column(nan, BK)
-    lo = _fp4_bf16(b & 0xF, t1, t2, lin, nan)
-    hi = _fp4_bf16(b >> 4, t1, t2, lin, nan)
-    if IEEE:
-        lo = lo.to(tl.float32)
-        hi = hi.to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _per_column(g, BK: tl.constexpr):
-    """Per-group values [rows, BK/32] repeated for each of a group's 16 bytes: [rows, BK/2]."""
-    return tl.reshape(tl.broadcast_to(g[:, :, None], (g.shape[0], BK // 32, 16)), (g.shape[0], BK // 2))
-
-
-@triton.jit
-def _act_halves(p_ptr, rows, rmask, k0, C, BK: tl.constexpr, EVEN: tl.constexpr):
-    """(even, odd) columns of [rows, k0 : k0 + BK] of a row-major [., C] activation (rows int64):
-    one contiguous load, split in registers."""
-    ks = k0 + tl.arange(0, BK)
-    m = rmask[:, None] & (ks < C)[None, :]
-    if EVEN:
-        m = rmask[:, None]
-    t = tl.load(p_ptr + rows[:, None] * C + ks[None, :], mask=m, other=0.0)
-    return tl.split(tl.reshape(t, (rows.shape[0], BK // 2, 2)))
-
-
-@triton.jit
-def _mma(a, w, acc, IEEE: tl.constexpr):
-    """acc + a @ w^T: fp32 products under IEEE (as the "join" path: a separate sum), else bf16 MMA."""
-    if IEEE:
-        acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    else:
-        acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    return acc
 
 
 @triton.jit
@@ -182,29 +106,12 @@ def _sum_halves(t, M: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(a, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr, EVEN: tl.constexpr,
-                FMT: tl.constexpr):
-    """"scaled": acc + a (bf16) @ W^T through tl.dot_scaled: FP4 as its packed bytes (k-packed, low
-    nibble first) with the UE8M0 scales as the microscales; FP8 as e4m3 without a scale (its block
-    scale multiplies the block's partial sum)."""
-    if FMT == 2:
-        b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
-        acc = tl.dot_scaled(a, None, "bf16", tl.trans(b), sb, "e2m1", acc)
-    else:
-        w = _w_raw(w_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
-        acc = tl.dot_scaled(a, None, "bf16", tl.trans(w), None, "e4m3", acc)
+def _scaled_dot(a, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr, EVEN: tl.constexpr):
+    """FP4 "scaled": acc + a (bf16) @ W^T through tl.dot_scaled, W as its packed bytes (k-packed,
+    low nibble first) with the UE8M0 scales as the microscales."""
+    b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
+    acc = tl.dot_scaled(a, None, "bf16", tl.trans(b), sb, "e2m1", acc)
     return acc
-
-
-@triton.jit
-def _w_raw(w_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr):
-    """Rows ``rows`` x columns [k0, k0 + BK) of a [E, R, C] weight, as stored."""
-    r = e * R + rows
-    ks = k0 + tl.arange(0, BK)
-    m = rmask[:, None] & (ks < C)[None, :]
-    if EVEN:
-        m = rmask[:, None]
-    return tl.load(w_ptr + r[:, None] * C + ks[None, :], mask=m, other=0.0)
 
 
 @triton.jit
@@ -214,8 +121,8 @@ def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.c
     as the dot operand dtype (fp32 under IEEE, else bf16). FP4 ("join"): the packed bytes are read
     as a [rows, BK/2] tile, both nibbles decoded and scaled (exact), then interleaved (low nibble =
     even column); FP8: converted only (its block scale multiplies the block's partial sum).
-    (Kept as written before the "split" / "scaled" decodes: the default launches compile to the
-    code the last GPU conformance run verified; see aot.py --compare.)"""
+    (Kept as written before the "scaled" decode, not sharing its ``_fp4_bytes``: the default
+    launches compile to the code the last GPU conformance run verified; see aot.py --compare.)"""
     r = e * R + rows
     if FMT == 2:
         jj = k0 // 2 + tl.arange(0, BK // 2)
@@ -258,9 +165,9 @@ def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                   EVEN: tl.constexpr, DEC: tl.constexpr, BLK: tl.constexpr):
-    """DEC: the weight decode (0 "join" / FP8 "cvt", 1 FP4 "split", 2 "scaled": tl.dot_scaled with
-    bf16 operands whatever IEEE says); BLK: a step is summed into blk_* first (FP8: its scale)."""
+                   EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr):
+    """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
+    by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -273,7 +180,6 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
     kk = tl.arange(0, BK)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    # "scaled" (DEC 2) runs bf16 operands through tl.dot_scaled whatever IEEE says
     k_end = tl.where(valid, H, 0)  # tiles past the real count read nothing
     # a step = KSUB sub-blocks summed into blk_*; FP8: exactly one 128-column scale block
     for k1 in range(0, k_end, BK * KSUB):
@@ -281,45 +187,30 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         blk_u = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
-            if DEC == 1:  # FP4 "split": even / odd columns against the low / high nibbles
-                xe, xo = _act_halves(x_ptr, tok, rm, k0, H, BK, EVEN)
-                ge, go = _fp4_halves(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, IEEE)
-                ue, uo = _fp4_halves(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, IEEE)
-                if BLK:
-                    blk_g = _mma(xo, go, _mma(xe, ge, blk_g, IEEE), IEEE)
-                    blk_u = _mma(xo, uo, _mma(xe, ue, blk_u, IEEE), IEEE)
-                else:
-                    acc_g = _mma(xo, go, _mma(xe, ge, acc_g, IEEE), IEEE)
-                    acc_u = _mma(xo, uo, _mma(xe, ue, acc_u, IEEE), IEEE)
+            ks = k0 + kk
+            xm = rm[:, None] & (ks < H)[None, :]
+            if EVEN:
+                xm = rm[:, None]
+            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
+            if SCALED:
+                xa = xa.to(tl.bfloat16)
+                acc_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN)
+                acc_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN)
             else:
-                ks = k0 + kk
-                xm = rm[:, None] & (ks < H)[None, :]
-                if EVEN:
-                    xm = rm[:, None]
-                xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
-                if DEC == 2:
+                wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
+                wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
+                if IEEE:
+                    xa = xa.to(tl.float32)
+                    blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
+                    blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
+                elif FMT == 1:
                     xa = xa.to(tl.bfloat16)
-                    if FMT == 1:
-                        blk_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, blk_g, BK, EVEN, FMT)
-                        blk_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, blk_u, BK, EVEN, FMT)
-                    else:
-                        acc_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN, FMT)
-                        acc_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN, FMT)
+                    blk_g = tl.dot(xa, tl.trans(wg), blk_g)
+                    blk_u = tl.dot(xa, tl.trans(wu), blk_u)
                 else:
-                    wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
-                    wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
-                    if IEEE:
-                        xa = xa.to(tl.float32)
-                        blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
-                        blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
-                    elif FMT == 1:
-                        xa = xa.to(tl.bfloat16)
-                        blk_g = tl.dot(xa, tl.trans(wg), blk_g)
-                        blk_u = tl.dot(xa, tl.trans(wu), blk_u)
-                    else:
-                        xa = xa.to(tl.bfloat16)
-                        acc_g = tl.dot(xa, tl.trans(wg), acc_g)
-                        acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+                    xa = xa.to(tl.bfloat16)
+                    acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                    acc_u = tl.dot(xa, tl.trans(wu), acc_u)
         if FMT == 1:
             acc_g += blk_g * _fp8_scale(s13_ptr, e, n64, nm, k1, 2 * I, H, E8M0)[None, :]
             acc_u += blk_u * _fp8_scale(s13_ptr, e, n64 + I, nm, k1, 2 * I, H, E8M0)[None, :]
@@ -336,10 +227,10 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
 def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I,
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                     EVEN: tl.constexpr, DEC: tl.constexpr, BLK: tl.constexpr):
+                     EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
-    under "scaled" the halves are stacked into one [2 BM, BK] operand of a single tl.dot_scaled
-    (the [2 BM, BN] accumulator's halves are summed at the end)."""
+    under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
+    tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -351,59 +242,39 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
     hc64 = hc.to(tl.int64)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if DEC == 2:
-        acc2 = tl.zeros([2 * BM, BN], dtype=tl.float32)   # "scaled": rows (a_hi; a_lo)
+    if SCALED:
+        acc2 = tl.zeros([2 * BM, BN], dtype=tl.float32)   # rows (a_hi; a_lo)
     k_end = tl.where(valid, I, 0)
     for k1 in range(0, k_end, BK * KSUB):
         blk = tl.zeros([BM, BN], dtype=tl.float32)
-        if DEC == 2:
-            blk2 = tl.zeros([2 * BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
-            if DEC == 1:  # FP4 "split"
-                ae, ao = _act_halves(a_ptr, rows64, rm, k0, I, BK, EVEN)
-                we, wo = _fp4_halves(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, IEEE)
+            ks = k0 + kk
+            am = rm[:, None] & (ks < I)[None, :]
+            if EVEN:
+                am = rm[:, None]
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            if SCALED:
+                a_hi, a_lo = _hi_lo(a)
+                acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
+            else:
+                w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE)
                 if IEEE:
-                    blk = _mma(ao, wo, _mma(ae, we, blk, IEEE), IEEE)
+                    blk += tl.dot(a, tl.trans(w), input_precision="ieee")
                 else:
-                    e_hi, e_lo = _hi_lo(ae)
-                    o_hi, o_lo = _hi_lo(ao)
-                    acc = _mma(e_lo, we, _mma(e_hi, we, acc, IEEE), IEEE)
-                    acc = _mma(o_lo, wo, _mma(o_hi, wo, acc, IEEE), IEEE)
-            else:
-                ks = k0 + kk
-                am = rm[:, None] & (ks < I)[None, :]
-                if EVEN:
-                    am = rm[:, None]
-                a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
-                if DEC == 2:
-                    a_hi, a_lo = _hi_lo(a)
-                    a2 = _stack_rows(a_hi, a_lo)
+                    a_hi = a.to(tl.bfloat16)
+                    a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
                     if FMT == 1:
-                        blk2 = _scaled_dot(a2, w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, blk2, BK, EVEN, FMT)
+                        blk = tl.dot(a_hi, tl.trans(w), blk)
+                        blk = tl.dot(a_lo, tl.trans(w), blk)
                     else:
-                        acc2 = _scaled_dot(a2, w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN, FMT)
-                else:
-                    w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE)
-                    if IEEE:
-                        blk += tl.dot(a, tl.trans(w), input_precision="ieee")
-                    else:
-                        a_hi = a.to(tl.bfloat16)
-                        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-                        if FMT == 1:
-                            blk = tl.dot(a_hi, tl.trans(w), blk)
-                            blk = tl.dot(a_lo, tl.trans(w), blk)
-                        else:
-                            acc = tl.dot(a_hi, tl.trans(w), acc)
-                            acc = tl.dot(a_lo, tl.trans(w), acc)
+                        acc = tl.dot(a_hi, tl.trans(w), acc)
+                        acc = tl.dot(a_lo, tl.trans(w), acc)
         if FMT == 1:
-            if DEC == 2:
-                acc2 += blk2 * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
-            else:
-                acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
+            acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
         elif BLK:
             acc += blk
-    if DEC == 2:
+    if SCALED:
         acc = _sum_halves(acc2, BM)
     tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
@@ -557,38 +428,30 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     return cfg + (ksub,)
 
 
-#: TUNE["fp4"] / TUNE["fp8"]: how the kernels read FP4 / FP8 expert weights (the launch keys next
-#: to the tiles). All exact, up to the deviation stated:
-#:   fp4 "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved;
-#:       "split": no interleave: the activation tile's even / odd columns (one load, split in
-#:       registers) dot the low / high nibble tiles, each decoded by integer ops straight into bf16
-#:       bit patterns (_fp4_terms / _fp4_bf16: exact for every scale byte, no float multiply);
-#:       "scaled": tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble
-#:       first, UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200)
-#:       Triton upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes
-#:       0, not 2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
+#: TUNE["fp4"]: how the kernels read FP4 expert weights (a launch key next to the tiles; FP8 is
+#: converted to the dot dtype in registers, its block scale on the block's partial sum). Both exact,
+#: up to the deviation stated:
+#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved;
+#:   "scaled": tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
+#:       UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200) Triton
+#:       upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes 0, not
+#:       2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
 #:       multiply flush subnormals) reads as 0: |error| <= 6 * 2^-126 a weight; byte 255 is NaN as
-#:       in the reference (fast_math off). The interpreter keeps 2^-127.
-#:   fp8 "cvt" (default): e4m3 tile converted to the dot dtype; "scaled": tl.dot_scaled(bf16
-#:       activation, e4m3 tile, no microscale) with the block scale on the partial sum as in "cvt".
-#: "scaled" needs bf16 operands: fp32 activations (the IEEE path) read FP4 as "split", FP8 as "cvt".
-#: In the down GEMM it stacks a_hi / a_lo into one [2 BM, BK] operand (the weight decoded once a
-#: step) and sums the two halves of the [2 BM, BNd] accumulator at the end.
-DECODES = {"fp4": ("join", "split", "scaled"), "fp8": ("cvt", "scaled")}
+#:       in the reference (fast_math off). The interpreter keeps 2^-127. It needs bf16 operands:
+#:       fp32 activations (the IEEE path) read FP4 as "join". In the down GEMM it stacks a_hi /
+#:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
+#:       the [2 BM, BNd] accumulator at the end.
+#: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
+#: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
+DECODES = ("join", "scaled")
 
 
-def _decode(fmt: int, f32: bool) -> int:
-    """The DEC constexpr of a weight format: 0 join / cvt, 1 split, 2 scaled (TUNE "fp4" / "fp8")."""
-    if fmt == PLAIN:
-        return 0
-    key = "fp4" if fmt == FP4 else "fp8"
-    mode = TUNE.get(key, DECODES[key][0])
-    if mode not in DECODES[key]:
-        raise ValueError(f"moe_experts: TUNE {key}={mode!r} must be one of {DECODES[key]}")
-    dec = {"join": 0, "cvt": 0, "split": 1, "scaled": 2}[mode]
-    if dec == 2 and f32:
-        return 1 if fmt == FP4 else 0
-    return dec
+def _scaled(fmt: int, f32: bool) -> bool:
+    """The SCALED constexpr: FP4 weights, TUNE fp4="scaled" and bf16 activations."""
+    mode = TUNE.get("fp4", DECODES[0])
+    if fmt == FP4 and mode not in DECODES:
+        raise ValueError(f"moe_experts: TUNE fp4={mode!r} must be one of {DECODES}")
+    return fmt == FP4 and mode == "scaled" and not f32
 
 
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
@@ -612,7 +475,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev))
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
-    d13, d2 = _decode(f13, f32), _decode(f2, f32)
+    sc13, sc2 = _scaled(f13, f32), _scaled(f2, f32)
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)
@@ -624,11 +487,11 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu))](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        DEC=d13, BLK=f13 == FP8_BLOCK or (ieee and d13 != 2), num_warps=nw, num_stages=ns, **TUNE.options())
+        SCALED=sc13, BLK=f13 == FP8_BLOCK or (ieee and not sc13), num_warps=nw, num_stages=ns, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd))](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        DEC=d2, BLK=f2 == FP8_BLOCK or (ieee and d2 != 2), num_warps=nw, num_stages=ns, **TUNE.options())
+        SCALED=sc2, BLK=f2 == FP8_BLOCK or (ieee and not sc2), num_warps=nw, num_stages=ns, **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4, **TUNE.options())
     return out
