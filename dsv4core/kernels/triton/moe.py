@@ -32,7 +32,7 @@ from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8"))
+TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4"))
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
