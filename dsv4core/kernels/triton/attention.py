@@ -17,7 +17,7 @@ tune-s18-h200-flash-read.json). No atomics: results are bitwise repeatable for a
 ``S`` = 1 (the plan's choice once T x head blocks fill the GPU, or for one row block) is the
 single launch: no partials, no combine.
 
-TUNE ``pipe`` 1 (default 0): the row gather pipelined by hand, the next
+TUNE ``pipe`` 1 (default at T <= 64, else 0): the row gather pipelined by hand, the next
 block's indices loaded before the current block is computed; the same arithmetic in the same
 order (bitwise equal results).
 
@@ -183,7 +183,10 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
-    pipe = TUNE.get("pipe", 0)
+    # the index / kv gather pipelined at decode sizes (H200, tune-s20-h200-flash-read-mhc-attn.json:
+    # 14.0 / 16.2 / 17.4 / 20.8 / 60.5 µs at T = 1 / 2 / 4 / 8 / 64 against 14.9 / 18.2 / 20.6 / 24.4
+    # / 61.8; 206 against 199 at T = 256), bitwise the same result
+    pipe = TUNE.get("pipe", 1 if T <= 64 else 0)
     if pipe not in (0, 1):
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none) or 1 (indices one "
                          f"block ahead)")

@@ -157,7 +157,8 @@ FP8_PATHS = ("cvt", "via_f32")
 
 
 def linear_tiles(M: int, scaled: bool) -> tuple:
-    """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages).
+    """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages) (an op's
+    tiles may add NBLK as a seventh value).
 
     bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). "dot" for
     FP8 too: the H200 sweep of this session (tune-s18-h200-flash-read.json) timed "swap" at
@@ -166,6 +167,11 @@ def linear_tiles(M: int, scaled: bool) -> tuple:
         return "dot", 16, 64, 128, 4, 3
     if M <= 64:
         return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+    if scaled and M >= 1024:
+        # FP8 prefill: the converted weight tile feeds the MMA from registers (H200,
+        # tune-s20-h200-flash-read-linear.json: 1004 µs at T = 4096 against dot's 1132; the T
+        # from which it pays is not measured yet: the s20 sweep's T = 512 / 1024 / 2048 rows)
+        return "swap", 128, 128, 64, 8, 3
     return "dot", 128, 128, 64, 8, 3
 
 
@@ -180,10 +186,10 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     if ieee:
         # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
-        mode, BM, BN, BK, nw, ns = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
+        mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        mode, BM, BN, BK, nw, ns = tiles(M, scaled)
-    cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=1)
+        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled)
+    cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
         raise ValueError(f"{op}: TUNE mode={cfg['mode']!r}; expected one of {', '.join(MODES)}")

@@ -135,8 +135,13 @@ def _mix(x2, fn, M):
     """x2: [T, K] (contiguous, act dtype), fn [M, K] f32 -> (zpart [S, T, MP], sspart [S, T], S, MP)."""
     T, K = x2.shape
     MP = max(16, np2(M))
-    BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else 64))
-    BK = TUNE.get("BK", 128 if MP <= 32 else 64)
+    # prefill (T >= 2048): 128-token blocks of 64 columns on 8 warps, 4 stages (H200,
+    # tune-s20-h200-flash-read-mhc-attn.json: 104.8 µs at T = 4096 against 116.3; from which T it
+    # pays is not measured yet: the s20 sweep's T = 256 / 1024 rows). hc_pre's 2n + n^2 mixes only
+    # (hc_head's n: not measured)
+    big = T >= 2048 and M > 16
+    BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else (128 if big else 64)))
+    BK = TUNE.get("BK", 64 if big or MP > 32 else 128)
     ntb = cdiv(T, BT)
     nkb = cdiv(K, BK)
     S = max(1, min(nkb, TUNE.get("target", target_programs(x2.device, _CPU_PROGRAMS)) // ntb))
@@ -146,7 +151,8 @@ def _mix(x2, fn, M):
     ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
     _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
                              IEEE=x2.dtype == torch.float32 or interp(x2),
-                             num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3), **TUNE.options())
+                             num_warps=TUNE.get("num_warps", 8 if big else 4),
+                             num_stages=TUNE.get("num_stages", 4 if big else 3), **TUNE.options())
     return zp, ssp, S, MP
 
 

@@ -2,7 +2,7 @@
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
-for FP4, is a launch key (``DECODES``: "join" / "scaled").
+for FP4, is a launch key (``DECODES``: "scaled" / "join").
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
@@ -59,13 +59,14 @@ def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _fp4_values(b, sb):
     """e2m1 codes ``b`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as fp32, built from
-    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal; byte 255, the reference's
-    NaN, is 2^128 = inf: +-inf for nonzero codes, NaN for +-0)."""
+    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal; byte 255 is NaN, as in
+    the reference, for every code: the quiet-NaN bit joins the all-ones exponent)."""
     idx = b & 7
     ex = idx >> 1
     mant = idx & 1
     bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
-    scale = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+    scale = tl.where(sb == 0, 5.877471754111438e-39,
+                     ((sb << 23) | ((sb == 255).to(tl.int32) << 22)).to(tl.float32, bitcast=True))
     return bits.to(tl.float32, bitcast=True) * scale
 
 
@@ -391,12 +392,14 @@ def _route(ids, E: int, BM: int):
     return starts, tcum, tok, inv
 
 
-def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0):
+def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
+            plain: bool = False, scaled: bool = False):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
     benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128.
     Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
     than the device has SMs (`programs` / 2): the N blocks shrink (to 32 / 64 at most) until they
-    do not."""
+    do not. ``plain``: bf16 weights (the big-T tile); ``scaled``: FP4 read by "scaled"
+    (its K step at decode)."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
@@ -405,6 +408,10 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
     elif P <= 64 * E:
         cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
+    elif plain:
+        # H200, tune-s20-h200-flash-read-moe.json: 3412 µs at T = 4096 against 4602 for the
+        # quantised weights' tile below (4357-4500 for the other big tiles tried)
+        cfg = (128, 128, 256, 64, 8, 3)
     else:
         cfg = (128, 64, 128, 128 if fp8 else 64, 8, 3)
     if not ieee:
@@ -420,7 +427,11 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         few = tiles * cdiv(I, 64) < programs // 2
         # and longer K steps: more bytes in flight per program (H200, one expert: 36.4 / 48.3 µs at
         # T = 1 / 8 with BK 128 against 44.6 / 58.8 with 64, tune-s18-moe-shared-h200-flash-read.json)
-        cfg = (BM, BNu, BNd, 128 if few else cfg[3]) + cfg[4:]
+        # FP4 "scaled" over a grid of at most one program per target slot (routed experts at T = 1):
+        # 128-column K steps (H200, tune-s20-h200-flash-read-moe.json: 127.8 µs at T = 1 against
+        # 141.4 with 64; at T = 64 the 64 step is faster, 623 against 718)
+        long_k = few or (scaled and tiles * cdiv(I, BNu) <= programs)
+        cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
     if TUNE:
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]
@@ -431,8 +442,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #: TUNE["fp4"]: how the kernels read FP4 expert weights (a launch key next to the tiles; FP8 is
 #: converted to the dot dtype in registers, its block scale on the block's partial sum). Both exact,
 #: up to the deviation stated:
-#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved;
-#:   "scaled": tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
+#:   "scaled" (default): tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
 #:       UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200) Triton
 #:       upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes 0, not
 #:       2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
@@ -440,10 +450,11 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:       in the reference (fast_math off). The interpreter keeps 2^-127. It needs bf16 operands:
 #:       fp32 activations (the IEEE path) read FP4 as "join". In the down GEMM it stacks a_hi /
 #:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
-#:       the [2 BM, BNd] accumulator at the end.
+#:       the [2 BM, BNd] accumulator at the end;
+#:   "join": codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
 #: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
 #: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
-DECODES = ("join", "scaled")
+DECODES = ("scaled", "join")
 
 
 def _scaled(fmt: int, f32: bool) -> bool:
@@ -472,10 +483,11 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
     fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
-    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev))
+    sc13, sc2 = _scaled(f13, f32), _scaled(f2, f32)
+    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev),
+                                             plain=w13.dtype == w2.dtype == torch.bfloat16, scaled=sc13 or sc2)
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
-    sc13, sc2 = _scaled(f13, f32), _scaled(f2, f32)
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)

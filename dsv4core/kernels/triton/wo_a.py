@@ -14,13 +14,15 @@ TUNE = Tune(__name__, GEMM_KEYS)
 
 
 def wo_a_tiles(T: int, scaled: bool) -> tuple:
-    """(mode, BM, BN, BK, num_warps, num_stages) for T tokens. bf16: the tiles of wo_a's former own
+    """(mode, BM, BN, BK, num_warps, num_stages[, NBLK]) for T tokens. bf16: the tiles of wo_a's former own
     kernel (H200: 25.3 / 29.3 µs at T = 1 / 64, benchmarks/results/bench-cuda-h200-flash.json):
     32-row tiles, 8 groups x 32 = 256 programs, no split on a 132-SM GPU. FP8: the same tiles, "dot"
     (H200, tune-s18-h200-flash-read.json: 21.0 / 20.6 / 32.6 µs at T = 1 / 8 / 64; "swap" 27.5 /
     27.6 / 52.9)."""
     if T <= 16:
-        return ("dot", 16, 32, 128, 4, 4) if scaled else ("dot", 16, 32, 256, 4, 4)
+        # FP8: two scale blocks a K step (H200, tune-s20-h200-flash-read-linear.json: 18.8 µs at
+        # T = 1 against 20.8; at T = 64 one block is faster, 32.1 against 46.7)
+        return ("dot", 16, 32, 128, 4, 4, 2) if scaled else ("dot", 16, 32, 256, 4, 4)
     if T <= 64:
         return "dot", 64, 32, 128, 4, 4
     return "dot", 128, 128, 128 if scaled else 64, 8, 3
