@@ -53,6 +53,11 @@ def test_every_kernel_module_declares_what_it_reads():
         mod = importlib.import_module(f"dsv4core.kernels.triton.{path.stem}")
         read = set(re.findall(r'(?:TUNE|tune)\.get\("(\w+)"', src))
         assert read <= mod.TUNE.keys, (path.stem, sorted(read - mod.TUNE.keys))
+        # and no declared key is stale: each is named in the module (keys read in loops included)
+        # (with the sources of the sibling modules it imports: wo_a launches linear's kernel)
+        used = src + "".join((path.parent / f"{m}.py").read_text() for m in re.findall(r"^from \.(\w+) import", src, re.M))
+        stale = [k for k in mod.TUNE.keys - {"launch"} if f'"{k}"' not in used]
+        assert not stale, (path.stem, stale)
 
 
 def test_registry_refuses_a_table_entry_with_unknown_keys():
@@ -74,7 +79,7 @@ def test_registry_wrapper_activates_the_backends_table(monkeypatch):
         seen.append((tune.get("ROWS", 1), tune.options()))
         return x
 
-    monkeypatch.setitem(registry._mods, "norm", types.SimpleNamespace(rms_norm=rms_norm))
+    monkeypatch.setitem(registry._mods, "norm", types.SimpleNamespace(rms_norm=rms_norm, TUNE=tune))
     calls = []
 
     def entry(*args, **kwargs):              # a callable entry sees the op's arguments
@@ -144,3 +149,57 @@ def test_the_sweep_rows_use_known_keys():
         for label, kmod, _, variants in rows:
             for v in variants:
                 kmod.TUNE.check(v, f"sweep {label}")
+
+
+def _call_args():
+    """Sample arguments for callable table entries: activations bf16 / fp32 at T = 1 / 64, with bf16,
+    FP8 (+ scale) and fp32 weights (the entries look at the activation and one-byte tensors)."""
+    fp8 = torch.float8_e4m3fn
+    out = []
+    for dt in (torch.bfloat16, torch.float32):
+        for T in (1, 64):
+            out.append((torch.zeros(T, 8, dtype=dt), torch.zeros(8, 8, dtype=fp8), torch.ones(1, 1)))
+            out.append((torch.zeros(T, 8, dtype=dt), torch.zeros(8, 8, dtype=dt)))
+            out.append((torch.zeros(T, 4, 8, dtype=dt), torch.zeros(24, 32)))
+    return out
+
+
+def test_every_plugin_table_sets_only_declared_keys(monkeypatch):
+    """Each entry of the rocm / xpu / cuda launch tables (every arch, every callable entry on sample
+    arguments) names a kernel module with launch parameters and sets only its keys: a bad key in a
+    table no CPU test runs would otherwise surface at that op's first call on the device."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "plugins"
+    for sub in ("rocm", "xpu", "cuda"):
+        monkeypatch.syspath_prepend(str(root / sub))
+    rocm = importlib.import_module("dsv4core_rocm.launch")
+    xpu = importlib.import_module("dsv4core_xpu.launch")
+    cuda = importlib.import_module("dsv4core_cuda.launch")
+    tables = {f"rocm {a}": t for a, t in rocm.TABLES.items()}
+    tables.update({f"xpu slm {m}": xpu.table(m) for m in (0, 65_536, 66_624, 100_384, 262_144)})
+    tables.update({f"cuda {a}": t for a, t in cuda.TABLES.items()})
+    checked = 0
+    for name, table in tables.items():
+        for modname, entry in table.items():
+            mod = importlib.import_module(f"dsv4core.kernels.triton.{modname}")
+            assert hasattr(mod, "TUNE"), (name, modname)
+            for got in ([entry(*a) for a in _call_args()] if callable(entry) else [entry]):
+                assert got is None or isinstance(got, dict), (name, modname, got)
+                mod.TUNE.check(got or {}, name)
+                checked += 1
+    assert checked > 100
+    assert "dsv4core_rocm.launch" in sys.modules
+
+
+def test_registry_refuses_entries_it_cannot_apply(monkeypatch):
+    b = Backend("t-route", device_types=("cpu",), priority=1)
+    registry.register_ops(b, "cpu", ops=("moe_route",), launch={"route": {"num_warps": 2}})
+    with pytest.raises(ValueError, match="an entry for 'route' .*without launch parameters"):
+        b.impls["moe_route"].fn(torch.zeros(1, 4), 2, 1.0)
+    b = Backend("t-badcall", device_types=("cpu",), priority=1)
+    registry.register_ops(b, "cpu", ops=("rms_norm",), launch={"norm": lambda *a, **k: ("ROWS", 2)})
+    with pytest.raises(TypeError, match="the entry for 'norm' returned tuple for op rms_norm"):
+        b.impls["rms_norm"].fn(torch.randn(2, 8), torch.ones(8), 1e-6)

@@ -10,7 +10,9 @@ Interpreter limits (stated, not hidden): it runs the fp32-product branch of each
 interpreter's bf16 tl.dot is unreliable, see _util.interp), so the bf16 / FP8 MMA branches and the
 unscaled ``KSUB`` unroll compile only on a GPU (and in the ROCm AOT gate, tests/test_rocm_aot.py).
 The FP8 block-scale bookkeeping does run (the fp32 products take the interpreter's decode of the
-e4m3 codes): one scale per 128-column block for every mode, NBLK and split.
+e4m3 codes): one scale per 128-column block for every mode, NBLK and split. TUNE fp8 "via_f32"
+also runs the fp32 path there, so its bf16 conversion chain is only compiled (for sm90, by the
+last test, which checks what that chain is for).
 """
 from __future__ import annotations
 

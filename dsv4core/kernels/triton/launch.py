@@ -61,6 +61,10 @@ class Tune(dict):
         new = dict(*args, **kwargs)
         super().update(self.check(new))
 
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def setdefault(self, key, default=None):
         self.check({key: default})
         return super().setdefault(key, default)

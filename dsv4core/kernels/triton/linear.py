@@ -26,10 +26,10 @@ from ._util import interp, np2, rne, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, cdiv
 
-#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
-#: table (launch.py); the defaults are the kernels' own
 #: the keys of grouped_gemm's launches (linear's and wo_a's TUNE; see _config)
 GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
+#: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
+#: table (launch.py); the defaults are the kernels' own
 TUNE = Tune(__name__, GEMM_KEYS)
 
 

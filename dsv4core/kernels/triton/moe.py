@@ -460,7 +460,7 @@ DECODES = ("scaled", "join")
 def _scaled(fmt: int, f32: bool) -> bool:
     """The SCALED constexpr: FP4 weights, TUNE fp4="scaled" and bf16 activations."""
     mode = TUNE.get("fp4", DECODES[0])
-    if fmt == FP4 and mode not in DECODES:
+    if mode not in DECODES:
         raise ValueError(f"moe_experts: TUNE fp4={mode!r} must be one of {DECODES}")
     return fmt == FP4 and mode == "scaled" and not f32
 

@@ -61,7 +61,10 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
             fn, table = getattr(mod, op), (launch() if callable(launch) else launch)
             entry = (table or {}).get(modname)
             tune = getattr(mod, "TUNE", None)
-            if tune is not None and entry is not None and not callable(entry):
+            if entry is not None and tune is None:
+                raise ValueError(f"launch table: an entry for {modname!r} (op {op}), a kernel module without "
+                                 f"launch parameters")
+            if entry is not None and not callable(entry):
                 tune.check(entry, f"the launch table's entry, op {op}")
             target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}, tune]
         fn, entry, static, tune = target
@@ -69,8 +72,11 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
             return run(fn, args, kwargs)
         if static is None:
             got = entry(*args, **kwargs)
-            if tune is not None and isinstance(got, Mapping):
+            if isinstance(got, Mapping):
                 tune.check(got, f"the launch table's entry, op {op}")
+            elif got is not None:
+                raise TypeError(f"launch table: the entry for {modname!r} returned {type(got).__name__} for "
+                                f"op {op}; expected a dict of launch parameters or None")
             static = {modname: got}
         tok = _ACTIVE.set(static)
         try:

@@ -9,7 +9,7 @@ from .launch import Tune
 from .linear import GEMM_KEYS, grouped_gemm
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
-#: linear's (mode, BM, BN, BK, num_warps, num_stages, KSUB, NBLK, S, target)
+#: linear's (linear.GEMM_KEYS)
 TUNE = Tune(__name__, GEMM_KEYS)
 
 
