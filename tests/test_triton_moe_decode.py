@@ -80,7 +80,7 @@ custom = dict(x=None, ids=ids, weights=torch.rand(T, k, generator=g), w13=w13, w
 suite = {c.name: c for c in iter_cases(spec, "small", torch.float32, "cpu", 0)}
 suite16 = {c.name: c for c in iter_cases(spec, "small", torch.bfloat16, "cpu", 0)}
 results = []
-for v, dt in (({}, torch.float32), ({"fp4": "join"}, torch.bfloat16), ({}, torch.bfloat16)):
+for v, dt in (({}, torch.float32), ({}, torch.bfloat16), ({"fp4": "scaled"}, torch.bfloat16)):
     kw = dict(custom, x=torch.randn(T, H, generator=g).to(dt) * 3)
     mixed = (suite if dt == torch.float32 else suite16)["fp4-w13-fp8-w2-T3"].kwargs
     for name, case in (("fp4-varied-scales", kw), ("fp4-w13-fp8-w2-T3", mixed)):
@@ -122,7 +122,7 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
     # (TUNE, w2 format) -> (up SCALED, up BLK, down SCALED, down BLK) for FP4 w13 with bf16
     # activations; cpu tensors take the IEEE branch (fp32 products), so BLK is set unless "scaled"
     # runs (FP8 always: its block scale). fp32 activations never take "scaled": (False, True) each
-    want = {((), "fp8"): (True, False, False, True),          # the default: "scaled"
+    want = {((), "fp8"): (False, True, False, True),
             ((("fp4", "join"),), "fp8"): (False, True, False, True),
             ((("fp4", "scaled"),), "fp8"): (True, False, False, True),
             ((("fp4", "scaled"),), "fp4"): (True, False, True, False)}
@@ -139,7 +139,7 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
         for bad in ("interleave", "split"):            # "split" (session 19) lost on the H200: removed
             moe.TUNE.clear()
             moe.TUNE.update(fp4=bad)
-            with pytest.raises(ValueError, match=rf"moe_experts: TUNE fp4='{bad}' must be one of \('scaled', 'join'\)"):
+            with pytest.raises(ValueError, match=rf"moe_experts: TUNE fp4='{bad}' must be one of \('join', 'scaled'\)"):
                 moe.moe_experts(torch.zeros(2, H), ids, wts, q4[0], q8[0], 10.0, q4[1], q8[1])
     finally:
         moe.TUNE.clear()

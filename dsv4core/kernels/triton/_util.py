@@ -36,6 +36,26 @@ def target_programs(device: torch.device, cpu: int = 16) -> int:
     return n
 
 
+_SHARED: dict = {}
+
+#: shared memory a block may use, in bytes, from which the prefill tiles measured on an H200 (228
+#: KiB a block) are chosen; devices with less keep the smaller tiles (they would not compile there)
+BIG_TILE_SHARED = 200 * 1024
+
+
+def shared_bytes(device: torch.device) -> int:
+    """Shared memory one block may use on ``device`` (its properties; 0 when they do not say, and
+    under the interpreter: the smaller tiles)."""
+    if device.type == "cpu":
+        return 0
+    key = (device.type, device.index)
+    n = _SHARED.get(key)
+    if n is None:
+        props = getattr(torch, device.type).get_device_properties(device)
+        n = _SHARED[key] = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    return n
+
+
 def same_device(device_type: str, *ts) -> bool:
     return all(t is None or (isinstance(t, torch.Tensor) and t.device.type == device_type) for t in ts)
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import interp, np2, rne, target_programs, to_out
+from ._util import BIG_TILE_SHARED, interp, np2, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, cdiv
 
@@ -156,9 +156,10 @@ MODES = {"dot": 0, "swap": 1}
 FP8_PATHS = ("cvt", "via_f32")
 
 
-def linear_tiles(M: int, scaled: bool) -> tuple:
+def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
     """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages) (an op's
-    tiles may add NBLK as a seventh value).
+    tiles may add NBLK as a seventh value). ``big``: the device has the shared memory of the GPU the
+    prefill tiles were measured on (_util.BIG_TILE_SHARED).
 
     bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). "dot" for
     FP8 too: the H200 sweep of this session (tune-s18-h200-flash-read.json) timed "swap" at
@@ -167,7 +168,7 @@ def linear_tiles(M: int, scaled: bool) -> tuple:
         return "dot", 16, 64, 128, 4, 3
     if M <= 64:
         return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
-    if scaled and M >= 1024:
+    if scaled and big and M >= 1024:
         # FP8 prefill: the converted weight tile feeds the MMA from registers (H200,
         # tune-s20-h200-flash-read-linear.json: 1004 µs at T = 4096 against dot's 1132; the T
         # from which it pays is not measured yet: the s20 sweep's T = 512 / 1024 / 2048 rows)
@@ -175,8 +176,8 @@ def linear_tiles(M: int, scaled: bool) -> tuple:
     return "dot", 128, 128, 64, 8, 3
 
 
-def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True) -> dict:
-    """The launch of one call: ``tiles(M, scaled)`` (the op's defaults; small fp32 tiles when the
+def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False) -> dict:
+    """The launch of one call: ``tiles(M, scaled, big)`` (the op's defaults; small fp32 tiles when the
     products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
@@ -188,7 +189,7 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
         mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled)
+        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled, big)
     cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
@@ -225,7 +226,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
     ieee = f32 or interp(a)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, np2, cdiv, interp, rne, target_programs, to_out
+from ._util import BIG_TILE_SHARED, c, np2, cdiv, interp, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
 
 #: programs wanted under the interpreter (CPU); on a GPU: 2 per SM of the device
@@ -139,7 +139,7 @@ def _mix(x2, fn, M):
     # tune-s20-h200-flash-read-mhc-attn.json: 104.8 µs at T = 4096 against 116.3; from which T it
     # pays is not measured yet: the s20 sweep's T = 256 / 1024 rows). hc_pre's 2n + n^2 mixes only
     # (hc_head's n: not measured)
-    big = T >= 2048 and M > 16
+    big = T >= 2048 and M > 16 and shared_bytes(x2.device) >= BIG_TILE_SHARED
     BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else (128 if big else 64)))
     BK = TUNE.get("BK", 64 if big or MP > 32 else 128)
     ntb = cdiv(T, BT)

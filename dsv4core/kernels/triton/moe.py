@@ -2,7 +2,7 @@
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
-for FP4, is a launch key (``DECODES``: "scaled" / "join").
+for FP4, is a launch key (``DECODES``: "join" / "scaled").
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import c, cdiv, interp, np2, rne, target_programs, to_out
+from ._util import BIG_TILE_SHARED, c, cdiv, interp, np2, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, _FP8
 
@@ -393,13 +393,14 @@ def _route(ids, E: int, BM: int):
 
 
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
-            plain: bool = False, scaled: bool = False):
+            plain: bool = False, scaled: bool = False, big: bool = False):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
     benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128.
     Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
     than the device has SMs (`programs` / 2): the N blocks shrink (to 32 / 64 at most) until they
-    do not. ``plain``: bf16 weights (the big-T tile); ``scaled``: FP4 read by "scaled"
-    (its K step at decode)."""
+    do not. ``plain``: bf16 weights; ``big``: the device has the shared memory of the GPU
+    the big-T tile was measured on (_util.BIG_TILE_SHARED); ``scaled``: FP4 read by "scaled" (its
+    K step at decode, its N block at big T)."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
@@ -408,12 +409,14 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
     elif P <= 64 * E:
         cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
-    elif plain:
+    elif plain and big:
         # H200, tune-s20-h200-flash-read-moe.json: 3412 µs at T = 4096 against 4602 for the
         # quantised weights' tile below (4357-4500 for the other big tiles tried)
         cfg = (128, 128, 256, 64, 8, 3)
     else:
-        cfg = (128, 64, 128, 128 if fp8 else 64, 8, 3)
+        # FP4 "scaled": 128-column up blocks (H200, tune-s20-h200-flash-read-moe.json: 7055 µs at
+        # T = 4096 against 9710 with 64 and 7289 for "join")
+        cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
     if not ieee:
         BM, BNu, BNd = cfg[:3]
         tiles = max(min(E, P), cdiv(P, BM))        # row tiles with work (about)
@@ -442,7 +445,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #: TUNE["fp4"]: how the kernels read FP4 expert weights (a launch key next to the tiles; FP8 is
 #: converted to the dot dtype in registers, its block scale on the block's partial sum). Both exact,
 #: up to the deviation stated:
-#:   "scaled" (default): tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
+#:   "scaled" (the CUDA plugin's choice on sm90): tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
 #:       UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200) Triton
 #:       upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes 0, not
 #:       2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
@@ -451,10 +454,10 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:       fp32 activations (the IEEE path) read FP4 as "join". In the down GEMM it stacks a_hi /
 #:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
 #:       the [2 BM, BNd] accumulator at the end;
-#:   "join": codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
+#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
 #: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
 #: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
-DECODES = ("scaled", "join")
+DECODES = ("join", "scaled")
 
 
 def _scaled(fmt: int, f32: bool) -> bool:
@@ -485,7 +488,8 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
     sc13, sc2 = _scaled(f13, f32), _scaled(f2, f32)
     BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev),
-                                             plain=w13.dtype == w2.dtype == torch.bfloat16, scaled=sc13 or sc2)
+                                             plain=w13.dtype == w2.dtype == torch.bfloat16, scaled=sc13 or sc2,
+                                             big=shared_bytes(dev) >= BIG_TILE_SHARED)
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
 

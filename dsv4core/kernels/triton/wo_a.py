@@ -13,7 +13,7 @@ from .linear import GEMM_KEYS, grouped_gemm
 TUNE = Tune(__name__, GEMM_KEYS)
 
 
-def wo_a_tiles(T: int, scaled: bool) -> tuple:
+def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
     """(mode, BM, BN, BK, num_warps, num_stages[, NBLK]) for T tokens. bf16: the tiles of wo_a's former own
     kernel (H200: 25.3 / 29.3 µs at T = 1 / 64, benchmarks/results/bench-cuda-h200-flash.json):
     32-row tiles, 8 groups x 32 = 256 programs, no split on a 132-SM GPU. FP8: the same tiles, "dot"

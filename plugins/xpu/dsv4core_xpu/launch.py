@@ -49,7 +49,7 @@ def table(slm: int) -> dict:
     return {
         "attention": _attention_for(slm),
         "mhc": {"launch": SUBGROUP_16},
-        "wo_a": {"launch": SUBGROUP_16},
+        "wo_a": {"NBLK": 1, "launch": SUBGROUP_16},   # the kernel's FP8 NBLK 2 at T <= 16: H200-measured only
         "moe": _moe,
         "indexer": {"launch": SUBGROUP_16},   # indexer_scores_rows: one tl.dot per channel chunk
     }
