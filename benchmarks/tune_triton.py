@@ -107,6 +107,7 @@ S20 = [
     ("linear_fp8", linear, (1, 8, 64, 4096), [{}, {"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2},
                                               {"fp8": "via_f32", "mode": "swap"}, {}]),
     ("wo_a_fp8", wo_a, (1, 8, 64), [{"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2}]),
+    ("moe_experts_fp8", moe, (1, 64), [{}, {"fp8": "via_f32"}, {}]),
     ("sparse_mqa_attention", attention, (16, 32, 128), [{}, {"pipe": 1}]),
     ("hc_pre", mhc, (256, 1024, 4096), [{}, {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
                                         {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 3}, {}]),

@@ -106,37 +106,49 @@ _VIA32 = """
 import os, shutil, subprocess, sys, tempfile
 import torch
 import triton.backends.nvidia as nv
-from dsv4core.kernels.triton import aot, linear
+from dsv4core.kernels.triton import aot, linear, moe
 target = aot.parse_target("cuda:90")
 tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 tool = tool if os.access(tool, os.X_OK) else shutil.which("cuobjdump")
 if not tool:
     print("no cuobjdump"); sys.exit(0)
+f8 = torch.float8_e4m3fn
 for path in ("cvt", "via_f32"):
     got = []
-    linear.TUNE.clear()
-    linear.TUNE.update(fp8=path)
+    for mod in (linear, moe):
+        mod.TUNE.clear()
+        mod.TUNE.update(fp8=path)
     with aot.device_branch(target), aot._compile_only(target, got):
-        linear.linear(torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.float8_e4m3fn),
+        linear.linear(torch.empty(1, 256, dtype=torch.bfloat16), torch.empty(256, 256, dtype=f8),
                       torch.empty(2, 2), torch.bfloat16)
-    (_, kern, _), = [g for g in got if g[0].__name__ == "_gemm_kernel"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"]); f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = [ln.split()[1] for ln in sass.splitlines() if "/*" in ln and len(ln.split()) > 1 and ln.split()[1][:1].isupper()]
-    print(path, sum(o.startswith("F2F.") for o in ops), sum(o.startswith("F2FP") for o in ops))
+        # experts: FP8 w2 (the down GEMM), bf16 w13
+        E, H, I = 2, 256, 256
+        moe.moe_experts(torch.empty(1, H, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
+                        torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=f8), 10.0,
+                        None, torch.empty(E, 2, 2))
+    for name in ("_gemm_kernel", "_moe_down_kernel"):
+        (_, kern, _), = [g for g in got if g[0].__name__ == name]
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"]); f.flush()
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        ops = [ln.split()[1] for ln in sass.splitlines() if "/*" in ln and len(ln.split()) > 1 and ln.split()[1][:1].isupper()]
+        print(name, path, sum(o.startswith("F2F.BF16.F16") for o in ops), sum(o.startswith("F2FP") for o in ops))
 """
 
 
 def test_fp8_via_f32_compiles_without_the_f16_to_bf16_conversions():
-    """TUNE fp8="via_f32" gives the MMA the same bf16 values by another conversion chain; its point
+    """TUNE fp8="via_f32" (linear / wo_a, and moe_experts' FP8 weights) gives the MMA the same bf16
+    values by another conversion chain; its point
     (benchmarks/results/sass-sm90-s20-t1-decode-loops.md) is that sm90 code then has no per-code
-    f16 -> bf16 conversion (F2F), which the default chain has. Compile-only (no GPU: not timed)."""
+    f16 -> bf16 conversion (F2F.BF16.F16), which the default chain has. Compile-only (no GPU: not
+    timed)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _VIA32], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if "no cuobjdump" in proc.stdout:
         pytest.skip("cuobjdump not found (Triton's NVIDIA backend ships it)")
-    got = {line.split()[0]: (int(line.split()[1]), int(line.split()[2])) for line in proc.stdout.splitlines()}
-    assert got["cvt"][0] > 0 and got["via_f32"][0] == 0 and got["via_f32"][1] > 0, proc.stdout
+    got = {tuple(line.split()[:2]): (int(line.split()[2]), int(line.split()[3])) for line in proc.stdout.splitlines()}
+    for kernel in ("_gemm_kernel", "_moe_down_kernel"):
+        cvt, via = got[(kernel, "cvt")], got[(kernel, "via_f32")]
+        assert cvt[0] > 0 and via[0] == 0 and via[1] > 0, proc.stdout

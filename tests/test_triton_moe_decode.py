@@ -136,6 +136,17 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
                 up, down = moe._moe_up_kernel.launches[-1][2], moe._moe_down_kernel.launches[-1][2]
                 got = (up["SCALED"], up["BLK"], down["SCALED"], down["BLK"])
                 assert got == (exp if dt == torch.bfloat16 else (False, True, False, True)), (tune, f2, dt)
+        # TUNE fp8 "via_f32": VIA32 reaches the kernel of each FP8 weight only (absent otherwise)
+        for tune, want_via in (({}, (False, False)), ({"fp8": "via_f32"}, (False, True))):
+            moe.TUNE.clear()
+            moe.TUNE.update(tune)
+            moe.moe_experts(torch.zeros(2, H, dtype=torch.bfloat16), ids, wts, q4[0], q8[0], 10.0, q4[1], q8[1])
+            up, down = moe._moe_up_kernel.launches[-1][2], moe._moe_down_kernel.launches[-1][2]
+            assert ("VIA32" in up, "VIA32" in down) == want_via, tune
+        moe.TUNE.clear()
+        moe.TUNE.update(fp8="int")
+        with pytest.raises(ValueError, match=r"moe_experts: TUNE fp8='int' must be one of \('cvt', 'via_f32'\)"):
+            moe.moe_experts(torch.zeros(2, H), ids, wts, q4[0], q8[0], 10.0, q4[1], q8[1])
         for bad in ("interleave", "split"):            # "split" (session 19) lost on the H200: removed
             moe.TUNE.clear()
             moe.TUNE.update(fp4=bad)

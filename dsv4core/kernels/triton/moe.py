@@ -2,7 +2,7 @@
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
-for FP4, is a launch key (``DECODES``: "join" / "scaled").
+for FP4, is a launch key (``DECODES``: "join" / "scaled"), and for FP8 (``FP8_PATHS``).
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
@@ -32,7 +32,7 @@ from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4"))
+TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8"))
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
@@ -117,7 +117,7 @@ def _scaled_dot(a, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr
 
 @triton.jit
 def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
-            FMT: tl.constexpr, IEEE: tl.constexpr):
+            FMT: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr = False):
     """Rows ``rows`` (int64, within expert e) x columns [k0, k0 + BK) of a [E, R, C] expert weight,
     as the dot operand dtype (fp32 under IEEE, else bf16). FP4 ("join"): the packed bytes are read
     as a [rows, BK/2] tile, both nibbles decoded and scaled (exact), then interleaved (low nibble =
@@ -145,6 +145,8 @@ def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.c
     if IEEE:
         w = w.to(tl.float32)
     else:
+        if VIA32:   # FP8 through fp32 (TUNE fp8 "via_f32": the same bf16 values, as in linear.py)
+            w = w.to(tl.float32)
         w = w.to(tl.bfloat16)
     return w
 
@@ -166,7 +168,7 @@ def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                   EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr):
+                   EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False):
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale)."""
     j = tl.program_id(0)
@@ -198,8 +200,8 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
                 acc_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN)
                 acc_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN)
             else:
-                wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
-                wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE)
+                wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
+                wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
                 if IEEE:
                     xa = xa.to(tl.float32)
                     blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
@@ -228,7 +230,7 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
 def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I,
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                     EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr):
+                     EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
     under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
     tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end)."""
@@ -259,7 +261,7 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
                 a_hi, a_lo = _hi_lo(a)
                 acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
             else:
-                w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE)
+                w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE, VIA32)
                 if IEEE:
                     blk += tl.dot(a, tl.trans(w), input_precision="ieee")
                 else:
@@ -458,6 +460,15 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
 #: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
 DECODES = ("join", "scaled")
+#: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
+#: values; linear.FP8_PATHS says why)
+FP8_PATHS = ("cvt", "via_f32")
+
+
+def _via(fmt: int) -> dict:
+    """The VIA32 launch keyword for a weight format: passed only when set (the default launch keeps
+    its arguments and code)."""
+    return {"VIA32": True} if fmt == FP8_BLOCK and TUNE.get("fp8", FP8_PATHS[0]) == "via_f32" else {}
 
 
 def _scaled(fmt: int, f32: bool) -> bool:
@@ -465,6 +476,9 @@ def _scaled(fmt: int, f32: bool) -> bool:
     mode = TUNE.get("fp4", DECODES[0])
     if mode not in DECODES:
         raise ValueError(f"moe_experts: TUNE fp4={mode!r} must be one of {DECODES}")
+    fp8 = TUNE.get("fp8", FP8_PATHS[0])
+    if fp8 not in FP8_PATHS:
+        raise ValueError(f"moe_experts: TUNE fp8={fp8!r} must be one of {FP8_PATHS}")
     return fmt == FP4 and mode == "scaled" and not f32
 
 
@@ -503,11 +517,13 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu))](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        SCALED=sc13, BLK=f13 == FP8_BLOCK or (ieee and not sc13), num_warps=nw, num_stages=ns, **TUNE.options())
+        SCALED=sc13, BLK=f13 == FP8_BLOCK or (ieee and not sc13), num_warps=nw, num_stages=ns, **_via(f13),
+        **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd))](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        SCALED=sc2, BLK=f2 == FP8_BLOCK or (ieee and not sc2), num_warps=nw, num_stages=ns, **TUNE.options())
+        SCALED=sc2, BLK=f2 == FP8_BLOCK or (ieee and not sc2), num_warps=nw, num_stages=ns, **_via(f2),
+        **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4, **TUNE.options())
     return out
