@@ -29,11 +29,13 @@ from dsv4core.kernels.triton.launch import activation, is_f32
 
 def _attention(bf16_rows: int, bf16_stages: int):
     """sparse_mqa_attention: 16 heads x ``bf16_rows`` kv rows per step for bf16, 16 x 16 with one
-    stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows."""
+    stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows.
+    pipe 0: the kernel's pipelined gather (its default at T <= 64, measured on an H200) spills 2-7
+    SGPRs on gfx950 (tests/test_rocm_aot.py)."""
     def entry(*args, **kwargs):
         if is_f32(args, kwargs):
-            return {"BH": 16, "BK": 16, "num_stages": 1, "launch": {"matrix_instr_nonkdim": 16}}
-        return {"BH": 16, "BK": bf16_rows, "num_stages": bf16_stages, "launch": {"matrix_instr_nonkdim": 16}}
+            return {"BH": 16, "BK": 16, "num_stages": 1, "pipe": 0, "launch": {"matrix_instr_nonkdim": 16}}
+        return {"BH": 16, "BK": bf16_rows, "num_stages": bf16_stages, "pipe": 0, "launch": {"matrix_instr_nonkdim": 16}}
     return entry
 
 
@@ -102,7 +104,7 @@ TABLES = {
         "indexer": _indexer(1),             # bf16 65 KiB LDS; fp32 16 KiB
     },
     "other": {
-        "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1},
+        "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1, "pipe": 0},
         "mhc": {"num_stages": 1},
         "moe": _moe(32, 1),
         "wo_a": _wo_a,
