@@ -465,21 +465,14 @@ DECODES = ("join", "scaled")
 FP8_PATHS = ("cvt", "via_f32")
 
 
-def _via(fmt: int) -> dict:
-    """The VIA32 launch keyword for a weight format: passed only when set (the default launch keeps
-    its arguments and code)."""
-    return {"VIA32": True} if fmt == FP8_BLOCK and TUNE.get("fp8", FP8_PATHS[0]) == "via_f32" else {}
-
-
-def _scaled(fmt: int, f32: bool) -> bool:
-    """The SCALED constexpr: FP4 weights, TUNE fp4="scaled" and bf16 activations."""
-    mode = TUNE.get("fp4", DECODES[0])
-    if mode not in DECODES:
-        raise ValueError(f"moe_experts: TUNE fp4={mode!r} must be one of {DECODES}")
-    fp8 = TUNE.get("fp8", FP8_PATHS[0])
-    if fp8 not in FP8_PATHS:
-        raise ValueError(f"moe_experts: TUNE fp8={fp8!r} must be one of {FP8_PATHS}")
-    return fmt == FP4 and mode == "scaled" and not f32
+def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
+    """The SCALED / VIA32 launch keywords of one weight: SCALED for FP4 weights read by "scaled"
+    with bf16 activations; VIA32 for FP8 weights read "via_f32", passed only when set (the default
+    launch keeps its arguments and code)."""
+    keys = {"SCALED": fmt == FP4 and fp4 == "scaled" and not f32}
+    if fmt == FP8_BLOCK and fp8 == "via_f32":
+        keys["VIA32"] = True
+    return keys
 
 
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
@@ -500,9 +493,15 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
     fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
-    sc13, sc2 = _scaled(f13, f32), _scaled(f2, f32)
+    fp4_mode, fp8_mode = TUNE.get("fp4", DECODES[0]), TUNE.get("fp8", FP8_PATHS[0])
+    if fp4_mode not in DECODES:
+        raise ValueError(f"moe_experts: TUNE fp4={fp4_mode!r} must be one of {DECODES}")
+    if fp8_mode not in FP8_PATHS:
+        raise ValueError(f"moe_experts: TUNE fp8={fp8_mode!r} must be one of {FP8_PATHS}")
+    d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
     BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev),
-                                             plain=w13.dtype == w2.dtype == torch.bfloat16, scaled=sc13 or sc2,
+                                             plain=w13.dtype == w2.dtype == torch.bfloat16,
+                                             scaled=d13["SCALED"] or d2["SCALED"],
                                              big=shared_bytes(dev) >= BIG_TILE_SHARED)
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
@@ -517,13 +516,11 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu))](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        SCALED=sc13, BLK=f13 == FP8_BLOCK or (ieee and not sc13), num_warps=nw, num_stages=ns, **_via(f13),
-        **TUNE.options())
+        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd))](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        SCALED=sc2, BLK=f2 == FP8_BLOCK or (ieee and not sc2), num_warps=nw, num_stages=ns, **_via(f2),
-        **TUNE.options())
+        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2, **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4, **TUNE.options())
     return out
