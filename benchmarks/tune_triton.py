@@ -114,7 +114,24 @@ S20 = [
     ("hc_head", mhc, (4096,), [{}, {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}]),
     ("linear_lm_head", linear, (1,), [{}, {"BN": 32}, {}, {"BN": 128}]),
 ]
-SETS = {"all": SWEEPS, "s20": S20}
+
+# session 21: FP4 experts at decode batches (the e2e decode of the official weights spends 36 / 68 / 82 %
+# of its GPU time at batch 1 / 8 / 32 in the two expert GEMMs, e2e-decode-h200-official-s21.json):
+# "scaled"'s tiles, warps and stages around today's choice (BM 16, BNu 64, BNd 128, BK 128 while the
+# grid fits the target, 4 warps, 4 stages), "join" and the default repeated for the run's noise.
+# `--set s21`.
+_S = {"fp4": "scaled", "BK": 128}
+S21 = [
+    ("moe_experts_fp4", moe, (1, 8, 32, 64), [
+        {}, _FP4, _S, {**_S, "num_warps": 8}, {**_S, "num_stages": 2}, {**_S, "num_stages": 3},
+        {**_S, "num_stages": 5}, {**_S, "BNu": 32}, {**_S, "BNu": 32, "num_warps": 8},
+        {**_S, "BNd": 64}, {**_S, "BNd": 256, "num_warps": 8}, {**_S, "BNu": 32, "BNd": 64},
+        {**_FP4, "BK": 256, "num_stages": 3}, {**_FP4, "BK": 64}, _FP4]),
+]
+# FP4 "group" (one unscaled e2m1 dot a 32-column group, the scale on its fp32 partial; the kernel
+# change is benchmarks/results/moe-fp4-group-s21.diff) lost and was not kept: even at T = 1, 8 %
+# faster at T = 8, 3.8x slower at T = 32 / 64, 12x at 4096 (tune-s21-h200-flash-read-fp4-group.json)
+SETS = {"all": SWEEPS, "s20": S20, "s21": S21}
 
 
 def _parts(timer, shapes, rows):

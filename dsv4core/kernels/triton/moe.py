@@ -436,6 +436,11 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         # 128-column K steps (H200, tune-s20-h200-flash-read-moe.json: 127.8 µs at T = 1 against
         # 141.4 with 64; at T = 64 the 64 step is faster, 623 against 718)
         long_k = few or (scaled and tiles * cdiv(I, BNu) <= programs)
+        # and 64-column down blocks while that grid fits too (115.6 µs at T = 1 against 128.6-130.9
+        # with 128; at T = 8 / 32 / 64, where it does not fit, 64 is 4 % faster to 4 % slower:
+        # tune-s21-h200-flash-read-fp4-decode.json, -fp4-group.json)
+        if scaled and tiles * cdiv(H, BNd) <= programs:
+            BNd = min(BNd, 64)
         cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
     if TUNE:
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
