@@ -131,7 +131,20 @@ S21 = [
 # FP4 "group" (one unscaled e2m1 dot a 32-column group, the scale on its fp32 partial; the kernel
 # change is benchmarks/results/moe-fp4-group-s21.diff) lost and was not kept: even at T = 1, 8 %
 # faster at T = 8, 3.8x slower at T = 32 / 64, 12x at 4096 (tune-s21-h200-flash-read-fp4-group.json)
-SETS = {"all": SWEEPS, "s20": S20, "s21": S21}
+# split K (moe TUNE "Su" over H for gate / up, "Sd" over I for down; session 21, not timed yet): at
+# decode batches the expert GEMMs run few programs of long K loops (T = 1: 6 row tiles x 32 N
+# blocks, 32 steps each), so each program's serial decode -> MMA -> wait chain may bound them, not
+# the bytes. `--set s22`.
+_SPL = [{}, {"Su": 2}, {"Su": 4}, {"Su": 8}, {"Sd": 2}, {"Sd": 4}, {"Su": 4, "Sd": 2}, {"Su": 4, "Sd": 4},
+        {"Su": 8, "Sd": 4}, {"Su": 4, "Sd": 2, "BNd": 128}, {}]
+S22 = [
+    ("moe_experts_fp4", moe, (1, 8, 32), _SPL),
+    ("moe_experts_fp8", moe, (1, 8), _SPL),
+    ("moe_experts", moe, (1, 8), [{}, {"Su": 2}, {"Su": 4}, {"Su": 4, "Sd": 2}, {}]),
+    ("moe_experts_shared", moe, (1, 8, 64), [{}, {"Su": 2}, {"Su": 4}, {"Su": 4, "Sd": 2}, {"Su": 8, "Sd": 4},
+                                             {"Su": 4, "Sd": 2, "BNu": 64, "BNd": 128}, {}]),
+]
+SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22}
 
 
 def _parts(timer, shapes, rows):

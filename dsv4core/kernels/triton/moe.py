@@ -32,7 +32,7 @@ from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8"))
+TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
@@ -165,12 +165,44 @@ def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
 
 
 @triton.jit
+def _k_range(valid, C, STEP: tl.constexpr, SPLIT: tl.constexpr):
+    """(first column, end column) of this program's K range: all of [0, C) without a split; with
+    one, split part program_id(2) of SPLIT parts, each a whole number of STEP-column steps (the
+    last parts may be short or empty). Tiles past the real count get an empty range."""
+    if SPLIT > 1:
+        span = tl.cdiv(tl.cdiv(C, SPLIT), STEP) * STEP
+        k_lo = tl.program_id(2) * span
+        return k_lo, tl.where(valid, tl.minimum(C, k_lo + span), k_lo)
+    else:
+        return 0, tl.where(valid, C, 0)
+
+
+@triton.jit
+def _act_from_parts(p_ptr, rows, ks, m, I, S: tl.constexpr, LIMIT: tl.constexpr):
+    """The SwiGLU activation [rows, ks] from S split-K partial sums of the gate / up GEMM (layout
+    [pairs, S, 2 I]: gate then up), summed in part order: what the up kernel's epilogue computes
+    when it holds the whole sum."""
+    base = p_ptr + rows[:, None] * (S * 2 * I) + ks[None, :]
+    g = tl.load(base, mask=m, other=0.0)
+    u = tl.load(base + I, mask=m, other=0.0)
+    for s in tl.static_range(1, S):
+        g += tl.load(base + s * 2 * I, mask=m, other=0.0)
+        u += tl.load(base + s * 2 * I + I, mask=m, other=0.0)
+    g = tl.minimum(g, LIMIT)
+    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                   EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False):
+                   EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
+                   SPLIT: tl.constexpr = 1):
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
-    by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale)."""
+    by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
+    (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
+    and the down kernel applies the SwiGLU (``_act_from_parts``)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -183,9 +215,9 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
     kk = tl.arange(0, BK)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    k_end = tl.where(valid, H, 0)  # tiles past the real count read nothing
+    k_lo, k_end = _k_range(valid, H, BK * KSUB, SPLIT)  # tiles past the real count read nothing
     # a step = KSUB sub-blocks summed into blk_*; FP8: exactly one 128-column scale block
-    for k1 in range(0, k_end, BK * KSUB):
+    for k1 in range(k_lo, k_end, BK * KSUB):
         blk_g = tl.zeros([BM, BN], dtype=tl.float32)
         blk_u = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
@@ -220,20 +252,28 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         elif BLK:
             acc_g += blk_g  # two-level fp32 accumulation (KSUB blocks, then the running sum)
             acc_u += blk_u
-    g = tl.minimum(acc_g, limit)
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    a = g * tl.sigmoid(g) * u
-    tl.store(a_ptr + rows.to(tl.int64)[:, None] * I + n[None, :], a, mask=rm[:, None] & nm[None, :])
+    if SPLIT > 1:
+        part = a_ptr + rows.to(tl.int64)[:, None] * (SPLIT * 2 * I) + tl.program_id(2) * 2 * I + n[None, :]
+        tl.store(part, acc_g, mask=rm[:, None] & nm[None, :])
+        tl.store(part + I, acc_u, mask=rm[:, None] & nm[None, :])
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        a = g * tl.sigmoid(g) * u
+        tl.store(a_ptr + rows.to(tl.int64)[:, None] * I + n[None, :], a, mask=rm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I,
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
-                     EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False):
+                     EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
+                     SPLIT: tl.constexpr = 1, SPLIT_IN: tl.constexpr = 1, LIMIT: tl.constexpr = 0.0):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
     under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
-    tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end)."""
+    tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end). SPLIT_IN > 1: a_ptr
+    holds the up kernel's split partial sums (the SwiGLU with clamp LIMIT applied here); SPLIT > 1:
+    split K over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -247,8 +287,8 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if SCALED:
         acc2 = tl.zeros([2 * BM, BN], dtype=tl.float32)   # rows (a_hi; a_lo)
-    k_end = tl.where(valid, I, 0)
-    for k1 in range(0, k_end, BK * KSUB):
+    k_lo, k_end = _k_range(valid, I, BK * KSUB, SPLIT)
+    for k1 in range(k_lo, k_end, BK * KSUB):
         blk = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
@@ -256,7 +296,10 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
             am = rm[:, None] & (ks < I)[None, :]
             if EVEN:
                 am = rm[:, None]
-            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            if SPLIT_IN > 1:
+                a = _act_from_parts(a_ptr, rows64, ks, am, I, SPLIT_IN, LIMIT)
+            else:
+                a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
             if SCALED:
                 a_hi, a_lo = _hi_lo(a)
                 acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
@@ -279,12 +322,17 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
             acc += blk
     if SCALED:
         acc = _sum_halves(acc2, BM)
-    tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
+    if SPLIT > 1:
+        tl.store(y_ptr + rows64[:, None] * (SPLIT * H) + tl.program_id(2) * H + hc[None, :], acc,
+                 mask=rm[:, None] & hm[None, :])
+    else:
+        tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
-                        BH: tl.constexpr, RNE: tl.constexpr):
+                        BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1):
+    """YS > 1: y holds the down kernel's split-K parts [pairs, YS, H], summed in part order."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     hc = hb * BH + tl.arange(0, BH)
@@ -298,7 +346,12 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
         wi = tl.load(wts_ptr + t * K + i)
         row = tl.load(inv_ptr + t * K + i).to(tl.int64)
         # a dropped slot's row (sorted last) holds no result: it is read, then never used
-        yv = tl.load(y_ptr + row * H + hc, mask=hm, other=0.0)
+        if YS > 1:
+            yv = tl.load(y_ptr + row * (YS * H) + hc, mask=hm, other=0.0)
+            for s in tl.static_range(1, YS):
+                yv += tl.load(y_ptr + row * (YS * H) + s * H + hc, mask=hm, other=0.0)
+        else:
+            yv = tl.load(y_ptr + row * H + hc, mask=hm, other=0.0)
         acc += tl.where(ok, wi * yv, 0.0)
     acc = tl.where(bad, float("nan"), acc)
     tl.store(out_ptr + t * H + hc, to_out(acc, out_ptr, RNE), mask=hm)
@@ -480,6 +533,22 @@ def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
     return keys
 
 
+#: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
+#: the down GEMM; default 1: no split). Parts are summed in a fixed order, so the result does not
+#: depend on scheduling; they give decode batches (few row tiles) more programs than N blocks do.
+MAX_SPLIT = 16
+
+
+def _splits() -> tuple[int, int]:
+    out = []
+    for key in ("Su", "Sd"):
+        v = TUNE.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SPLIT:
+            raise ValueError(f"moe_experts: TUNE {key}={v!r} must be an int in [1, {MAX_SPLIT}]")
+        out.append(v)
+    return out[0], out[1]
+
+
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     T, H = x.shape
     E = w13.shape[0]
@@ -510,22 +579,30 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
                                              big=shared_bytes(dev) >= BIG_TILE_SHARED)
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
+    Su, Sd = _splits()
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)
 
     ntiles = cdiv(P, BM) + min(E, P)  # upper bound on sum_e ceil(count_e / BM)
     LOGE = max(1, int(E).bit_length())
-    a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    _moe_up_kernel[(ntiles, cdiv(I, BNu))](
+    # split K: the up kernel's raw partial sums [P, Su, 2 I] (else the activation [P, I]), the down
+    # kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
+    a = torch.empty((P, Su, 2 * I) if Su > 1 else (P, I), dtype=torch.float32, device=dev)
+    y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
+    up_split = {"SPLIT": Su} if Su > 1 else {}
+    down_split = ({"SPLIT": Sd} if Sd > 1 else {}) | ({"SPLIT_IN": Su, "LIMIT": float(swiglu_limit)} if Su > 1 else {})
+    _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13, **TUNE.options())
-    _moe_down_kernel[(ntiles, cdiv(H, BNd))](
+        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13, **up_split,
+        **TUNE.options())
+    _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2, **TUNE.options())
+        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2, **down_split,
+        **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4, **TUNE.options())
+    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
+                                          **({"YS": Sd} if Sd > 1 else {}), **TUNE.options())
     return out
