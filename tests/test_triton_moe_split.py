@@ -1,12 +1,15 @@
 """moe_experts' split K (dsv4core/kernels/triton/moe.py, TUNE "Su" / "Sd"): with the gate / up GEMM
-split over H into Su parts (raw partial sums, the SwiGLU applied by the down kernel) and the down
-GEMM split over I into Sd parts (summed by the combine), every selected conformance case of the
-small shapes passes the conformance rule (selftest.check_case: kernel error vs an fp64 evaluation
-<= k * the reference's error + floor) under the Triton interpreter, for fp32 and bf16 activations
-and bf16 / fp32 / FP8 / FP4 weights (and FP4 "scaled"), dropped slots and the clamp. The splits
-make a short last part (Su = 3 over H = 256 in 32-column steps: 96 / 96 / 64) and an empty one
-(Sd = 3 over I = 64: 32 / 32 / 0; FP8's 128-column steps over H: 128 / 128 / 0). The launcher test checks grids, buffers and
-constexprs (no split: the launch of before, without the split keywords) and the TUNE checks.
+split over H into Su parts (raw partial sums; _moe_act_kernel sums them and applies the SwiGLU) and
+the down GEMM split over I into Sd parts (summed by the combine), the selected conformance cases of
+the small shapes (H = 256, I = 64) pass the conformance rule (selftest.check_case: kernel error vs
+an fp64 evaluation <= k * the reference's error + floor) under the Triton interpreter: fp32 and bf16
+activations, fp32 / bf16 / FP8 / FP4 weights (and FP4 "scaled"), dropped slots, the clamp.
+
+The parts (K steps: 32 columns with bf16 activations, 128 with fp32 ones and with FP8 weights):
+bf16 Su = 3 over H: 96 / 96 / 64 (a short last part), Sd = 2 over I: 32 / 32 (both nonempty: a
+combine that drops a part fails), Sd = 3: 32 / 32 / 0 (an empty part); fp32 Su = 2: 128 / 128,
+Su = 3: 128 / 128 / 0, Sd = 2: 64 / 0. The launcher test checks grids, buffers and constexprs (no
+split: the launch of before, without the split keywords) and the TUNE checks.
 """
 from __future__ import annotations
 
@@ -30,14 +33,15 @@ b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", ["moe_experts"])
 spec = catalogue()["moe_experts"]
 impl = b.impls["moe_experts"]
-picks = {torch.float32: ("T33-E8", "skip-negative-ids", "fp8-e8m0-T1", "fp4-T33"),
-         torch.bfloat16: ("T1-E8", "clamp-heavy", "fp4-T33", "fp4-w13-fp8-w2-T3")}
+# (cases, splits) per activation dtype; the parts each split makes are in the module docstring
+picks = {torch.float32: (("skip-negative-ids", "fp8-e8m0-T1"), ({"Su": 2}, {"Su": 3, "Sd": 2})),
+         torch.bfloat16: (("clamp-heavy", "fp4-T33", "fp4-w13-fp8-w2-T3"), ({"Su": 3}, {"Sd": 2}, {"Su": 2, "Sd": 3}))}
 results = []
-for dt, names in picks.items():
+for dt, (names, splits) in picks.items():
     cases = [c for c in iter_cases(spec, "small", dt, "cpu", 0) if c.name in names]
-    runs = [({"Su": 2}, c) for c in cases] + [({"Su": 3, "Sd": 3}, c) for c in cases]
+    runs = [(split, c) for split in splits for c in cases]
     if dt == torch.bfloat16:
-        runs += [({"Su": 3, "Sd": 3, "fp4": "scaled"}, c) for c in cases if c.name.startswith("fp4")]
+        runs += [({"Su": 3, "Sd": 2, "fp4": "scaled"}, c) for c in cases if c.name.startswith("fp4")]
     for tune, case in runs:
         moe.TUNE.clear()
         moe.TUNE.update(tune)
@@ -50,8 +54,8 @@ json.dump({"cases": results}, open(sys.argv[1], "w"))
 
 def test_split_k_passes_the_conformance_rule_in_interpreter(tmp_path):
     rep = interpreted_report(_SCRIPT, tmp_path, "moe_split")
-    # 4 cases x 2 splits per dtype, and the 2 FP4 cases with "scaled" at bf16
-    assert len(rep["cases"]) == 2 * 4 * 2 + 2
+    # fp32: 2 cases x 2 splits; bf16: 3 cases x 3 splits and the 2 FP4 cases with "scaled"
+    assert len(rep["cases"]) == 2 * 2 + 3 * 3 + 2
     bad = [c for c in rep["cases"] if c["status"] != "pass"]
     assert not bad, bad
 
@@ -65,26 +69,34 @@ def test_split_k_launches(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
     x, ids, wts = torch.randn(T, H, generator=g), torch.randint(0, E, (T, k), generator=g), torch.rand(T, k, generator=g)
-    for name in ("_moe_align_kernel", "_moe_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"):
+    for name in ("_moe_align_kernel", "_moe_up_kernel", "_moe_act_kernel", "_moe_down_kernel", "_moe_combine_kernel"):
         monkeypatch.setattr(moe, name, Recorder())
-    split_keys = {"SPLIT", "SPLIT_IN", "LIMIT", "YS"}
+    split_keys = {"SPLIT", "YS"}
     try:
         for tune, (su, sd) in (({}, (1, 1)), ({"Su": 4}, (4, 1)), ({"Sd": 2}, (1, 2)), ({"Su": 3, "Sd": 5}, (3, 5))):
             moe.TUNE.clear()
             moe.TUNE.update(tune)
+            acts = len(moe._moe_act_kernel.launches)
             moe.moe_experts(x, ids, wts, w13, w2, 7.0)
             (ug, ua, ukw), (dg, da, dkw), (cg, ca, ckw) = (getattr(moe, n).launches[-1] for n in
                                                            ("_moe_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"))
+            assert len(moe._moe_act_kernel.launches) == acts + (su > 1), tune
             assert len(ug) == (3 if su > 1 else 2) and ug[2:] == ((su,) if su > 1 else ()), (tune, ug)
             assert len(dg) == (3 if sd > 1 else 2) and dg[2:] == ((sd,) if sd > 1 else ()), (tune, dg)
-            # the activation buffer (up's output, down's input) and the down results (combine's input)
+            # up's output: the activation (down's input), or the parts the activation kernel reads;
+            # the down results (combine's input)
             assert tuple(ua[4].shape) == ((T * k, su, 2 * I) if su > 1 else (T * k, I)), tune
-            assert ua[4] is da[0] and da[3] is ca[0]
+            assert tuple(da[0].shape) == (T * k, I) and da[3] is ca[0]
+            if su > 1:
+                ag, aa, akw = moe._moe_act_kernel.launches[-1]
+                assert aa[0] is ua[4] and aa[1] is da[0] and aa[3] == 7.0 and akw["S"] == su, tune
+                assert ag[0] == T * k and ag[1] * akw["BI"] >= I, tune
+            else:
+                assert ua[4] is da[0]
             assert tuple(da[3].shape) == ((T * k, sd, H) if sd > 1 else (T * k, H)), tune
             got = {n: kw for n, kw in (("up", ukw), ("down", dkw), ("combine", ckw))}
             assert {k_: v for k_, v in got["up"].items() if k_ in split_keys} == ({"SPLIT": su} if su > 1 else {})
-            want_down = ({"SPLIT": sd} if sd > 1 else {}) | ({"SPLIT_IN": su, "LIMIT": 7.0} if su > 1 else {})
-            assert {k_: v for k_, v in got["down"].items() if k_ in split_keys} == want_down, tune
+            assert {k_: v for k_, v in got["down"].items() if k_ in split_keys} == ({"SPLIT": sd} if sd > 1 else {})
             assert {k_: v for k_, v in got["combine"].items() if k_ in split_keys} == ({"YS": sd} if sd > 1 else {})
         for bad in (0, 17, 2.0, True, "2"):
             moe.TUNE.clear()

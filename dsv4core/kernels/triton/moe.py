@@ -19,8 +19,8 @@ halves for the tensor cores, ~16 mantissa bits), fp32 result per pair; (3) combi
 ``sum_i weights[t, i] * y[pair(t, i)]`` in slot order. No atomics: the result does not depend
 on scheduling. Expert ids >= E (which the HAL input check rejects) make that token's output NaN
 rather than silently dropping the slot. Split K (TUNE "Su" / "Sd", off by default): (1) stores raw
-gate / up partial sums and (2) applies the SwiGLU to their sum; (2) stores partial results and (3)
-sums them; every sum in a fixed part order.
+gate / up partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU;
+(2) stores partial results and (3) sums them; every sum in a fixed part order.
 """
 from __future__ import annotations
 
@@ -180,19 +180,22 @@ def _k_range(valid, C, STEP: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _act_from_parts(p_ptr, rows, ks, m, I, S: tl.constexpr, LIMIT: tl.constexpr):
-    """The SwiGLU activation [rows, ks] from S split-K partial sums of the gate / up GEMM (layout
-    [pairs, S, 2 I]: gate then up), summed in part order: what the up kernel's epilogue computes
-    when it holds the whole sum."""
-    base = p_ptr + rows[:, None] * (S * 2 * I) + ks[None, :]
+def _moe_act_kernel(p_ptr, a_ptr, I, limit, S: tl.constexpr, BI: tl.constexpr):
+    """Split K of the gate / up GEMM: the activation a [pairs, I] from the S partial sums
+    [pairs, S, 2 I] (gate then up), summed in part order, then what the up kernel's epilogue
+    computes when it holds the whole sum (clamp, SwiGLU). One program a (pair, BI columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    m = cols < I
+    base = p_ptr + row * (S * 2 * I) + cols
     g = tl.load(base, mask=m, other=0.0)
     u = tl.load(base + I, mask=m, other=0.0)
     for s in tl.static_range(1, S):
         g += tl.load(base + s * 2 * I, mask=m, other=0.0)
         u += tl.load(base + s * 2 * I + I, mask=m, other=0.0)
-    g = tl.minimum(g, LIMIT)
-    u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-    return g * tl.sigmoid(g) * u
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(a_ptr + row * I + cols, g * tl.sigmoid(g) * u, mask=m)
 
 
 @triton.jit
@@ -204,7 +207,7 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
     (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
-    and the down kernel applies the SwiGLU (``_act_from_parts``)."""
+    and ``_moe_act_kernel`` applies the SwiGLU."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -270,12 +273,11 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                      EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                     SPLIT: tl.constexpr = 1, SPLIT_IN: tl.constexpr = 1, LIMIT: tl.constexpr = 0.0):
+                     SPLIT: tl.constexpr = 1):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
     under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
-    tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end). SPLIT_IN > 1: a_ptr
-    holds the up kernel's split partial sums (the SwiGLU with clamp LIMIT applied here); SPLIT > 1:
-    split K over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them)."""
+    tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end). SPLIT > 1: split K
+    over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -298,10 +300,7 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
             am = rm[:, None] & (ks < I)[None, :]
             if EVEN:
                 am = rm[:, None]
-            if SPLIT_IN > 1:
-                a = _act_from_parts(a_ptr, rows64, ks, am, I, SPLIT_IN, LIMIT)
-            else:
-                a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
             if SCALED:
                 a_hi, a_lo = _hi_lo(a)
                 acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
@@ -491,9 +490,11 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         # 128-column K steps (H200, tune-s20-h200-flash-read-moe.json: 127.8 µs at T = 1 against
         # 141.4 with 64; at T = 64 the 64 step is faster, 623 against 718)
         long_k = few or (scaled and tiles * cdiv(I, BNu) <= programs)
-        # and 64-column down blocks while that grid fits too (115.6 µs at T = 1 against 128.6-130.9
-        # with 128; at T = 8 / 32 / 64, where it does not fit, 64 is 4 % faster to 4 % slower:
-        # tune-s21-h200-flash-read-fp4-decode.json, -fp4-group.json)
+        # and 64-column down blocks while the down grid of 128-column blocks fits the target too
+        # (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not
+        # fit, 64 is 4 % faster to 4 % slower: tune-s21-h200-flash-read-fp4-decode.json,
+        # -fp4-group.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too
+        # (GPU conformance: the small shapes' mixed case)
         if scaled and tiles * cdiv(H, BNd) <= programs:
             BNd = min(BNd, 64)
         cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
@@ -538,6 +539,7 @@ def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
 #: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
 #: the down GEMM; default 1: no split). Parts are summed in a fixed order, so the result does not
 #: depend on scheduling; they give decode batches (few row tiles) more programs than N blocks do.
+#: The parts cost fp32 buffers of pairs x Su x 2 I and pairs x Sd x H: meant for decode batches.
 MAX_SPLIT = 16
 
 
@@ -588,22 +590,24 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
 
     ntiles = cdiv(P, BM) + min(E, P)  # upper bound on sum_e ceil(count_e / BM)
     LOGE = max(1, int(E).bit_length())
-    # split K: the up kernel's raw partial sums [P, Su, 2 I] (else the activation [P, I]), the down
-    # kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
-    a = torch.empty((P, Su, 2 * I) if Su > 1 else (P, I), dtype=torch.float32, device=dev)
+    # split K: the up kernel's raw partial sums [P, Su, 2 I] (else straight the activation [P, I]),
+    # the down kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
+    a = torch.empty((P, I), dtype=torch.float32, device=dev)
+    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
-    up_split = {"SPLIT": Su} if Su > 1 else {}
-    down_split = ({"SPLIT": Sd} if Sd > 1 else {}) | ({"SPLIT_IN": Su, "LIMIT": float(swiglu_limit)} if Su > 1 else {})
     _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
-        x, tok, w13, _scale_arg(w13_scale, f13, e13, x), a, tcum, starts, E, H, I, float(swiglu_limit),
+        x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13, **up_split,
-        **TUNE.options())
+        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
+        **({"SPLIT": Su} if Su > 1 else {}), **TUNE.options())
+    if Su > 1:
+        BI = min(1024, triton.next_power_of_2(I))
+        _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2, **down_split,
-        **TUNE.options())
+        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
+        **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
                                           **({"YS": Sd} if Sd > 1 else {}), **TUNE.options())
