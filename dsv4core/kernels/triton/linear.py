@@ -152,7 +152,8 @@ MODES = {"dot": 0, "swap": 1}
 #: how FP8 e4m3 codes become the MMA's bf16 operand (TUNE key "fp8"; both give the same bf16
 #: values, so the same result bit for bit): "cvt" (default) converts e4m3 -> bf16, "via_f32"
 #: e4m3 -> fp32 -> bf16, a chain that some targets run with fewer conversion instructions (sm90
-#: SASS: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; not yet timed)
+#: SASS: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; on an H200 15-21 % faster, the CUDA
+#: plugin's table entry: tune-s21-h200-flash-read-fp8.json)
 FP8_PATHS = ("cvt", "via_f32")
 
 
@@ -170,8 +171,10 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
         return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
     if scaled and big and M >= 1024:
         # FP8 prefill: the converted weight tile feeds the MMA from registers (H200,
-        # tune-s20-h200-flash-read-linear.json: 1004 µs at T = 4096 against dot's 1132; the T
-        # from which it pays is not measured yet: the s20 sweep's T = 512 / 1024 / 2048 rows)
+        # tune-s20-h200-flash-read-linear.json: 1004 µs at T = 4096 against dot's 1132). With
+        # "cvt", swap is also 11 % faster at T = 512 (137.6 vs 155.5 µs) and even at 1024 / 2048
+        # (tune-s21-h200-flash-read-fp8.json; the threshold stays until timed with via_f32, with
+        # which swap and dot are even at 4096: 858.7 / 859.4)
         return "swap", 128, 128, 64, 8, 3
     return "dot", 128, 128, 64, 8, 3
 
