@@ -144,7 +144,17 @@ S22 = [
     ("moe_experts_shared", moe, (1, 8, 64), [{}, {"Su": 2}, {"Su": 4}, {"Su": 4, "Sd": 2}, {"Su": 8, "Sd": 4},
                                              {"Su": 4, "Sd": 2, "BNu": 64, "BNd": 128}, {}]),
 ]
-SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22}
+# Session 22: where split K pays (s22 timed -10 % for FP4 at T = 1 with Su 2 and -12-17 % for the
+# shared expert with Su 4 / Sd 2): the decode batches between, the shared expert's down split alone,
+# the default twice (the noise). `--set s23`.
+S23 = [
+    ("moe_experts_fp4", moe, (1, 2, 4, 8, 16), [{}, {"Su": 2}, {"Su": 4}, {}]),
+    ("moe_experts_fp8", moe, (1, 2, 4, 8), [{}, {"Su": 2}, {"Su": 2, "Sd": 2}, {}]),
+    ("moe_experts", moe, (1, 2, 4), [{}, {"Su": 2}, {}, {"Su": 2}]),
+    ("moe_experts_shared", moe, (1, 8, 64, 256), [{}, {"Sd": 2}, {"Sd": 4}, {"Sd": 8}, {"Su": 2, "Sd": 2},
+                                                  {"Su": 4, "Sd": 2}, {"Su": 2, "Sd": 4}, {"Su": 4, "Sd": 4}, {}]),
+]
+SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22, "s23": S23}
 
 
 def _parts(timer, shapes, rows):

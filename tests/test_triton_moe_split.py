@@ -105,3 +105,36 @@ def test_split_k_launches(monkeypatch):
                 moe.moe_experts(x, ids, wts, w13, w2, 7.0)
     finally:
         moe.TUNE.clear()
+
+
+def test_default_split_rule():
+    """`_split_rule` at Flash dims (H 4096, I 2048, top-6 of 256) with an H200's 264 target programs:
+    the two measured cases split (FP4 "scaled" gate / up at <= 96 pairs: Su 2; the shared expert at
+    the small-T tiles: Su 2, Sd 4), everything else does not; TUNE overrides either part."""
+    from dsv4core.kernels.triton import moe
+
+    H, I, progs = 4096, 2048, 264
+
+    def rule(P, E, *, fp8=False, scaled=False, plain=True, ieee=False, H=H, I=I):
+        cfg = moe._config(P, E, ieee, False, fp8, H, I, progs, plain=plain, scaled=scaled, big=True)
+        return moe._split_rule(P, E, H, I, cfg, progs, ieee, scaled)
+
+    for T in (1, 8, 64):
+        assert rule(T, 1) == (2, 4), T                       # the shared expert
+    assert rule(256, 1) == (1, 1)                            # BM 128: every split lost
+    for T in (1, 2, 4, 8, 16):
+        assert rule(6 * T, 256, scaled=True, plain=False) == (2, 1), T
+    assert rule(6 * 32, 256, scaled=True, plain=False) == (1, 1)
+    for T in (1, 8):
+        assert rule(6 * T, 256) == (1, 1) and rule(6 * T, 256, fp8=True, plain=False) == (1, 1), T
+    assert rule(1, 1, ieee=True) == (1, 1) and rule(6, 256, scaled=True, ieee=True) == (1, 1)
+    # short K: every part keeps >= 4 K steps (the small shapes: H 256, I 64, BK 128 -> no split)
+    assert rule(1, 1, H=256, I=64) == (1, 1) and rule(6, 16, scaled=True, plain=False, H=256, I=64) == (1, 1)
+    try:
+        moe.TUNE.clear()
+        moe.TUNE.update(Su=1)
+        assert moe._splits((2, 4)) == (1, 4)
+        moe.TUNE.update(Sd=2)
+        assert moe._splits((2, 4)) == (1, 2)
+    finally:
+        moe.TUNE.clear()

@@ -213,3 +213,12 @@ def _(shapes, dtype, device, gen):
                                         weights=torch.rand((T, k), generator=gen).to(device), w13=a13, w2=a2,
                                         swiglu_limit=10.0, w13_scale=s13, w2_scale=s2),
                    ("fp8",) if name.startswith("fp8") else ("fp4",))
+    # the shared expert as the model runs it: one expert, every token routed to it with weight 1 (a
+    # grid of few N blocks: the kernels' split-K decode launches); last, so the cases above keep
+    # their generator draws
+    w13s, w2s = w13[:1].clone(), w2[:1].clone()
+    for T in (1, 8):
+        yield Case(f"shared-expert-T{T}", dict(x=randn((T, H), gen, dtype, device, 3.0),
+                                               ids=torch.zeros((T, 1), dtype=torch.long, device=device),
+                                               weights=torch.ones((T, 1), device=device), w13=w13s, w2=w2s,
+                                               swiglu_limit=10.0))

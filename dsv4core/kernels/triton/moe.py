@@ -537,16 +537,52 @@ def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
 
 
 #: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
-#: the down GEMM; default 1: no split). Parts are summed in a fixed order, so the result does not
-#: depend on scheduling; they give decode batches (few row tiles) more programs than N blocks do.
-#: The parts cost fp32 buffers of pairs x Su x 2 I and pairs x Sd x H: meant for decode batches.
+#: the down GEMM; the default is `_split_rule`'s). Parts are summed in a fixed order, so the result
+#: does not depend on scheduling; they give decode batches (few row tiles) more programs than N
+#: blocks do. The parts cost fp32 buffers of pairs x Su x 2 I and pairs x Sd x H: meant for decode.
 MAX_SPLIT = 16
+#: the decode batches (pairs = tokens x top-k) where FP4 "scaled" gate / up weights split K in two
+#: by default: H200, Flash shapes, Su 2 against none at T = 1 / 2 / 4 / 8 / 16 (6-96 pairs):
+#: 105 / 164 / 273 / 387 / 420 µs against 116-117 / 217-220 / 290-293 / 392-398 / 438-443
+#: (tune-s23-h200-flash-read-split.json); at T = 32 (192 pairs) a tie, 625 against 623-633
+#: (tune-s22-h200-flash-read-split.json)
+SPLIT_FP4_PAIRS = 96
 
 
-def _splits() -> tuple[int, int]:
+def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee: bool, scaled_up: bool) -> tuple:
+    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, s22 / s23 sweeps);
+    everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
+      * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
+      * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
+        the shared expert, one expert for every token) while the rows take the small-T tiles
+        (P <= 64 E): Su 2 and Sd 4, each kept while the split grid fits the target programs
+        (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 and Sd 2 / 8 are
+        0.5-2.5 µs slower; at T = 256, BM 128, every split loses: 73.7 against 77-98).
+    A part keeps at least 4 K steps. Not under the IEEE path (fp32 / the interpreter): untimed."""
+    if ieee:
+        return 1, 1
+    BM, BNu, BNd, BK = cfg[:4]
+    tiles = max(min(E, P), cdiv(P, BM))
+    Su = Sd = 1
+    few = tiles * cdiv(I, 64) < programs // 2
+    if few and P <= 64 * E:
+        Su = 2 if tiles * cdiv(I, BNu) * 2 <= programs else 1
+        Sd = next((s for s in (4, 2) if tiles * cdiv(H, BNd) * s <= programs), 1)
+    elif scaled_up and P <= SPLIT_FP4_PAIRS:
+        Su = 2
+    # at least 4 K steps a part (gate / up: K = H; down: K = I)
+    while Su > 1 and cdiv(H, BK) < 4 * Su:
+        Su //= 2
+    while Sd > 1 and cdiv(I, BK) < 4 * Sd:
+        Sd //= 2
+    return Su, Sd
+
+
+def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
+    """(Su, Sd): TUNE's where set (validated), else ``default`` (`_split_rule`'s)."""
     out = []
-    for key in ("Su", "Sd"):
-        v = TUNE.get(key, 1)
+    for key, d in zip(("Su", "Sd"), default):
+        v = TUNE.get(key, d)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SPLIT:
             raise ValueError(f"moe_experts: TUNE {key}={v!r} must be an int in [1, {MAX_SPLIT}]")
         out.append(v)
@@ -577,13 +613,13 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     if fp8_mode not in FP8_PATHS:
         raise ValueError(f"moe_experts: TUNE fp8={fp8_mode!r} must be one of {FP8_PATHS}")
     d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
-    BM, BNu, BNd, BK, nw, ns, KSUB = _config(P, E, ieee, f32, fp8, H, I, target_programs(dev),
-                                             plain=w13.dtype == w2.dtype == torch.bfloat16,
-                                             scaled=d13["SCALED"] or d2["SCALED"],
-                                             big=shared_bytes(dev) >= BIG_TILE_SHARED)
+    programs = target_programs(dev)
+    cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=w13.dtype == w2.dtype == torch.bfloat16,
+                  scaled=d13["SCALED"] or d2["SCALED"], big=shared_bytes(dev) >= BIG_TILE_SHARED)
+    BM, BNu, BNd, BK, nw, ns, KSUB = cfg
     if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
-    Su, Sd = _splits()
+    Su, Sd = _splits(_split_rule(P, E, H, I, cfg, programs, ieee, bool(d13["SCALED"])))
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)
