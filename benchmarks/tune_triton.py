@@ -154,19 +154,7 @@ S23 = [
     ("moe_experts_shared", moe, (1, 8, 64, 256), [{}, {"Sd": 2}, {"Sd": 4}, {"Sd": 8}, {"Su": 2, "Sd": 2},
                                                   {"Su": 4, "Sd": 2}, {"Su": 2, "Sd": 4}, {"Su": 4, "Sd": 4}, {}]),
 ]
-# Session 22: FP4 "planes" (no interleave) with the CUDA plugin's packed PTX decode
-# (dsv4core_cuda/fp4.py) against the table's "scaled", and the portable planes decode. `--set s24`.
-try:
-    from dsv4core_cuda.fp4 import fp4_planes_sm90
-except ImportError:        # no CUDA plugin (CPU checks of the rows): the PTX rows are left out
-    fp4_planes_sm90 = None
-_PTX = [{"fp4": "planes", "fp4_decode": fp4_planes_sm90, **t}
-        for t in ({}, {"BK": 128}, {"BK": 128, "Su": 2}, {"num_warps": 8})] if fp4_planes_sm90 else []
-S24 = [
-    ("moe_experts_fp4", moe, (1, 8, 32, 64), [{}, *_PTX, {"fp4": "planes"}, {}]),
-    ("moe_experts_fp4", moe, (4096,), [{}, *_PTX[:2], {}]),
-]
-SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22, "s23": S23, "s24": S24}
+SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22, "s23": S23}
 
 
 def _parts(timer, shapes, rows):
@@ -182,11 +170,6 @@ def _parts(timer, shapes, rows):
         r = dict(op="hc_pre[mix kernel only]", T=T, cfg={}, us=t * 1e6, GBps=mix_bytes / t / 1e9)
         rows.append(r)
         print(json.dumps(r), flush=True)
-
-
-def _named(cfg: dict) -> dict:
-    """A sweep row's settings for the JSON: functions (a plugin's decode) by name."""
-    return {k: getattr(v, "__name__", v) if callable(v) else v for k, v in cfg.items()}
 
 
 def _rel_diff(out, base) -> float:
@@ -225,10 +208,10 @@ def main(argv=None):
                     try:
                         t = timer.time(lambda: impl.fn(**case.kwargs), reps=15, graph=case.graphable)
                         diff = _rel_diff(impl.fn(**case.kwargs), base)
-                        r = dict(op=op, T=T, cfg=_named(v), flush=a.flush, us=t * 1e6, GBps=case.bytes / t / 1e9,
+                        r = dict(op=op, T=T, cfg=v, flush=a.flush, us=t * 1e6, GBps=case.bytes / t / 1e9,
                                  TFLOPs=case.flops / t / 1e12, graphed=timer.last_graphed, diff=diff)
                     except Exception as e:  # noqa: BLE001
-                        r = dict(op=op, T=T, cfg=_named(v), error=f"{type(e).__name__}: {str(e)[:160]}")
+                        r = dict(op=op, T=T, cfg=v, error=f"{type(e).__name__}: {str(e)[:160]}")
                     rows.append(r)
                     print(json.dumps(r), flush=True)
                     if a.json:  # keep what was measured if the run is cut short

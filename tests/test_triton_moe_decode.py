@@ -80,8 +80,7 @@ custom = dict(x=None, ids=ids, weights=torch.rand(T, k, generator=g), w13=w13, w
 suite = {c.name: c for c in iter_cases(spec, "small", torch.float32, "cpu", 0)}
 suite16 = {c.name: c for c in iter_cases(spec, "small", torch.bfloat16, "cpu", 0)}
 results = []
-for v, dt in (({}, torch.float32), ({}, torch.bfloat16), ({"fp4": "scaled"}, torch.bfloat16),
-              ({"fp4": "planes"}, torch.bfloat16)):
+for v, dt in (({}, torch.float32), ({}, torch.bfloat16), ({"fp4": "scaled"}, torch.bfloat16)):
     kw = dict(custom, x=torch.randn(T, H, generator=g).to(dt) * 3)
     mixed = (suite if dt == torch.float32 else suite16)["fp4-w13-fp8-w2-T3"].kwargs
     for name, case in (("fp4-varied-scales", kw), ("fp4-w13-fp8-w2-T3", mixed)):
@@ -101,7 +100,7 @@ def test_decode_variants_pass_the_conformance_rule_in_interpreter(tmp_path):
     assert rep["join_byte255"] == ["nan"] * 16   # codes 0..15: NaN, as the reference
     assert rep["join_bf16_inexact"] == 0
     assert rep["join_subnormals"] > 0             # the table reached bf16 subnormals (scale bytes 0 / 1)
-    assert len(rep["cases"]) == 4 * 2
+    assert len(rep["cases"]) == 3 * 2
     bad = [c for c in rep["cases"] if c["status"] != "pass"]
     assert not bad, bad
 
@@ -126,9 +125,7 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
     want = {((), "fp8"): (False, True, False, True),
             ((("fp4", "join"),), "fp8"): (False, True, False, True),
             ((("fp4", "scaled"),), "fp8"): (True, False, False, True),
-            ((("fp4", "scaled"),), "fp4"): (True, False, True, False),
-            ((("fp4", "planes"),), "fp8"): (False, False, False, True),
-            ((("fp4", "planes"),), "fp4"): (False, False, False, False)}
+            ((("fp4", "scaled"),), "fp4"): (True, False, True, False)}
     try:
         for (tune, f2), exp in want.items():
             w2, s2 = q8 if f2 == "fp8" else q4d
@@ -139,17 +136,6 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
                 up, down = moe._moe_up_kernel.launches[-1][2], moe._moe_down_kernel.launches[-1][2]
                 got = (up["SCALED"], up["BLK"], down["SCALED"], down["BLK"])
                 assert got == (exp if dt == torch.bfloat16 else (False, True, False, True)), (tune, f2, dt)
-                # "planes": PLANES and its decode (the portable one by default) reach each FP4 weight's
-                # kernel with bf16 activations only
-                planes = dict(tune).get("fp4") == "planes" and dt == torch.bfloat16
-                assert (up.get("PLANES", False), down.get("PLANES", False)) == (planes, planes and f2 == "fp4")
-                assert up.get("DEC") is (moe.fp4_planes if planes else None), (tune, f2, dt)
-        # a plugin's decode (TUNE "fp4_decode") replaces the portable one
-        moe.TUNE.clear()
-        moe.TUNE.update(fp4="planes", fp4_decode=moe._fp4_values)
-        moe.moe_experts(torch.zeros(2, H, dtype=torch.bfloat16), ids, wts, q4[0], q4d[0], 10.0, q4[1], q4d[1])
-        assert moe._moe_up_kernel.launches[-1][2]["DEC"] is moe._fp4_values
-        assert moe._moe_down_kernel.launches[-1][2]["DEC"] is moe._fp4_values
         # TUNE fp8 "via_f32": VIA32 reaches the kernel of each FP8 weight only (absent otherwise)
         for tune, want_via in (({}, (False, False)), ({"fp8": "via_f32"}, (False, True))):
             moe.TUNE.clear()
@@ -164,7 +150,7 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
         for bad in ("interleave", "split"):            # "split" (session 19) lost on the H200: removed
             moe.TUNE.clear()
             moe.TUNE.update(fp4=bad)
-            with pytest.raises(ValueError, match=rf"moe_experts: TUNE fp4='{bad}' must be one of \('join', 'scaled', 'planes'\)"):
+            with pytest.raises(ValueError, match=rf"moe_experts: TUNE fp4='{bad}' must be one of \('join', 'scaled'\)"):
                 moe.moe_experts(torch.zeros(2, H), ids, wts, q4[0], q8[0], 10.0, q4[1], q8[1])
     finally:
         moe.TUNE.clear()

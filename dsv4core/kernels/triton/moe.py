@@ -35,7 +35,7 @@ from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp4_decode", "fp8", "Su", "Sd"))
+TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
@@ -115,35 +115,6 @@ def _scaled_dot(a, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr
     low nibble first) with the UE8M0 scales as the microscales."""
     b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
     acc = tl.dot_scaled(a, None, "bf16", tl.trans(b), sb, "e2m1", acc)
-    return acc
-
-
-@triton.jit
-def fp4_planes(b, sb):
-    """The portable FP4 "planes" decode: packed bytes ``b`` [R, BK/2] (uint8) and their UE8M0 scale
-    bytes ``sb`` [R, BK/32] (uint8) -> (low nibbles, high nibbles), each [R, BK/2], the exact
-    scaled values (fp32 here; a plugin's decode, TUNE "fp4_decode", may return bf16: every e2m1
-    value times a power of two in bf16's range is a bf16 value)."""
-    bi = b.to(tl.int32) & 0xFF
-    si = sb.to(tl.int32) & 0xFF
-    si = tl.reshape(tl.broadcast_to(si[:, :, None], (b.shape[0], b.shape[1] // 16, 16)), (b.shape[0], b.shape[1]))
-    return _fp4_values(bi & 0xF, si), _fp4_values(bi >> 4, si)
-
-
-@triton.jit
-def _planes_dot(xe, xo, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr, EVEN: tl.constexpr,
-                DEC: tl.constexpr, IEEE: tl.constexpr):
-    """FP4 "planes": acc + x @ W^T without interleaving the nibbles: the even columns ``xe`` of the
-    activation [M, BK/2] against the low nibbles, the odd ones ``xo`` against the high nibbles,
-    each plane decoded by ``DEC`` (see fp4_planes)."""
-    b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
-    lo, hi = DEC(b, sb)
-    if IEEE:
-        acc += tl.dot(xe.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee")
-        acc += tl.dot(xo.to(tl.float32), tl.trans(hi.to(tl.float32)), input_precision="ieee")
-    else:
-        acc = tl.dot(xe.to(tl.bfloat16), tl.trans(lo.to(tl.bfloat16)), acc)
-        acc = tl.dot(xo.to(tl.bfloat16), tl.trans(hi.to(tl.bfloat16)), acc)
     return acc
 
 
@@ -233,8 +204,8 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                    EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                   SPLIT: tl.constexpr = 1, PLANES: tl.constexpr = False, DEC: tl.constexpr = None):
-    """PLANES: FP4 weights as two nibble planes (``_planes_dot``, decoded by DEC). SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
+                   SPLIT: tl.constexpr = 1):
+    """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
     (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
     and ``_moe_act_kernel`` applies the SwiGLU."""
@@ -257,40 +228,30 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         blk_u = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
-            if PLANES:
-                ke = k0 + 2 * tl.arange(0, BK // 2)     # even columns (H is even: FP4)
-                xm = rm[:, None] & (ke < H)[None, :]
-                if EVEN:
-                    xm = rm[:, None]
-                xe = tl.load(x_ptr + tok[:, None] * H + ke[None, :], mask=xm, other=0.0)
-                xo = tl.load(x_ptr + tok[:, None] * H + ke[None, :] + 1, mask=xm, other=0.0)
-                acc_g = _planes_dot(xe, xo, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN, DEC, IEEE)
-                acc_u = _planes_dot(xe, xo, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN, DEC, IEEE)
+            ks = k0 + kk
+            xm = rm[:, None] & (ks < H)[None, :]
+            if EVEN:
+                xm = rm[:, None]
+            xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
+            if SCALED:
+                xa = xa.to(tl.bfloat16)
+                acc_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN)
+                acc_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN)
             else:
-                ks = k0 + kk
-                xm = rm[:, None] & (ks < H)[None, :]
-                if EVEN:
-                    xm = rm[:, None]
-                xa = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=xm, other=0.0)
-                if SCALED:
+                wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
+                wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
+                if IEEE:
+                    xa = xa.to(tl.float32)
+                    blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
+                    blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
+                elif FMT == 1:
                     xa = xa.to(tl.bfloat16)
-                    acc_g = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, acc_g, BK, EVEN)
-                    acc_u = _scaled_dot(xa, w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, acc_u, BK, EVEN)
+                    blk_g = tl.dot(xa, tl.trans(wg), blk_g)
+                    blk_u = tl.dot(xa, tl.trans(wu), blk_u)
                 else:
-                    wg = _w_tile(w13_ptr, s13_ptr, e, n64, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
-                    wu = _w_tile(w13_ptr, s13_ptr, e, n64 + I, nm, k0, H, 2 * I, BK, EVEN, FMT, IEEE, VIA32)
-                    if IEEE:
-                        xa = xa.to(tl.float32)
-                        blk_g += tl.dot(xa, tl.trans(wg), input_precision="ieee")
-                        blk_u += tl.dot(xa, tl.trans(wu), input_precision="ieee")
-                    elif FMT == 1:
-                        xa = xa.to(tl.bfloat16)
-                        blk_g = tl.dot(xa, tl.trans(wg), blk_g)
-                        blk_u = tl.dot(xa, tl.trans(wu), blk_u)
-                    else:
-                        xa = xa.to(tl.bfloat16)
-                        acc_g = tl.dot(xa, tl.trans(wg), acc_g)
-                        acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+                    xa = xa.to(tl.bfloat16)
+                    acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                    acc_u = tl.dot(xa, tl.trans(wu), acc_u)
         if FMT == 1:
             acc_g += blk_g * _fp8_scale(s13_ptr, e, n64, nm, k1, 2 * I, H, E8M0)[None, :]
             acc_u += blk_u * _fp8_scale(s13_ptr, e, n64 + I, nm, k1, 2 * I, H, E8M0)[None, :]
@@ -313,9 +274,9 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                      EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                     SPLIT: tl.constexpr = 1, PLANES: tl.constexpr = False, DEC: tl.constexpr = None):
+                     SPLIT: tl.constexpr = 1):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
-    under SCALED (FP4 "scaled") or PLANES (off IEEE) the halves are stacked into one [2 BM, BK] operand of a single
+    under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
     tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end). SPLIT > 1: split K
     over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them)."""
     j = tl.program_id(0)
@@ -329,54 +290,39 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
     hc64 = hc.to(tl.int64)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if SCALED or (PLANES and not IEEE):
+    if SCALED:
         acc2 = tl.zeros([2 * BM, BN], dtype=tl.float32)   # rows (a_hi; a_lo)
     k_lo, k_end = _k_range(valid, I, BK * KSUB, SPLIT)
     for k1 in range(k_lo, k_end, BK * KSUB):
         blk = tl.zeros([BM, BN], dtype=tl.float32)
         for kin in tl.static_range(KSUB):
             k0 = k1 + kin * BK
-            if PLANES:
-                ke = k0 + 2 * tl.arange(0, BK // 2)     # even columns (I is even: FP4)
-                am = rm[:, None] & (ke < I)[None, :]
-                if EVEN:
-                    am = rm[:, None]
-                ae = tl.load(a_ptr + rows64[:, None] * I + ke[None, :], mask=am, other=0.0)
-                ao = tl.load(a_ptr + rows64[:, None] * I + ke[None, :] + 1, mask=am, other=0.0)
-                if IEEE:
-                    acc = _planes_dot(ae, ao, w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc, BK, EVEN, DEC, IEEE)
-                else:
-                    ae_hi, ae_lo = _hi_lo(ae)
-                    ao_hi, ao_lo = _hi_lo(ao)
-                    acc2 = _planes_dot(_stack_rows(ae_hi, ae_lo), _stack_rows(ao_hi, ao_lo), w2_ptr, s2_ptr, e, hc64,
-                                       hm, k0, I, H, acc2, BK, EVEN, DEC, IEEE)
+            ks = k0 + kk
+            am = rm[:, None] & (ks < I)[None, :]
+            if EVEN:
+                am = rm[:, None]
+            a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
+            if SCALED:
+                a_hi, a_lo = _hi_lo(a)
+                acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
             else:
-                ks = k0 + kk
-                am = rm[:, None] & (ks < I)[None, :]
-                if EVEN:
-                    am = rm[:, None]
-                a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
-                if SCALED:
-                    a_hi, a_lo = _hi_lo(a)
-                    acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
+                w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE, VIA32)
+                if IEEE:
+                    blk += tl.dot(a, tl.trans(w), input_precision="ieee")
                 else:
-                    w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE, VIA32)
-                    if IEEE:
-                        blk += tl.dot(a, tl.trans(w), input_precision="ieee")
+                    a_hi = a.to(tl.bfloat16)
+                    a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+                    if FMT == 1:
+                        blk = tl.dot(a_hi, tl.trans(w), blk)
+                        blk = tl.dot(a_lo, tl.trans(w), blk)
                     else:
-                        a_hi = a.to(tl.bfloat16)
-                        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-                        if FMT == 1:
-                            blk = tl.dot(a_hi, tl.trans(w), blk)
-                            blk = tl.dot(a_lo, tl.trans(w), blk)
-                        else:
-                            acc = tl.dot(a_hi, tl.trans(w), acc)
-                            acc = tl.dot(a_lo, tl.trans(w), acc)
+                        acc = tl.dot(a_hi, tl.trans(w), acc)
+                        acc = tl.dot(a_lo, tl.trans(w), acc)
         if FMT == 1:
             acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
         elif BLK:
             acc += blk
-    if SCALED or (PLANES and not IEEE):
+    if SCALED:
         acc = _sum_halves(acc2, BM)
     if SPLIT > 1:
         tl.store(y_ptr + rows64[:, None] * (SPLIT * H) + tl.program_id(2) * H + hc[None, :], acc,
@@ -572,15 +518,10 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:       fp32 activations (the IEEE path) read FP4 as "join". In the down GEMM it stacks a_hi /
 #:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
 #:       the [2 BM, BNd] accumulator at the end;
-#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved;
-#:   "planes": no interleave: the even activation columns against the low-nibble plane, the odd ones
-#:       against the high one (`_planes_dot`), each plane decoded by TUNE "fp4_decode" (a
-#:       ``@triton.jit`` function with `fp4_planes`'s contract: a plugin may pass its own, e.g.
-#:       packed integer code for its target; default `fp4_planes`, exact). bf16 activations only.
+#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
 #: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
-#: at T = 64; the FP4 "split" decode of session 19, "planes" with an integer decode in Triton, lost
-#: at 207 µs at T = 1; FP8 "scaled" lost too.)
-DECODES = ("join", "scaled", "planes")
+#: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
+DECODES = ("join", "scaled")
 #: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
 #: values): linear's FP8_PATHS (imported above), which says why
 
@@ -590,8 +531,6 @@ def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
     with bf16 activations; VIA32 for FP8 weights read "via_f32", passed only when set (the default
     launch keeps its arguments and code)."""
     keys = {"SCALED": fmt == FP4 and fp4 == "scaled" and not f32}
-    if fmt == FP4 and fp4 == "planes" and not f32:
-        keys.update(PLANES=True, DEC=TUNE.get("fp4_decode") or fp4_planes)
     if fmt == FP8_BLOCK and fp8 == "via_f32":
         keys["VIA32"] = True
     return keys
@@ -695,7 +634,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"] and "PLANES" not in d13), num_warps=nw, num_stages=ns, **d13,
+        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
         **({"SPLIT": Su} if Su > 1 else {}), **TUNE.options())
     if Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
@@ -703,7 +642,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"] and "PLANES" not in d2), num_warps=nw, num_stages=ns, **d2,
+        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
         **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
