@@ -154,7 +154,13 @@ S23 = [
     ("moe_experts_shared", moe, (1, 8, 64, 256), [{}, {"Sd": 2}, {"Sd": 4}, {"Sd": 8}, {"Su": 2, "Sd": 2},
                                                   {"Su": 4, "Sd": 2}, {"Su": 2, "Sd": 4}, {"Su": 4, "Sd": 4}, {}]),
 ]
-SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22, "s23": S23}
+# Session 22, after the split rule (Su 2 by default for FP4 "scaled" at <= 96 pairs): the T = 1
+# tile rules (BK 128, BNd 64) at the decode batches above T = 1, and Su 4. `--set s25`.
+S25 = [
+    ("moe_experts_fp4", moe, (2, 4, 8, 16), [{}, {"BK": 128}, {"BNd": 64}, {"BK": 128, "BNd": 64}, {"Su": 4},
+                                             {"BK": 128, "Su": 4}, {}]),
+]
+SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": S22, "s23": S23, "s25": S25}
 
 
 def _parts(timer, shapes, rows):
