@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -34,6 +35,30 @@ def test_cli_reference_subset_writes_all_reports(tmp_path, capsys):
     root = ET.parse(x).getroot()
     assert int(root.get("tests")) == sum(len(o["cases"]) for o in data["ops"]) and root.get("failures") == "0"
     assert "| rms_norm | passed |" in m.read_text()
+    # which code ran: the digest of the dsv4core sources (the reference backend: nothing else)
+    import dsv4core
+    from dsv4core.conformance.runner import tree_digest
+    assert data["sources"] == {"dsv4core": tree_digest(Path(dsv4core.__file__).parent)}
+    assert f"sources: dsv4core {data['sources']['dsv4core']}" in out
+
+
+def test_tree_digest_follows_paths_and_bytes(tmp_path):
+    """tree_digest changes with a file's bytes, with its path, and with a new .py file; not with
+    other files."""
+    from dsv4core.conformance.runner import tree_digest
+
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 2\n")
+    d0 = tree_digest(tmp_path / "pkg")
+    assert len(d0) == 16 and d0 == tree_digest(tmp_path / "pkg")
+    (tmp_path / "pkg" / "notes.txt").write_text("ignored")
+    assert tree_digest(tmp_path / "pkg") == d0
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    d1 = tree_digest(tmp_path / "pkg")
+    assert d1 != d0
+    (tmp_path / "pkg" / "sub" / "b.py").rename(tmp_path / "pkg" / "b.py")
+    assert tree_digest(tmp_path / "pkg") != d1
 
 
 @pytest.mark.parametrize("argv, what", [

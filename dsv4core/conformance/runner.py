@@ -18,12 +18,14 @@ Nothing here imports a backend's module other than through :func:`dsv4core.hal.d
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
+import sys
 import time
 import traceback
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -169,6 +171,8 @@ class Report:
     world_sizes: tuple[int, ...] = ()
     #: implemented collectives checked in one process only (identities: a gap)
     single_process_collectives: list[str] = field(default_factory=list)
+    #: which code ran: a digest of the Python sources of each package involved (source_digests)
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -244,12 +248,43 @@ class Report:
                 "backend": self.backend, "backend_version": self.backend_version, "device": self.device,
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
-                "date": self.date, "failed": self.failed, "complete": self.complete, "verified": self.verified,
+                "date": self.date, "sources": self.sources, "failed": self.failed, "complete": self.complete, "verified": self.verified,
                 "all_ops": self.all_ops, "require_all": self.require_all, "world_sizes": list(self.world_sizes), "verdict": self.verdict(),
                 "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),
                 "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
                                    "declined": o.count(DECLINED)} for o in self.ops},
                 "model": self.model, "ops": [o.as_dict() for o in self.ops]}
+
+
+def tree_digest(root) -> str:
+    """sha256 (first 16 hex digits) over the ``*.py`` files under ``root``: their paths relative to
+    it and their bytes, in path order. Identifies the code a report verified where no git
+    checkout is at hand (an installed package on a lent GPU machine)."""
+    from pathlib import Path
+
+    root = Path(root)
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_digests(backend: Backend) -> dict[str, str]:
+    """{package: tree_digest} for dsv4core, the package whose entry point made ``backend`` (a
+    plugin: its launch tables) and each top-level package holding one of its op implementations."""
+    from pathlib import Path
+
+    import dsv4core
+
+    roots = {"dsv4core": Path(dsv4core.__file__).parent}
+    st = discover().get(backend.name)           # a plugin's source: "<distribution> (<module>)"
+    entry = st.source.rpartition("(")[2].rstrip(")") if st is not None and "(" in st.source else ""
+    for mod_name in (entry, *(getattr(impl.fn, "__module__", "") for impl in backend.impls.values())):
+        top = mod_name.split(".")[0]
+        mod = sys.modules.get(top)
+        if top and top not in roots and getattr(mod, "__file__", None):
+            roots[top] = Path(mod.__file__).parent
+    return {name: tree_digest(root) for name, root in sorted(roots.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,7 +526,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         raise ConformanceError(f"bad --device {device!r}: {e}") from None
     specs = catalogue()
     report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed,
-                    all_ops=set(op_names) == set(specs),
+                    all_ops=set(op_names) == set(specs), sources=source_digests(be),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t_all = time.perf_counter()
     for name in op_names:
