@@ -18,9 +18,10 @@ epilogue, fp32 activation stored per pair; (2) down GEMM (the fp32 activation sp
 halves for the tensor cores, ~16 mantissa bits), fp32 result per pair; (3) combine: per token,
 ``sum_i weights[t, i] * y[pair(t, i)]`` in slot order. No atomics: the result does not depend
 on scheduling. Expert ids >= E (which the HAL input check rejects) make that token's output NaN
-rather than silently dropping the slot. Split K (TUNE "Su" / "Sd", off by default): (1) stores raw
-gate / up partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU;
-(2) stores partial results and (3) sums them; every sum in a fixed part order.
+rather than silently dropping the slot. Split K (TUNE "Su" / "Sd"; by default where
+``_split_rule`` says: FP4 "scaled" decode batches, the shared expert): (1) stores raw gate / up
+partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU; (2) stores
+partial results and (3) sums them; every sum in a fixed part order.
 """
 from __future__ import annotations
 
