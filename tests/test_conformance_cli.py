@@ -243,3 +243,35 @@ def test_patching_runner_load_backend_does_not_leak_into_the_package(monkeypatch
         m.setattr(runner, "load_backend", lambda name, device="cpu": None)
         assert pkg.load_backend("reference") is None
     assert pkg.load_backend is runner.load_backend and "load_backend" not in vars(pkg)
+
+
+def test_source_digests_name_the_plugin_and_hash_only_its_code(tmp_path, monkeypatch):
+    """The package of the backend's entry point (``module:attr`` form too) is hashed; a one-file
+    plugin hashes its own file, not the folder it sits in; a missing source is named, not skipped."""
+    import importlib
+    import sys
+    import types
+
+    from dsv4core.conformance import runner
+    from dsv4core.hal import Backend
+
+    (tmp_path / "one_file_plugin.py").write_text("X = 1\n")
+    (tmp_path / "unrelated.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("one_file_plugin")
+    monkeypatch.setitem(sys.modules, "no_file_pkg", types.ModuleType("no_file_pkg"))
+    try:
+        be = Backend(name="fake-one-file")
+        status = types.SimpleNamespace(source="some-dist (one_file_plugin:make_backend)")
+        monkeypatch.setattr(runner, "discover", lambda: {"fake-one-file": status})
+        d = runner.source_digests(be)
+        assert set(d) == {"dsv4core", "one_file_plugin"}
+        assert d["one_file_plugin"] == runner.tree_digest(tmp_path / "one_file_plugin.py")
+        (tmp_path / "unrelated.py").write_text("Y = 3\n")           # not part of the plugin
+        assert runner.source_digests(be)["one_file_plugin"] == d["one_file_plugin"]
+        (tmp_path / "one_file_plugin.py").write_text("X = 2\n")
+        assert runner.source_digests(be)["one_file_plugin"] != d["one_file_plugin"]
+        status.source = "some-dist (no_file_pkg)"
+        assert runner.source_digests(be)["no_file_pkg"] == "unknown (no source file)"
+    finally:
+        sys.modules.pop("one_file_plugin", None)

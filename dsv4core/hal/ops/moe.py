@@ -214,8 +214,9 @@ def _(shapes, dtype, device, gen):
                                         swiglu_limit=10.0, w13_scale=s13, w2_scale=s2),
                    ("fp8",) if name.startswith("fp8") else ("fp4",))
     # the shared expert as the model runs it: one expert, every token routed to it with weight 1 (a
-    # grid of few N blocks: the kernels' split-K decode launches); last, so the cases above keep
-    # their generator draws
+    # grid of few N blocks: on a GPU at flash / pro shapes the Triton kernels' split-K launch; at the
+    # small shapes their parts would be too short, so it stays unsplit there); last, so the cases
+    # above keep their generator draws
     w13s, w2s = w13[:1].clone(), w2[:1].clone()
     for T in (1, 8):
         yield Case(f"shared-expert-T{T}", dict(x=randn((T, H), gen, dtype, device, 3.0),

@@ -557,9 +557,12 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
       * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
         the shared expert, one expert for every token) while the rows take the small-T tiles
         (P <= 64 E): Su 2 and Sd 4, each kept while the split grid fits the target programs
-        (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 and Sd 2 / 8 are
-        0.5-2.5 µs slower; at T = 256, BM 128, every split loses: 73.7 against 77-98).
-    A part keeps at least 4 K steps. Not under the IEEE path (fp32 / the interpreter): untimed."""
+        (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 + Sd 2 / 4 and Su 2 +
+        Sd 2 are 0.6-2.5 µs slower, Sd 4 / 8 alone 1.0-6.0 µs; at T = 256, BM 128, every split loses: 73.7
+        against 77-98).
+    A part keeps at least 4 K steps. Not under the IEEE path (fp32 / the interpreter): untimed. Timed
+    at Flash shapes only: at Pro's (H 7168) the same rule gives the shared expert Sd 2 (Sd 4 would
+    exceed the target programs), not timed."""
     if ieee:
         return 1, 1
     BM, BNu, BNd, BK = cfg[:4]
@@ -571,10 +574,12 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
         Sd = next((s for s in (4, 2) if tiles * cdiv(H, BNd) * s <= programs), 1)
     elif scaled_up and P <= SPLIT_FP4_PAIRS:
         Su = 2
-    # at least 4 K steps a part (gate / up: K = H; down: K = I)
-    while Su > 1 and cdiv(H, BK) < 4 * Su:
+    # at least 4 K steps a part (gate / up: K = H; down: K = I; a step is BK * KSUB columns, as in
+    # _k_range: 128 with FP8 weights)
+    step = BK * cfg[6]
+    while Su > 1 and cdiv(H, step) < 4 * Su:
         Su //= 2
-    while Sd > 1 and cdiv(I, BK) < 4 * Sd:
+    while Sd > 1 and cdiv(I, step) < 4 * Sd:
         Sd //= 2
     return Su, Sd
 

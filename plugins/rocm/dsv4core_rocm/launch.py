@@ -43,7 +43,9 @@ def _moe(bf16_bn: int, stages: int):
     def entry(*args, **kwargs):
         f32 = is_f32(args, kwargs)
         bn = 32 if f32 else bf16_bn          # the up (gate|up) and down GEMM tiles alike
-        return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages}
+        # Su / Sd 1: the kernel's default split K at decode batches (moe._split_rule) was measured
+        # on an H200 only
+        return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages, "Su": 1, "Sd": 1}
     return entry
 
 

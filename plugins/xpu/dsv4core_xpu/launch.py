@@ -42,7 +42,9 @@ def _attention_for(slm: int):
 
 
 def _moe(*args, **kwargs):
-    return {"BNu": 32, "BNd": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "launch": SUBGROUP_16}
+    # Su / Sd 1: the kernel's default split K at decode batches (moe._split_rule): H200-measured only
+    return {"BNu": 32, "BNd": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "Su": 1, "Sd": 1,
+            "launch": SUBGROUP_16}
 
 
 def table(slm: int) -> dict:
