@@ -161,12 +161,6 @@ S25 = [
                                              {"BK": 128, "Su": 4}, {}]),
 ]
 
-# Session 22: split-K partials summed by the last-arriving program of each tile (linear / wo_a
-# TUNE reduce "last", the CUDA table's entry: `{}`) against the second launch. `--set s26`.
-_RED = [{}, {"reduce": "kernel"}, {}, {"reduce": "kernel"}]
-S26 = [(label, mod, (1, 8, 64), _RED) for label, mod in (("linear", linear), ("linear_fp8", linear),
-                                                         ("wo_a", wo_a), ("wo_a_fp8", wo_a))]
-
 
 def _no_default_split(rows):
     """s22 / s23 were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
@@ -175,7 +169,7 @@ def _no_default_split(rows):
 
 
 SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": _no_default_split(S22), "s23": _no_default_split(S23),
-        "s25": S25, "s26": S26}
+        "s25": S25}
 
 
 def _parts(timer, shapes, rows):

@@ -27,7 +27,7 @@ from .launch import Tune
 from .predicates import _E8M0, cdiv
 
 #: the keys of grouped_gemm's launches (linear's and wo_a's TUNE; see _config)
-GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target", "reduce")
+GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
 TUNE = Tune(__name__, GEMM_KEYS)
@@ -57,16 +57,13 @@ def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr)
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  M, N, K, KPS, S, NB, KB,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, VIA32: tl.constexpr = False, LAST: tl.constexpr = False):
-    """LAST (split K, TUNE reduce "last"): the program of an output tile that stores its partial
-    last (an int32 arrival counter per tile, acq_rel after a CTA barrier; reset to 0 by that
-    program) sums the S partials in split order and writes the tile: no second launch."""
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -133,18 +130,6 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
         om = rm[:, None] & cm[None, :]
     if SPLIT:
         tl.store(part_ptr + off, acc, mask=om)
-        if LAST:
-            tl.debug_barrier()   # every thread's partial stored before the release below
-            tile = (pm * tl.num_programs(1) + pn) * G + g
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == S - 1:
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")   # zero for the next call
-                tl.debug_barrier()
-                base = off - sp * M * G * N          # split 0's offsets of this tile
-                tot = tl.zeros_like(acc)
-                for s in range(0, S):                # split order: the same sum whoever arrives last
-                    tot += tl.load(part_ptr + base + s * M * G * N, mask=om, other=0.0)
-                tl.store(out_ptr + base, to_out(tot, out_ptr, RNE), mask=om)
     else:
         tl.store(out_ptr + off, to_out(acc, out_ptr, RNE), mask=om)
 
@@ -164,36 +149,6 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
-#: how split-K partials are summed (TUNE key "reduce"): "kernel" (default) by _reduce_kernel, a
-#: second launch; "last" by the program of each tile that arrives last (_gemm_kernel's LAST), one
-#: launch fewer; both in split order, so each is deterministic
-REDUCES = ("kernel", "last")
-#: per device: a ring of int32 arrival-counter slots for reduce "last" (zero, and left zero by every
-#: call). Calls on one stream run in order, so they may share a slot; the ring keeps calls on
-#: different streams apart unless _SLOTS calls apart. A captured graph keeps its calls' slots.
-_SLOTS = 64
-_COUNTERS: dict = {}
-
-
-def _counter(device, tiles: int):
-    """The next counter slot ([tiles] int32, zero) of ``device``; None under graph capture before an
-    eager call created the ring (its zeroing would run only at replay) or past the slot size."""
-    key = (device.type, device.index)
-    ring = _COUNTERS.get(key)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _COUNTERS[key] = [torch.zeros((_SLOTS, _SLOT_INTS), dtype=torch.int32, device=device), 0]
-    if tiles > _SLOT_INTS:
-        return None
-    buf, k = ring
-    ring[1] = (k + 1) % _SLOTS
-    return buf[k]
-
-
-#: counters a slot holds: split K runs only while the tiles do not fill the target programs, so a
-#: split call has fewer tiles than that (264 on an H200)
-_SLOT_INTS = 1024
 #: how FP8 e4m3 codes become the MMA's bf16 operand (TUNE key "fp8"; both give the same bf16
 #: values, so the same result bit for bit): "cvt" (default) converts e4m3 -> bf16, "via_f32"
 #: e4m3 -> fp32 -> bf16, a chain that some targets run with fewer conversion instructions (sm90
@@ -242,9 +197,6 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
         raise ValueError(f"{op}: TUNE mode={cfg['mode']!r}; expected one of {', '.join(MODES)}")
-    cfg["reduce"] = tune.get("reduce", REDUCES[0])
-    if cfg["reduce"] not in REDUCES:
-        raise ValueError(f"{op}: TUNE reduce={cfg['reduce']!r}; expected one of {', '.join(REDUCES)}")
     cfg["fp8"] = tune.get("fp8", FP8_PATHS[0])
     if cfg["fp8"] not in FP8_PATHS:
         raise ValueError(f"{op}: TUNE fp8={cfg['fp8']!r}; expected one of {', '.join(FP8_PATHS)}")
@@ -293,17 +245,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     S = cdiv(K, KPS)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
     grid = (mt, nt, G * S)
-    # VIA32 / LAST are passed only when set: the default launch keeps its arguments (and compiled code)
+    # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
     via = {"VIA32": True} if scaled and cfg["fp8"] == "via_f32" else {}
-    cnt = _counter(a.device, mt * nt * G) if S > 1 and cfg["reduce"] == "last" else None
-    if cnt is not None:
-        via["LAST"] = True
-    _gemm_kernel[grid](a, w, s, out, part, part if cnt is None else cnt, M, N, K, KPS, S, NB, KB,
+    _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
                        EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
-    if S > 1 and cnt is None:
+    if S > 1:
         R = M * G * N
         SP = np2(S)
         BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program

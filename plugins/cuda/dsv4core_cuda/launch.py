@@ -21,10 +21,8 @@ TABLES: dict[str, dict] = {
         # -> 14.0 / 14.2 / 20.5 / 859 us; wo_a T = 1 / 8 19.3 / 19.2 -> 16.2 / 16.2; FP8 experts
         # T = 1 / 64 104 / 767 -> 73.4 / 658
         "moe": {"fp4": "scaled", "fp8": "via_f32"},
-        # reduce "last": the split-K partials summed by each tile's last-arriving program (one launch
-        # a split call fewer); H200: benchmarks/results/tune-s26-h200-flash-read-linear-reduce.json
-        "linear": {"fp8": "via_f32", "reduce": "last"},
-        "wo_a": {"fp8": "via_f32", "reduce": "last"},
+        "linear": {"fp8": "via_f32"},
+        "wo_a": {"fp8": "via_f32"},
     },
 }
 
