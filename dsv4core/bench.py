@@ -174,8 +174,11 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
 
             (w13, s13), (w2, s2) = quantize_fp4(w13), quantize_fp4(w2)
             per_expert = 3 * I * H // 2 + 3 * I * H // 32
-        ids = torch.stack([torch.randperm(Eu, device=device)[:k] for _ in range(T)]) if T <= 64 else \
-            torch.randint(0, Eu, (T, k), device=device)
+        # the routing from its own seeded generator: a case touches the same experts in every run and
+        # sweep (the bytes it moves, and so its time, depend on how many distinct experts it reads)
+        g = torch.Generator().manual_seed(1_000_003 * T + 101 * k + Eu)
+        ids = (torch.stack([torch.randperm(Eu, generator=g)[:k] for _ in range(T)]) if T <= 64 else
+               torch.randint(0, Eu, (T, k), generator=g)).to(device)
         kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0,
                   w13_scale=s13, w2_scale=s2)
         touched = int(torch.unique(ids).numel())   # experts actually read (ids repeat across tokens)
