@@ -138,3 +138,49 @@ def test_default_split_rule():
         assert moe._splits((2, 4)) == (1, 2)
     finally:
         moe.TUNE.clear()
+
+
+def test_default_split_reaches_the_launches(monkeypatch):
+    """moe_experts launches what `_split_rule` picks, on a GPU-like path (not IEEE, an H200's 264
+    target programs; meta tensors, kernels recorded): Flash dims, the shared expert at T = 1 -> up
+    grid x 2 parts, down grid x 4 and the activation kernel; FP4 "scaled" routed experts at T = 1 ->
+    up x 2, down unsplit; bf16 routed experts -> no split (the launch of before)."""
+    import torch
+
+    from dsv4core.kernels.triton import moe
+
+    for name in ("_moe_align_kernel", "_moe_up_kernel", "_moe_act_kernel", "_moe_down_kernel", "_moe_combine_kernel"):
+        monkeypatch.setattr(moe, name, Recorder())
+    monkeypatch.setattr(moe, "interp", lambda t: False)
+    monkeypatch.setattr(moe, "target_programs", lambda dev, *a: 264)
+    monkeypatch.setattr(moe, "shared_bytes", lambda dev: 232448)
+    H, I, meta = 4096, 2048, torch.device("meta")
+    x = torch.empty(1, H, dtype=torch.bfloat16, device=meta)
+
+    def launch(E, k, fmt):
+        ids = torch.empty(1, k, dtype=torch.int64, device=meta)
+        wts = torch.empty(1, k, device=meta)
+        if fmt == "fp4":
+            w13, w2 = (torch.empty(E, 2 * I, H // 2, dtype=torch.int8, device=meta),
+                       torch.empty(E, H, I // 2, dtype=torch.int8, device=meta))
+            s13, s2 = (torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=meta),
+                       torch.empty(E, H, I // 32, dtype=torch.uint8, device=meta))
+        else:
+            w13, w2 = (torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=meta),
+                       torch.empty(E, H, I, dtype=torch.bfloat16, device=meta))
+            s13 = s2 = None
+        acts = len(moe._moe_act_kernel.launches)
+        moe.moe_experts(x, ids, wts, w13, w2, 10.0, s13, s2)
+        (ug, _, ukw), (dg, _, dkw) = moe._moe_up_kernel.launches[-1], moe._moe_down_kernel.launches[-1]
+        return ug[2:], dg[2:], ukw.get("SPLIT", 1), dkw.get("SPLIT", 1), len(moe._moe_act_kernel.launches) - acts
+
+    try:
+        moe.TUNE.clear()
+        assert launch(1, 1, "bf16") == ((2,), (4,), 2, 4, 1)        # the shared expert
+        assert launch(256, 6, "bf16") == ((), (), 1, 1, 0)         # bf16 routed experts: unsplit
+        moe.TUNE.update(fp4="scaled")                              # the CUDA sm90 table's FP4 decode
+        assert launch(256, 6, "fp4") == ((2,), (), 2, 1, 1)
+        moe.TUNE.update(Su=1)                                      # TUNE overrides the rule
+        assert launch(256, 6, "fp4") == ((), (), 1, 1, 0)
+    finally:
+        moe.TUNE.clear()
