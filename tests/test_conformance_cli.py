@@ -210,6 +210,10 @@ def test_merge_renders_the_matrix_from_two_real_reports(tmp_path, capsys):
     ex = json.loads(b.read_text())["summary"]
     assert rows["rms_norm"][0].startswith("passed") and rows["hc_pre"][0] == "not run"
     assert rows["hc_pre"][1] == ex["hc_pre"]["status"] and rows["*device*"] == ["cpu", "cpu"]
+    # the code each report verified: its source digests (the example plugin's package in its column)
+    src = [json.loads(p.read_text())["sources"] for p in (a, b)]
+    assert rows["*sources*"] == [", ".join(f"{k} {v}" for k, v in d.items()) for d in src]
+    assert "dsv4core_example_plugin" in rows["*sources*"][1] and "dsv4core " in rows["*sources*"][0]
     assert "`reference`" in text and "`example`" in text
     assert "<table>" in page.read_text() and "<svg" in page.read_text()
     assert svg.read_text().startswith("<svg") and "rms_norm" in svg.read_text()

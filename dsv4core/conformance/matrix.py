@@ -1,7 +1,7 @@
 """``dsv4core conformance merge``: several JSON reports -> one backends x ops compatibility matrix.
 
 What a vendor-results page shows: one column per report (backend, version, device, dsv4core and
-torch versions, date, verdict), one row per op (status and worst err/bound), as Markdown, as a
+torch versions, date, verdict, the source digests of the code that ran), one row per op (status and worst err/bound), as Markdown, as a
 self-contained HTML page, and as an SVG heat map of err/bound per op and backend (no plotting
 library needed: the SVG is written directly).
 """
@@ -29,6 +29,8 @@ class Column:
     date: str
     verdict: str
     cells: dict
+    #: the report's ``sources`` as one line ("package digest, ..."); "" for reports written before it
+    sources: str = ""
 
     @property
     def label(self) -> str:
@@ -54,7 +56,8 @@ def load_report(path: str | Path) -> Column:
         cells = {o["op"]: (o["status"], o["worst_ratio"], list(o.get("failure_kinds") or [])) for o in data["ops"]}
         return Column(str(p), data["backend"], str(data["backend_version"]), data["device"],
                       str(data["dsv4core_version"]), str(data["torch_version"]), data.get("date", ""),
-                      data.get("verdict", ""), cells)
+                      data.get("verdict", ""), cells,
+                      ", ".join(f"{k} {v}" for k, v in (data.get("sources") or {}).items()))
     except (KeyError, TypeError) as e:
         raise ConformanceError(f"{p}: malformed conformance report (missing or wrong field {e})") from None
 
@@ -85,7 +88,7 @@ def cell_text(cell) -> str:
 
 
 HEADER_FIELDS = (("device", "device"), ("backend version", "version"), ("dsv4core", "dsv4core"),
-                 ("torch", "torch"), ("date", "date"), ("result", "verdict"))
+                 ("torch", "torch"), ("date", "date"), ("result", "verdict"), ("sources", "sources"))
 
 
 def markdown(cols: list[Column]) -> str:
