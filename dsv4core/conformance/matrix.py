@@ -1,9 +1,9 @@
 """``dsv4core conformance merge``: several JSON reports -> one backends x ops compatibility matrix.
 
 What a vendor-results page shows: one column per report (backend, version, device, dsv4core and
-torch versions, date, verdict, the source digests of the code that ran), one row per op (status and worst err/bound), as Markdown, as a
-self-contained HTML page, and as an SVG heat map of err/bound per op and backend (no plotting
-library needed: the SVG is written directly).
+torch versions, date, verdict, the source digests of the code that ran), one row per op (status
+and worst err/bound), as Markdown, as a self-contained HTML page, and as an SVG heat map of
+err/bound per op and backend (no plotting library needed: the SVG is written directly).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runner import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, ConformanceError
+from .runner import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, ConformanceError, format_sources
 
 
 @dataclass
@@ -56,8 +56,7 @@ def load_report(path: str | Path) -> Column:
         cells = {o["op"]: (o["status"], o["worst_ratio"], list(o.get("failure_kinds") or [])) for o in data["ops"]}
         return Column(str(p), data["backend"], str(data["backend_version"]), data["device"],
                       str(data["dsv4core_version"]), str(data["torch_version"]), data.get("date", ""),
-                      data.get("verdict", ""), cells,
-                      ", ".join(f"{k} {v}" for k, v in (data.get("sources") or {}).items()))
+                      data.get("verdict", ""), cells, format_sources(data.get("sources")))
     except (KeyError, TypeError) as e:
         raise ConformanceError(f"{p}: malformed conformance report (missing or wrong field {e})") from None
 

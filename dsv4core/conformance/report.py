@@ -8,7 +8,7 @@ from typing import TextIO
 
 from dsv4core._table import print_table
 
-from .runner import DECLINED, FAILED, NOT_IMPLEMENTED, PASSED, Report
+from .runner import DECLINED, FAILED, NOT_IMPLEMENTED, PASSED, Report, format_sources
 
 
 def table_rows(report: Report) -> list[tuple]:
@@ -24,18 +24,13 @@ def table_rows(report: Report) -> list[tuple]:
 HEADERS = ("op", "status", "passed", "failed", "declined", "worst err/bound")
 
 
-def _sources(report: Report) -> str:
-    """The source digests (runner.tree_digest per package) as one line."""
-    return ", ".join(f"{k} {v}" for k, v in report.sources.items())
-
-
 def write_table(report: Report, file: TextIO) -> None:
     """The final human table plus every failure (op, case, metric, measured value, bound)."""
     print(f"\nconformance of backend {report.backend!r} {report.backend_version} on {report.device} "
           f"(shapes {','.join(report.shapes)}; dtypes {','.join(report.dtypes)}; seed {report.seed}; "
           f"{report.seconds:.1f}s)", file=file)
     if report.sources:
-        print("sources: " + _sources(report), file=file)
+        print("sources: " + format_sources(report.sources), file=file)
     print_table(HEADERS, table_rows(report), file=file)
     fails = report.failures()
     if fails:
@@ -139,7 +134,7 @@ def write_markdown(report: Report, path: str) -> None:
     lines = [f"# dsv4core conformance: `{report.backend}` {report.backend_version}", "",
              f"device `{report.device}`, shapes {', '.join(report.shapes)}, dtypes {', '.join(report.dtypes)}, "
              f"seed {report.seed}, {report.seconds:.1f}s. Result: **{report.verdict()}**."
-             + (f" Sources: {_sources(report)}." if report.sources else ""), "",
+             + (f" Sources: {format_sources(report.sources)}." if report.sources else ""), "",
              "| op | status | passed | failed | declined | worst err/bound | tolerance (k, floor, metric) |",
              "|---|---|---|---|---|---|---|"]
     for o, row in zip(report.ops, table_rows(report)):

@@ -25,6 +25,7 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -248,7 +249,8 @@ class Report:
                 "backend": self.backend, "backend_version": self.backend_version, "device": self.device,
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
-                "date": self.date, "sources": self.sources, "failed": self.failed, "complete": self.complete, "verified": self.verified,
+                "date": self.date, "sources": self.sources,
+                "failed": self.failed, "complete": self.complete, "verified": self.verified,
                 "all_ops": self.all_ops, "require_all": self.require_all, "world_sizes": list(self.world_sizes), "verdict": self.verdict(),
                 "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),
                 "summary": {o.op: {"status": o.status, "passed": o.count(PASSED), "failed": o.count(FAILED),
@@ -260,8 +262,6 @@ def tree_digest(root) -> str:
     """sha256 (first 16 hex digits) over the ``*.py`` files under ``root`` (a folder; or one file):
     their paths relative to it and their bytes, in path order. Identifies the code a report
     verified where no git checkout is at hand (an installed package on a lent GPU machine)."""
-    from pathlib import Path
-
     root = Path(root)
     files = [root] if root.is_file() else sorted(root.rglob("*.py"))
     h = hashlib.sha256()
@@ -274,8 +274,6 @@ def tree_digest(root) -> str:
 def _source_root(name: str):
     """The folder of package ``name`` (its first search location), the file of a plain module, or
     None (not imported, or no file: a namespace package, a module built in memory)."""
-    from pathlib import Path
-
     mod = sys.modules.get(name)
     spec = getattr(mod, "__spec__", None)
     locations = list(getattr(spec, "submodule_search_locations", None) or ())
@@ -305,6 +303,11 @@ def source_digests(backend: Backend) -> dict[str, str]:
         except OSError as e:
             out[name] = f"unknown ({type(e).__name__}: {e})"
     return dict(sorted(out.items()))
+
+
+def format_sources(sources: dict) -> str:
+    """A report's ``sources`` as one line: "package digest, ..." ("" when there are none)."""
+    return ", ".join(f"{k} {v}" for k, v in (sources or {}).items())
 
 
 # ---------------------------------------------------------------------------------------------

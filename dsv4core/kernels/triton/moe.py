@@ -182,6 +182,14 @@ def _k_range(valid, C, STEP: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(g, u, limit):
+    """silu(min(g, L)) * clamp(u, -L, L): the epilogue of the gate / up GEMM."""
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
 def _moe_act_kernel(p_ptr, a_ptr, I, limit, S: tl.constexpr, BI: tl.constexpr):
     """Split K of the gate / up GEMM: the activation a [pairs, I] from the S partial sums
     [pairs, S, 2 I] (gate then up), summed in part order, then what the up kernel's epilogue
@@ -195,9 +203,8 @@ def _moe_act_kernel(p_ptr, a_ptr, I, limit, S: tl.constexpr, BI: tl.constexpr):
     for s in tl.static_range(1, S):
         g += tl.load(base + s * 2 * I, mask=m, other=0.0)
         u += tl.load(base + s * 2 * I + I, mask=m, other=0.0)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    tl.store(a_ptr + row * I + cols, g * tl.sigmoid(g) * u, mask=m)
+    a = _swiglu(g, u, limit)
+    tl.store(a_ptr + row * I + cols, a, mask=m)
 
 
 @triton.jit
@@ -264,9 +271,7 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         tl.store(part, acc_g, mask=rm[:, None] & nm[None, :])
         tl.store(part + I, acc_u, mask=rm[:, None] & nm[None, :])
     else:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        a = g * tl.sigmoid(g) * u
+        a = _swiglu(acc_g, acc_u, limit)
         tl.store(a_ptr + rows.to(tl.int64)[:, None] * I + n[None, :], a, mask=rm[:, None] & nm[None, :])
 
 
@@ -450,6 +455,17 @@ def _route(ids, E: int, BM: int):
     return starts, tcum, tok, inv
 
 
+def _row_tiles(P: int, E: int, BM: int) -> int:
+    """Row tiles with work (about): one an expert while experts outnumber BM-row blocks."""
+    return max(min(E, P), cdiv(P, BM))
+
+
+def _few(tiles: int, I: int, programs: int) -> bool:
+    """Whether the gate / up grid of the smallest (64-column) N blocks fills under half the target
+    programs (the shared expert: one expert for every token)."""
+    return tiles * cdiv(I, 64) < programs // 2
+
+
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
             plain: bool = False, scaled: bool = False, big: bool = False):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
@@ -477,7 +493,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
     if not ieee:
         BM, BNu, BNd = cfg[:3]
-        tiles = max(min(E, P), cdiv(P, BM))        # row tiles with work (about)
+        tiles = _row_tiles(P, E, BM)
         # floors 32 / 64: the H200 sweep of the shared expert (tune-s18-h200-flash-read.json) timed
         # 44.5 / 59.3 / 60.2 µs at T = 1 / 8 / 64 with (32, 64) against 47.7 / 67.6 / 69.2 with
         # (64, 128) and 50.5 / 60.0 / 59.0 with (16, 64)
@@ -485,7 +501,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
             BNu //= 2
         while BNd > 64 and tiles * cdiv(H, BNd) < programs // 2:
             BNd //= 2
-        few = tiles * cdiv(I, 64) < programs // 2
+        few = _few(tiles, I, programs)
         # and longer K steps: more bytes in flight per program (H200, one expert: 36.4 / 48.3 µs at
         # T = 1 / 8 with BK 128 against 44.6 / 58.8 with 64, tune-s18-moe-shared-h200-flash-read.json)
         # FP4 "scaled" over a grid of at most one program per target slot (routed experts at T = 1):
@@ -556,7 +572,7 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
       * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
         the shared expert, one expert for every token) while the rows take the small-T tiles
-        (P <= 64 E): Su 2 and Sd 4, each kept while the split grid fits the target programs
+        (BM <= 64): Su 2 and Sd 4, each kept while the split grid fits the target programs
         (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 + Sd 2 / 4 and Su 2 +
         Sd 2 are 0.6-2.5 µs slower, Sd 4 / 8 alone 1.0-6.0 µs; at T = 256, BM 128, every split loses: 73.7
         against 77-98).
@@ -566,10 +582,9 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
     if ieee:
         return 1, 1
     BM, BNu, BNd, BK = cfg[:4]
-    tiles = max(min(E, P), cdiv(P, BM))
+    tiles = _row_tiles(P, E, BM)
     Su = Sd = 1
-    few = tiles * cdiv(I, 64) < programs // 2
-    if few and P <= 64 * E:
+    if _few(tiles, I, programs) and BM <= 64:
         Su = 2 if tiles * cdiv(I, BNu) * 2 <= programs else 1
         Sd = next((s for s in (4, 2) if tiles * cdiv(H, BNd) * s <= programs), 1)
     elif scaled_up and P <= SPLIT_FP4_PAIRS:
