@@ -161,6 +161,17 @@ S25 = [
                                              {"BK": 128, "Su": 4}, {}]),
 ]
 
+# Session 23: FP4 "gemv" (one GEMV a pair row, fp32 FMA, no MMA: moe._moe_gemv_kernel) against the
+# table's launch at the decode batches; {"gemv_pairs": 0} is the table's launch also where a patched
+# table turns the gemv rule on (for the e2e run of the same call). `--set s27`.
+_G = {"fp4": "gemv"}
+S27 = [
+    ("moe_experts_fp4", moe, (1, 2, 4, 8, 16, 32), [
+        {"gemv_pairs": 0}, _G, {**_G, "gBN": 64, "gBW": 16}, {**_G, "gBN": 16, "gBW": 64}, {**_G, "gBN": 64, "gBW": 32},
+        {**_G, "gBN": 16, "gBW": 32}, {**_G, "g_num_warps": 8}, {**_G, "g_num_stages": 3}, {**_G, "Su": 2},
+        {**_G, "Su": 4, "Sd": 2}, {"gemv_pairs": 0}]),
+]
+
 
 def _no_default_split(rows):
     """s22 / s23 were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
@@ -169,7 +180,7 @@ def _no_default_split(rows):
 
 
 SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": _no_default_split(S22), "s23": _no_default_split(S23),
-        "s25": S25}
+        "s25": S25, "s27": S27}
 
 
 def _parts(timer, shapes, rows):
