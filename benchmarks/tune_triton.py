@@ -161,16 +161,11 @@ S25 = [
                                              {"BK": 128, "Su": 4}, {}]),
 ]
 
-# Session 23: FP4 "gemv" (one GEMV a pair row, fp32 FMA, no MMA: moe._moe_gemv_kernel) against the
-# table's launch at the decode batches; {"gemv_pairs": 0} is the table's launch also where a patched
-# table turns the gemv rule on (for the e2e run of the same call). `--set s27`.
-_G = {"fp4": "gemv"}
-S27 = [
-    ("moe_experts_fp4", moe, (1, 2, 4, 8, 16, 32), [
-        {"gemv_pairs": 0}, _G, {**_G, "gBN": 64, "gBW": 16}, {**_G, "gBN": 16, "gBW": 64}, {**_G, "gBN": 64, "gBW": 32},
-        {**_G, "gBN": 16, "gBW": 32}, {**_G, "g_num_warps": 8}, {**_G, "g_num_stages": 3}, {**_G, "Su": 2},
-        {**_G, "Su": 4, "Sd": 2}, {"gemv_pairs": 0}]),
-]
+# FP4 "gemv" (session 23: one GEMV a pair row on the FMA units, 8 e2m1 codes a 32-bit word decoded
+# exactly by bit placement, the group scale on each word's partial; the kernel change is
+# benchmarks/results/moe-fp4-gemv-s23.diff) lost and was not kept: its best launch 136 / 221 / 400 /
+# 740 µs at T = 1 / 2 / 4 / 8 against the table's 104-105 / 181-184 / 283-285 / 381-384
+# (tune-s27-h200-flash-read-fp4-gemv.json)
 
 
 def _no_default_split(rows):
@@ -180,7 +175,7 @@ def _no_default_split(rows):
 
 
 SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": _no_default_split(S22), "s23": _no_default_split(S23),
-        "s25": S25, "s27": S27}
+        "s25": S25}
 
 
 def _parts(timer, shapes, rows):

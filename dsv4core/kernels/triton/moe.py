@@ -36,8 +36,7 @@ from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd",
-                       "gBN", "gBW", "g_num_warps", "g_num_stages", "gemv_pairs"))
+TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
 
 PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
 
@@ -338,83 +337,6 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
         tl.store(y_ptr + rows64[:, None] * H + hc[None, :], acc, mask=rm[:, None] & hm[None, :])
 
 
-# ----------------------------------------------------------------------------- FP4 "gemv" (decode)
-@triton.jit
-def _e2m1_of_word(w, i: tl.constexpr):
-    """Code ``i`` (nibble i, low first) of uint32 words ``w`` (8 e2m1 codes each) as fp32, exact:
-    the 3 magnitude bits moved to the bottom of the exponent field make e2m1 * 2^-126 (code 1, 0.5,
-    becomes the subnormal 2^-127), the code's sign bit the sign; times 2^126."""
-    if 4 * i <= 22:
-        mag = (w << (22 - 4 * i)) & 0x1C00000
-    else:
-        mag = (w >> (4 * i - 22)) & 0x1C00000
-    sgn = (w << (28 - 4 * i)) & 0x80000000
-    return (mag | sgn).to(tl.float32, bitcast=True) * 8.507059173023462e+37
-
-
-@triton.jit
-def _ue8m0(sb):
-    """UE8M0 scale bytes (uint32 0..255) as fp32 2^(b - 127): byte 0 the subnormal 2^-127, 255 NaN."""
-    return tl.where(sb == 0, 5.877471754111438e-39,
-                    ((sb << 23) | ((sb == 255).to(tl.uint32) << 22)).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _gemv_rows(x_ptr, xr, w_ptr, s_ptr, wrow, nm, k_lo, k_hi, C, BN: tl.constexpr, BW: tl.constexpr):
-    """sum_k W[wrow, k] * x[xr, k] over words [k_lo, k_hi) of packed FP4 rows ``wrow`` [BN] (int64,
-    flat rows of [E * R, C / 8] int32 words) and their UE8M0 scales [E * R, C / 32]: fp32 FMA, no
-    MMA. A word's 8 products are summed, then times the word's group scale (a power of two: exact),
-    into a [BN, BW] accumulator reduced once at the end."""
-    CW = C // 8
-    acc = tl.zeros([BN, BW], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BW):
-        kw = k0 + tl.arange(0, BW)
-        km = kw < k_hi
-        m = nm[:, None] & km[None, :]
-        w = tl.load(w_ptr + wrow[:, None] * CW + kw[None, :], mask=m, other=0).to(tl.uint32, bitcast=True)
-        sb = tl.load(s_ptr + wrow[:, None] * (C // 32) + (kw // 4)[None, :], mask=m, other=127)
-        part = tl.zeros([BN, BW], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_ptr + xr * C + kw * 8 + i, mask=km, other=0.0).to(tl.float32)
-            part += _e2m1_of_word(w, i) * xi[None, :]
-        acc += part * _ue8m0(sb.to(tl.uint8, bitcast=True).to(tl.uint32))
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _moe_gemv_kernel(x_ptr, tok_ptr, w_ptr, s_ptr, out_ptr, tcum_ptr, starts_ptr, E, C, R, N, limit,
-                     LOGE: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, GATED: tl.constexpr,
-                     SPLIT: tl.constexpr = 1):
-    """FP4 "gemv": one program a (sorted pair row, BN output columns[, K part]) with packed FP4
-    weights, the products on the FMA units (decode batches: one or two rows an expert leave an
-    MMA tile mostly empty). GATED (gate / up, K = H): x rows are tokens (tok[row]), the gate rows
-    n and up rows I + n of W13, SwiGLU in the epilogue or, with SPLIT, the raw partial sums to
-    [pairs, SPLIT, 2 I]; else (down, K = I): x rows are pair rows, out [pairs, (SPLIT,) H]."""
-    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, tl.program_id(0), E, LOGE, 1)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nm = n < N
-    wrow = e * R + n.to(tl.int64)
-    k_lo, k_hi = _k_range(valid, C // 8, BW, SPLIT)
-    row = r0.to(tl.int64)
-    om = n < tl.where(r0 < r_end, N, 0)     # nm, and nothing for a tile past the count
-    if GATED:
-        xr = tl.load(tok_ptr + row, mask=valid, other=0).to(tl.int64)
-        g = _gemv_rows(x_ptr, xr, w_ptr, s_ptr, wrow, nm, k_lo, k_hi, C, BN, BW)
-        u = _gemv_rows(x_ptr, xr, w_ptr, s_ptr, wrow + N, nm, k_lo, k_hi, C, BN, BW)
-        if SPLIT > 1:
-            part = out_ptr + row * (SPLIT * 2 * N) + tl.program_id(2) * 2 * N + n
-            tl.store(part, g, mask=om)
-            tl.store(part + N, u, mask=om)
-        else:
-            tl.store(out_ptr + row * N + n, _swiglu(g, u, limit), mask=om)
-    else:
-        y = _gemv_rows(x_ptr, row, w_ptr, s_ptr, wrow, nm, k_lo, k_hi, C, BN, BW)
-        if SPLIT > 1:
-            tl.store(out_ptr + row * (SPLIT * N) + tl.program_id(2) * N + n, y, mask=om)
-        else:
-            tl.store(out_ptr + row * N + n, y, mask=om)
-
-
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
                         BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1):
@@ -616,11 +538,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
 #: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
 #: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
-#:   "gemv" (decode batches; both weights FP4): no MMA, one GEMV a pair row, products on the FMA
-#:       units in fp32 (_moe_gemv_kernel); TUNE gBN / gBW (output columns / 8-code words a step),
-#:       g_num_warps, g_num_stages, Su / Sd (split K, default none). TUNE / table key ``gemv_pairs``:
-#:       batches of at most this many pairs take "gemv" when both weights are FP4 (default 0: never).
-DECODES = ("join", "scaled", "gemv")
+DECODES = ("join", "scaled")
 #: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
 #: values): linear's FP8_PATHS (imported above), which says why
 
@@ -692,53 +610,6 @@ def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def _words(w):
-    """Packed FP4 bytes [E, R, C / 2] viewed as int32 words [E, R, C / 8] (8 codes each), or None
-    where the layout does not allow it (C / 2 not a multiple of 4, a misaligned view)."""
-    try:
-        return c(w).view(torch.int32) if w.shape[2] % 4 == 0 else None
-    except RuntimeError:
-        return None
-
-
-def _moe_gemv(x, ids, weights, w13, w2, s13, s2, limit, out, f13, f2, programs):
-    """moe_experts with FP4 "gemv" (TUNE fp4): every pair row its own GEMV (_moe_gemv_kernel)."""
-    w13w, w2w = (_words(w13), _words(w2)) if f13 == f2 == FP4 else (None, None)
-    if w13w is None or w2w is None:
-        if TUNE.get("fp4") != "gemv":
-            return None           # the gemv_pairs rule: the other kernels serve this call
-        raise ValueError(f"moe_experts: TUNE fp4='gemv' needs packed FP4 gate/up and down weights with an "
-                         f"even number of 4-byte words a row, got w13 {tuple(w13.shape)} {w13.dtype}, w2 "
-                         f"{tuple(w2.shape)} {w2.dtype}")
-    T, H = x.shape
-    E, I = w13.shape[0], w13.shape[1] // 2
-    K = ids.shape[1]
-    P = T * K
-    dev = x.device
-    BN, BW = TUNE.get("gBN", 32), TUNE.get("gBW", 32)
-    Su, Sd = _splits()
-    opts = dict(num_warps=TUNE.get("g_num_warps", 4), num_stages=TUNE.get("g_num_stages", 1), **TUNE.options())
-    starts, tcum, tok, inv = _route(ids, E, 1)
-    ntiles = P + min(E, P)
-    LOGE = max(1, int(E).bit_length())
-    a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 else a
-    y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
-    _moe_gemv_kernel[(ntiles, cdiv(I, BN), Su)](x, tok, w13w, c(s13).view(torch.uint8), parts, tcum, starts,
-                                                E, H, 2 * I, I, float(limit), LOGE=LOGE, BN=BN, BW=BW,
-                                                GATED=True, SPLIT=Su, **opts)
-    if Su > 1:
-        BI = min(1024, triton.next_power_of_2(I))
-        _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
-    _moe_gemv_kernel[(ntiles, cdiv(H, BN), Sd)](a, tok, w2w, c(s2).view(torch.uint8), y, tcum, starts,
-                                                E, I, H, H, float(limit), LOGE=LOGE, BN=BN, BW=BW,
-                                                GATED=False, SPLIT=Sd, **opts)
-    BH = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
-                                          **({"YS": Sd} if Sd > 1 else {}), **TUNE.options())
-    return out
-
-
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     T, H = x.shape
     E = w13.shape[0]
@@ -762,12 +633,8 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         raise ValueError(f"moe_experts: TUNE fp4={fp4_mode!r} must be one of {DECODES}")
     if fp8_mode not in FP8_PATHS:
         raise ValueError(f"moe_experts: TUNE fp8={fp8_mode!r} must be one of {FP8_PATHS}")
-    programs = target_programs(dev)
-    if fp4_mode == "gemv" or (f13 == f2 == FP4 and P <= TUNE.get("gemv_pairs", 0)):
-        r = _moe_gemv(x, ids, weights, w13, w2, w13_scale, w2_scale, swiglu_limit, out, f13, f2, programs)
-        if r is not None:
-            return r
     d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
+    programs = target_programs(dev)
     cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=w13.dtype == w2.dtype == torch.bfloat16,
                   scaled=d13["SCALED"] or d2["SCALED"], big=shared_bytes(dev) >= BIG_TILE_SHARED)
     BM, BNu, BNd, BK, nw, ns, KSUB = cfg
