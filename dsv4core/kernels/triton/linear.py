@@ -57,34 +57,13 @@ def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr)
 
 
 @triton.jit
-def _mac_f16(acc, a, w, MODE: tl.constexpr):
-    """FP8 "f16" (TUNE ``fp8``): ``acc + a @ w^T`` on fp16 tensor cores for an e4m3 weight tile
-    and bf16 activations. e4m3 -> fp16 is exact (one conversion a code pair on sm90, against two
-    on the bf16 paths). Each activation row is scaled by the power of two that puts its largest
-    |a| in [2^14, 2^15) and rounded to fp16: exact for the 29 binades below the row maximum, the
-    smaller values rounded to 2^-25 of it (fp32 accumulation's own rounding is larger). The fp32
-    dot is scaled back by the same power of two (exact)."""
-    af = a.to(tl.float32)
-    eb = (tl.max(tl.abs(af), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF   # max's biased exponent
-    j = tl.minimum(tl.maximum(141 - eb, -126), 126)                               # 0 / inf / NaN rows: clamped
-    ah = (af * ((j + 127) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-    inv = ((127 - j) << 23).to(tl.float32, bitcast=True)
-    wh = w.to(tl.float16)
-    if MODE == 1:
-        r = acc + tl.dot(wh, tl.trans(ah)) * inv[None, :]
-    else:
-        r = acc + tl.dot(ah, tl.trans(wh)) * inv[:, None]
-    return r
-
-
-@triton.jit
 def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  M, N, K, KPS, S, NB, KB,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, VIA32: tl.constexpr = False, F16: tl.constexpr = False):
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -120,9 +99,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     km = ks < k_hi
                     a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
-                if F16:
-                    blk = _mac_f16(blk, a, w, MODE)
-                elif SCALE or IEEE:
+                if SCALE or IEEE:
                     blk = _mac(blk, a, w, MODE, IEEE, VIA32)
                 else:
                     acc = _mac(acc, a, w, MODE, IEEE, VIA32)
@@ -172,14 +149,12 @@ def _reduce_kernel(part_ptr, out_ptr, R, S, BLOCK: tl.constexpr, SP: tl.constexp
 
 #: the kernel's MODE constexpr by name (TUNE key "mode"); see _mac
 MODES = {"dot": 0, "swap": 1}
-#: how FP8 e4m3 codes reach the MMA (TUNE key "fp8"): "cvt" (default) converts e4m3 -> bf16,
-#: "via_f32" e4m3 -> fp32 -> bf16 (the same bf16 values, so the same result bit for bit), a chain
-#: that some targets run with fewer conversion instructions (sm90 SASS:
-#: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; on an H200 15-21 % faster, the CUDA
-#: plugin's table entry: tune-s21-h200-flash-read-fp8.json); "f16": fp16 tensor cores, the
-#: activation rows scaled by powers of two (:func:`_mac_f16`; bf16 activations only, fp32 ones
-#: keep fp32 products)
-FP8_PATHS = ("cvt", "via_f32", "f16")
+#: how FP8 e4m3 codes become the MMA's bf16 operand (TUNE key "fp8"; both give the same bf16
+#: values, so the same result bit for bit): "cvt" (default) converts e4m3 -> bf16, "via_f32"
+#: e4m3 -> fp32 -> bf16, a chain that some targets run with fewer conversion instructions (sm90
+#: SASS: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; on an H200 15-21 % faster, the CUDA
+#: plugin's table entry: tune-s21-h200-flash-read-fp8.json)
+FP8_PATHS = ("cvt", "via_f32")
 
 
 def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
@@ -272,8 +247,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     grid = (mt, nt, G * S)
     # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
     via = {"VIA32": True} if scaled and cfg["fp8"] == "via_f32" else {}
-    if scaled and cfg["fp8"] == "f16" and a.dtype == torch.bfloat16:
-        via = {"F16": True}
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._util import BIG_TILE_SHARED, c, cdiv, interp, np2, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
-from .linear import FP8_PATHS as _LINEAR_FP8_PATHS
+from .linear import FP8_PATHS
 from .predicates import _E8M0, _FP8
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
@@ -540,8 +540,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
 DECODES = ("join", "scaled")
 #: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
-#: values): linear's FP8_PATHS, which says why; its "f16" path is linear's only
-FP8_PATHS = _LINEAR_FP8_PATHS[:2]
+#: values): linear's FP8_PATHS (imported above), which says why
 
 
 def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
