@@ -173,13 +173,6 @@ S25 = [
 # 1470 µs at T = 1 / 8 / 64 / 4096 against "via_f32"'s 13.9-14.3 / 14.3 / 20.6-20.7 / 856; wo_a FP8
 # 23.6 / 23.3 / 53.9 / 1359 against 16.2-17.1 / 16.1-16.3 / 31.1-31.2 / 875
 # (tune-s28-h200-flash-read-fp8-f16.json)
-# hc_pre's epilogue with post / comb (the Sinkhorn) in a program of its own (mhc TUNE epi_apart: the
-# H-chunk programs compute pre and the collapse only; the same bits). Session 23. `--set s29`.
-_A = {"epi_apart": True}
-S29 = [
-    ("hc_pre", mhc, (1, 8, 64, 4096), [{}, _A, {**_A, "epi_num_warps": 2}, {}, _A]),
-]
-
 
 def _no_default_split(rows):
     """s22 / s23 were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
@@ -188,7 +181,7 @@ def _no_default_split(rows):
 
 
 SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": _no_default_split(S22), "s23": _no_default_split(S23),
-        "s25": S25, "s29": S29}
+        "s25": S25}
 
 
 def _parts(timer, shapes, rows):

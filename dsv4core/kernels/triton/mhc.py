@@ -40,8 +40,7 @@ from .launch import Tune
 _CPU_PROGRAMS = 264
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK",
-                       "post_num_warps", "epi_apart"))
+TUNE = Tune(__name__, ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK", "post_num_warps"))
 
 
 # --------------------------------------------------------------------------------------------- hc_post
@@ -177,18 +176,9 @@ def _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH: tl.constexpr, RNE:
 def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                        T, H, S, rms_eps, hc_eps, iters, post_mult,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, SP: tl.constexpr, HCH, APART: tl.constexpr = False):
-    """APART (TUNE epi_apart): post / comb (the Sinkhorn) in their own program, hb = the H-chunk
-    count; the H-chunk programs compute pre and collapse only (the same operations in the same
-    order as the default, so the same bits)."""
+                       RNE: tl.constexpr, SP: tl.constexpr, HCH):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    if APART:
-        nhb = tl.num_programs(1) - 1
-        if hb < nhb:
-            _hc_pre_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, t, hb, T, H, S, rms_eps, hc_eps,
-                             N, NP, MP, BH, RNE, SP, HCH)
-            return
     K = N * H
     i = tl.arange(0, NP)
     im = i < N
@@ -223,34 +213,9 @@ def _hc_pre_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, post_
     for _ in range(iters - 1):
         C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
         C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
-    if APART:
+    if hb == 0:
         tl.store(post_ptr + t * N + i, post, mask=im)
         tl.store(comb_ptr + t * N * N + zi2, C, mask=m2)
-    else:
-        if hb == 0:
-            tl.store(post_ptr + t * N + i, post, mask=im)
-            tl.store(comb_ptr + t * N * N + zi2, C, mask=m2)
-        _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
-
-
-@triton.jit
-def _hc_pre_collapse(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr, t, hb, T, H, S, rms_eps, hc_eps,
-                     N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BH: tl.constexpr,
-                     RNE: tl.constexpr, SP: tl.constexpr, HCH):
-    """hc_pre's y for H-chunk hb of token t: pre from the partial sums (as _hc_pre_epi_kernel
-    computes it), then the collapse."""
-    K = N * H
-    i = tl.arange(0, NP)
-    im = i < N
-    sp = tl.arange(0, SP)
-    spm = sp < S
-    rb = (sp * T + t) * MP
-    z_pre = tl.sum(tl.load(zp_ptr + rb[:, None] + i[None, :], mask=spm[:, None] & im[None, :], other=0.0), 0)
-    ss = tl.sum(tl.load(ssp_ptr + sp * T + t, mask=spm, other=0.0), 0)
-    rho = tl.div_rn(1.0, tl.sqrt_rn(ss / K + rms_eps))
-    s0 = tl.load(scale_ptr)
-    b_pre = tl.load(base_ptr + i, mask=im, other=0.0)
-    pre = tl.sigmoid(s0 * (rho * z_pre) + b_pre) + hc_eps
     _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
 
 
@@ -276,12 +241,10 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
     BH, HCH, nhb = _epi_block(T, H, x.device)
-    apart = TUNE.get("epi_apart", False)
-    _hc_pre_epi_kernel[(T, nhb + int(bool(apart)))](x, zp, ssp, c(scale), c(base), y, post, comb,
+    _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
                                          T, H, S, float(rms_eps), float(hc_eps), int(iters),
                                          float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
-                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1),
-                                         **({"APART": True} if apart else {}), **TUNE.options())
+                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
     return y, post, comb
 
 
