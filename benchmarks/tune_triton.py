@@ -173,6 +173,10 @@ S25 = [
 # 1470 µs at T = 1 / 8 / 64 / 4096 against "via_f32"'s 13.9-14.3 / 14.3 / 20.6-20.7 / 856; wo_a FP8
 # 23.6 / 23.3 / 53.9 / 1359 against 16.2-17.1 / 16.1-16.3 / 31.1-31.2 / 875
 # (tune-s28-h200-flash-read-fp8-f16.json)
+# hc_pre epi_apart (session 23: post / comb in their own epilogue program; bitwise the same outputs)
+# won 4-8 % at T = 8 / 64 (tune-s29-h200-flash-read-hc-pre-apart.json) but was reverted for want of
+# its GPU conformance run; the kernel change and its sweep set are commit 7d2ffb5.
+
 
 def _no_default_split(rows):
     """s22 / s23 were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
