@@ -247,3 +247,103 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP, scale_dtype: torch.dty
     codes = _fp4_codes((g / s_used.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)).reshape(*lead, n, k)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
     return packed, s_enc
+
+
+# ----------------------------------------------------------------------------------------------
+# the official activation quantisation rules (DeepSeek-V4's quantisation-aware inference)
+# ----------------------------------------------------------------------------------------------
+#
+# Both rules work per row and per group of ``block`` consecutive values of the last dimension:
+#
+# * FP8 (``act_quant``): ``amax = max(max|x|, 1e-4)``; ``s = 2^ceil(log2(fl(amax * fl(1/448))))``
+#   (a power of two; the product is rounded to float32 first, then ceil(log2) is read off its bits:
+#   the exponent, plus one when any mantissa bit is set); ``q = e4m3(clamp(x / s, -448, 448))``,
+#   rounded to nearest, ties to even. ``s`` is the dequantisation multiplier: ``x ~ q * s``.
+# * FP4 (``fake_quant(x, "fp4")``): the same with ``amax`` clamped to >= 6 * 2^-126, ``1/6`` in place
+#   of ``1/448`` and the e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} (nearest, ties to the even code).
+#
+# ``x / s`` and ``q * s`` are exact (s is a power of two and the results stay normal), so the
+# fake-quantised value ``q * s`` is exact in float32 and in bfloat16 (an e4m3 or e2m1 value has
+# fewer mantissa bits than either): ``fake_quant`` is the identity on values it already produced.
+
+#: amax clamps of the two rules (a group of zeros gets the smallest scale, not a division by zero)
+ACT_AMAX_MIN = {"fp8": 1e-4, "fp4": 6.0 * 2.0 ** -126}
+_QMAX = {"fp8": FP8_MAX, "fp4": FP4_MAX}
+
+
+def _ceil_pow2(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(v)) for positive float32 ``v``, read off the bits (exact; no log2 rounding)."""
+    bits = v.contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ((e + 127) << 23).view(torch.float32)
+
+
+def act_scale(amax: torch.Tensor, fmt: str = "fp8") -> torch.Tensor:
+    """The power-of-two scale of the official rule for group maxima ``amax`` (float32)."""
+    qmax_inv = torch.tensor(1.0 / _QMAX[fmt], dtype=torch.float32, device=amax.device)
+    return _ceil_pow2(amax.to(torch.float32).clamp(min=ACT_AMAX_MIN[fmt]) * qmax_inv)
+
+
+def _groups(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
+    if not isinstance(block, int) or block <= 0 or x.shape[-1] % block:
+        raise ValueError(f"{who}: last dim {x.shape[-1]} of x {tuple(x.shape)} must be a multiple of block {block}")
+    return x.to(torch.float32).unflatten(-1, (x.shape[-1] // block, block))
+
+
+def _fp4_round(v: torch.Tensor) -> torch.Tensor:
+    """float32 values in [-6, 6] -> the nearest e2m1 value (ties to the even code), sign kept."""
+    codes = _fp4_codes(v)
+    table = torch.tensor(FP4_E2M1_TABLE, dtype=torch.float32, device=v.device)
+    return table[codes.long()]
+
+
+def act_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official FP8 activation quantisation: ``x [..., K]`` -> (``q`` float8_e4m3fn ``[..., K]``,
+    ``scale`` float32 ``[..., K / block]``) with ``x ~ q * scale`` per group (rule above)."""
+    g = _groups(x, block, "act_quant")
+    s = act_scale(g.abs().amax(-1), "fp8")
+    q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+def fake_quant(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """``dequant(quant(x))`` with the official rule for ``fmt`` ("fp8": e4m3, "fp4": e2m1) per group
+    of ``block`` values of the last dim, returned in x's dtype (exact: no second rounding)."""
+    if fmt not in _QMAX:
+        raise ValueError(f"fake_quant: fmt must be 'fp8' or 'fp4', got {fmt!r}")
+    g = _groups(x, block, "fake_quant")
+    s = act_scale(g.abs().amax(-1), fmt).unsqueeze(-1)
+    v = (g / s).clamp(-_QMAX[fmt], _QMAX[fmt])
+    v = v.to(torch.float8_e4m3fn).to(torch.float32) if fmt == "fp8" else _fp4_round(v)
+    return (v * s).flatten(-2).to(x.dtype)
+
+
+_HADAMARD_CACHE: dict = {}
+
+
+def hadamard_matrix(d: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The Sylvester-ordered Hadamard matrix of order ``d`` (a power of two), entries +-1:
+    ``H[i, j] = (-1)^popcount(i & j)``."""
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"hadamard: the last dim must be a power of two, got {d}")
+    key = (d, str(device), dtype)
+    h = _HADAMARD_CACHE.get(key)
+    if h is None:
+        i = torch.arange(d)
+        bits = torch.bitwise_and(i[:, None], i[None, :])
+        parity = torch.zeros_like(bits)
+        while bool(bits.any()):
+            parity ^= bits & 1
+            bits = bits >> 1
+        h = _HADAMARD_CACHE[key] = (1 - 2 * parity).to(dtype=dtype, device=device)
+    return h
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H^T * d^-0.5`` over the last dim (``d`` a power of two, Sylvester order), the rotation
+    the official indexer applies before its FP4 simulation; float32 math (float64 for float64 x),
+    one cast to x's dtype."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    d = x.shape[-1]
+    h = hadamard_matrix(d, x.device, ct)
+    return ((x.to(ct) @ h.T) * d ** -0.5).to(x.dtype)
