@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dsv4core.hal import Backend, catalogue
 from dsv4core.hal.ops.mhc import sinkhorn
 from dsv4core.hal.ops.projections import dequant_block_fp8
+from dsv4core.hal.quant import act_quant, fake_quant
 
 CHUNK = 48  # deliberately not a power of two: other summation order than torch's kernels
 
@@ -112,8 +113,46 @@ def q_norm_rope(q, positions, inv_freq, eps):
     return _rotate_complex(_rms(q.to(_ct(q)), None, eps), positions, inv_freq, False).to(q.dtype)
 
 
-def kv_norm_rope(kv, weight, positions, inv_freq, eps):
-    return _rotate_complex(_rms(kv.to(_ct(kv)), weight, eps), positions, inv_freq, False).to(kv.dtype)
+def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
+    return _kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block)
+
+
+def _kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None, quant_rope=False):
+    ct = _ct(kv)
+    y = _rms(kv.to(ct), weight, eps)
+    if nope_quant_block is None:
+        return _rotate_complex(y, positions, inv_freq, False).to(kv.dtype)
+    y = _rotate_complex(y.to(torch.bfloat16).to(ct), positions, inv_freq, False).to(torch.bfloat16)
+    nope = y.shape[-1] if quant_rope else y.shape[-1] - 2 * inv_freq.shape[0]
+    y = y.clone()
+    y[:, :nope] = fake_quant(y[:, :nope], "fp8", nope_quant_block)
+    return y.to(kv.dtype)
+
+
+def _fwht(x):
+    """Sylvester Hadamard by butterflies (the reference multiplies by the matrix), unscaled."""
+    d = x.shape[-1]
+    h = 1
+    y = x.clone()
+    while h < d:
+        y = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), -2).flatten(-3)
+        h *= 2
+    return y
+
+
+def indexer_rotate_quant(x):
+    return _indexer_rotate_quant(x)
+
+
+def _indexer_rotate_quant(x, scaled=True, order=None):
+    y = _fwht(x.to(_ct(x)))
+    if order is not None:
+        y = y[..., order(x.shape[-1])]
+    if scaled:
+        y = y * x.shape[-1] ** -0.5
+    return fake_quant(y.to(torch.bfloat16), "fp4", 32).to(x.dtype)
 
 
 def _attention(q, kv, indices, sink, scale, use_sink=True):
@@ -250,9 +289,30 @@ def indexer_topk(scores, k_lengths, topk):
     return _topk(scores, k_lengths, topk)
 
 
-def linear(x, weight, weight_scale=None, out_dtype=None):
+def _w8a8(x, w, act_block, scale=None):
+    """x quantised per act_block columns (codes and scales, then a K-blocked GEMM applying each
+    block's activation scale to its partial product: the FP8 x FP8 GEMM formulation)."""
+    ct = _ct(x)
+    if scale is None:
+        q, s = act_quant(x.reshape(-1, x.shape[-1]), act_block)
+    else:
+        q, s = scale(x.reshape(-1, x.shape[-1]).to(torch.float32), act_block)
+    out = 0
+    for b in range(s.shape[-1]):
+        cols = slice(b * act_block, (b + 1) * act_block)
+        out = out + (q[:, cols].to(ct) @ w[:, cols].T) * s[:, b:b + 1].to(ct)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
+    return _linear(x, weight, weight_scale, out_dtype, act_block)
+
+
+def _linear(x, weight, weight_scale=None, out_dtype=None, act_block=None, _scale=None):
     ct = _ct(x)
     w = weight.to(ct) if weight_scale is None else dequant_block_fp8(weight, weight_scale, ct)
+    if act_block is not None:
+        return _w8a8(x, w, act_block, _scale).to(out_dtype or x.dtype)
     return _splitk_matmul(x.to(ct), w).to(out_dtype or x.dtype)
 
 
@@ -295,9 +355,9 @@ def _dequant_experts(w, scale, ct, fp4_high_first=False):
 
 
 def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None, w2_scale=None,
-             fp4_high_first=False):
+             fp4_high_first=False, act_block=None, weight_after_w2=False):
     """Slot-major (the reference is expert-major with index_add), split-K GEMMs, per-slot partial
-    sums added in slot order."""
+    sums added in slot order; the official math (act_block) through the K-blocked W8A8 GEMM."""
     ct = _ct(x)
     w13 = _dequant_experts(w13, w13_scale, ct, fp4_high_first)
     w2 = _dequant_experts(w2, w2_scale, ct, fp4_high_first)
@@ -307,14 +367,23 @@ def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None,
         part = torch.zeros(x.shape, dtype=ct)
         for e in torch.unique(ids[:, i][ids[:, i] >= 0]).tolist():
             tok = (ids[:, i] == e).nonzero().flatten()
-            h = _swiglu(_splitk_matmul(xf[tok], w13[e].to(ct)), swiglu_limit, clamp)
-            part[tok] = _splitk_matmul(h, w2[e].to(ct)) * weights[tok, i].to(ct)[:, None]
+            wt = weights[tok, i].to(ct)[:, None]
+            if act_block is None:
+                h = _swiglu(_splitk_matmul(xf[tok], w13[e].to(ct)), swiglu_limit, clamp)
+                part[tok] = _splitk_matmul(h, w2[e].to(ct)) * wt
+                continue
+            gu = _w8a8(x[tok], w13[e].to(ct), act_block).to(torch.bfloat16).to(ct)
+            h = _swiglu(gu, swiglu_limit, clamp)
+            h = (h if weight_after_w2 else h * wt).to(torch.bfloat16)
+            y = _w8a8(h, w2[e].to(ct), act_block)
+            part[tok] = y * wt if weight_after_w2 else y
         out = out + part
     return out.to(x.dtype)
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale)
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
+                    act_block=act_block)
 
 
 def _gather_padded(x, dim, group, sizes):
@@ -518,6 +587,58 @@ def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
 def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
     return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
                     fp4_high_first=True)
+
+
+def _scale_rule(kind):
+    """Activation quantisers with one classic mistake each (x float32 [M, K] -> codes, scales)."""
+    def quant(x, block):
+        g = x.unflatten(-1, (-1, block))
+        amax = g.abs().amax(-1).clamp(min=1e-4)
+        if kind == "floor":           # floor instead of ceil in the power-of-two exponent
+            s = torch.exp2(torch.floor(torch.log2(amax / 448)))
+        elif kind == "not-pow2":      # scale = amax / 448, no power of two
+            s = amax / 448
+        else:                         # one amax for the whole tensor ("per-tensor")
+            s = torch.exp2(torch.ceil(torch.log2(amax.amax().expand_as(amax) / 448)))
+        q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return q.flatten(-2), s
+    return quant
+
+
+def linear_act_scale(kind):
+    def f(x, weight, weight_scale=None, out_dtype=None, act_block=None):
+        return _linear(x, weight, weight_scale, out_dtype, act_block, _scale=_scale_rule(kind))
+    return f
+
+
+def moe_experts_weight_after_w2(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
+                                act_block=None):
+    """The routing weight applied after the down projection (h quantised unweighted)."""
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
+                    act_block=act_block, weight_after_w2=True)
+
+
+def kv_norm_rope_rope_dims_quantised(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
+    return _kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block, quant_rope=True)
+
+
+def _bit_reversed(d):
+    n = d.bit_length() - 1
+    return torch.tensor([int(format(i, f"0{n}b")[::-1], 2) for i in range(d)])
+
+
+#: official-numerics mutants: name -> (op, implementation); each must fail its op's quantised cases
+QUANT_BROKEN = {
+    "act-scale-floor": ("linear", linear_act_scale("floor")),
+    "act-scale-not-pow2": ("linear", linear_act_scale("not-pow2")),
+    "act-scale-per-tensor": ("linear", linear_act_scale("per-tensor")),
+    "moe-routing-weight-after-w2": ("moe_experts", moe_experts_weight_after_w2),
+    "kv-row-rope-dims-quantised": ("kv_norm_rope", kv_norm_rope_rope_dims_quantised),
+    "indexer-hadamard-unscaled": ("indexer_rotate_quant", lambda x: _indexer_rotate_quant(x, scaled=False)),
+    "indexer-hadamard-other-order": ("indexer_rotate_quant", lambda x: _indexer_rotate_quant(x, order=_bit_reversed)),
+    "indexer-no-rotation": ("indexer_rotate_quant",
+                            lambda x: fake_quant(x.to(torch.bfloat16), "fp4", 32).to(x.dtype)),
+}
 
 
 #: name -> (broken op, implementation)

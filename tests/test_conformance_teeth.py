@@ -8,7 +8,9 @@ import pytest
 from dsv4core.conformance import FAILED, PASSED, run
 from dsv4core.hal import catalogue
 
-from conformance_backends import BROKEN, make_alt_backend, make_backend, make_broken_backend
+import torch
+
+from conformance_backends import ALT_IMPLS, BROKEN, QUANT_BROKEN, make_alt_backend, make_backend, make_broken_backend
 
 
 def _statuses(report):
@@ -108,3 +110,18 @@ def test_ties_are_not_failures():
     report = run(make_backend("ties", {"indexer_topk": reversed_ties, "moe_route": route_reversed}),
                  ops="indexer_topk,moe_route", dtypes="float32")
     assert not report.failed, [f"{c.id}: {c.message}" for c in report.failures()]
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_BROKEN))
+def test_official_numerics_mistakes_are_caught(kind):
+    """The classic mistakes of the official quantisation rules each fail their op's quantised
+    cases (and only those: the exact-numerics cases of the op still pass)."""
+    op, fn = QUANT_BROKEN[kind]
+    report = run(make_backend(f"broken-{kind}", dict(ALT_IMPLS, **{op: fn})), ops=[op], shapes="small",
+                 dtypes="float32,bfloat16")
+    assert _statuses(report)[op] == FAILED, f"{kind}: {op} was not caught"
+    failed = {c.case for c in report.failures()}
+    quant_cases = {c.name for c in catalogue()[op].sample_cases("small", torch.float32)
+                   if any(c.kwargs.get(a) is not None for a in ("act_block", "nope_quant_block"))
+                   or op == "indexer_rotate_quant"}
+    assert failed and failed <= quant_cases, (kind, failed - quant_cases)

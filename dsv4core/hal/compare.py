@@ -416,6 +416,41 @@ def tolerance_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.
     return Check(name, tol.metric, e_b, e_r, bound, e_b <= bound)
 
 
+#: the arguments whose being set makes a call quantised (see Tolerance.quantized_rows)
+QUANT_ARGS = ("act_block", "nope_quant_block")
+
+
+def _quantized_call(spec, kw: dict) -> bool:
+    """An op with a quantisation argument, called with it set; or an op that always quantises."""
+    args = [a for a in QUANT_ARGS if a in spec.signature.parameters]
+    return not args or any(kw.get(a) is not None for a in args)
+
+
+def quantized_rows_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.Tensor,
+                         exact: torch.Tensor) -> Check:
+    """The bound of ``tolerance_check`` per output row (dim 0; the error in units of the whole
+    output's max |exact|); at most ``rows // tol.quantized_rows`` rows may exceed it."""
+    if not exact.numel():
+        return tolerance_check(name, tol, floor, got, ref, exact)
+    g, r, e = (t.detach().cpu().to(torch.float64).reshape(max(1, t.shape[0]), -1) for t in (got, ref, exact))
+    fin = torch.isfinite(e)
+    scale = e[fin].abs().max().item() if fin.any() else 0.0
+    scale = scale if scale > 0 else 1.0
+    zero = torch.zeros_like(e)
+    eb = torch.where(fin, (g - e).abs(), zero).amax(1) / scale
+    er = torch.where(fin, (r - e).abs(), zero).amax(1) / scale
+    bound = tol.k * er + floor + (output_rounding("max_rel", got.dtype, exact) if tol.floor else 0.0)
+    over = eb > bound
+    allowed = e.shape[0] // tol.quantized_rows
+    n = int(over.sum())
+    worst = int((eb / bound.clamp(min=1e-300)).argmax()) if e.numel() else 0
+    detail = "" if n <= allowed else (f"{n} of {e.shape[0]} rows beyond the bound (at most {allowed} may be, "
+                                      f"quantised call); worst row {worst}")
+    return Check(name, "max_rel_rows", float(eb[worst]) if e.numel() else 0.0,
+                 float(er[worst]) if e.numel() else 0.0, float(bound[worst]) if e.numel() else 0.0, n <= allowed,
+                 detail)
+
+
 def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
     """The checks of one output ``raw`` of ``spec`` on arguments ``kw`` (by name), given the
     reference's output in the case dtype (``ref``) and the fp64 evaluation (``exact``), both
@@ -447,7 +482,10 @@ def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.d
                 checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                                     "" if ok else "integer output differs from the reference"))
                 continue
-            checks.append(tolerance_check(name, tol, floor, g, r, e))
+            if tol.quantized_rows and g.dim() and _quantized_call(spec, kw):
+                checks.append(quantized_rows_check(name, tol, floor, g, r, e))
+            else:
+                checks.append(tolerance_check(name, tol, floor, g, r, e))
     checks += invariants(spec.name, kw, got, ref, exact, max(tol.k, 2.0), floor)
     return checks
 

@@ -266,6 +266,10 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP, scale_dtype: torch.dty
 # fake-quantised value ``q * s`` is exact in float32 and in bfloat16 (an e4m3 or e2m1 value has
 # fewer mantissa bits than either): ``fake_quant`` is the identity on values it already produced.
 
+#: the activation dtype of the official inference: its quantisation points act on values rounded
+#: to it (a bfloat16 model computes exactly the official numbers; a float32 one rounds there too)
+OFFICIAL_ACT_DTYPE = torch.bfloat16
+
 #: amax clamps of the two rules (a group of zeros gets the smallest scale, not a division by zero)
 ACT_AMAX_MIN = {"fp8": 1e-4, "fp4": 6.0 * 2.0 ** -126}
 _QMAX = {"fp8": FP8_MAX, "fp4": FP4_MAX}
@@ -292,7 +296,7 @@ def _groups(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
 
 def _fp4_round(v: torch.Tensor) -> torch.Tensor:
     """float32 values in [-6, 6] -> the nearest e2m1 value (ties to the even code), sign kept."""
-    codes = _fp4_codes(v)
+    codes = _fp4_codes(v.contiguous())
     table = torch.tensor(FP4_E2M1_TABLE, dtype=torch.float32, device=v.device)
     return table[codes.long()]
 

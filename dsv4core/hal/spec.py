@@ -45,6 +45,12 @@ class Tolerance:
     metric: str = "max_rel"
     #: Per-dtype floors (``{"bfloat16": 2**-10}``) overriding ``floor`` for cases of that dtype.
     floors: dict = field(default_factory=dict, hash=False, compare=False)
+    #: Quantised calls (a case whose quantisation argument is set: ``act_block`` /
+    #: ``nope_quant_block``) may exceed the bound in 1 of every ``quantized_rows`` output rows (0:
+    #: none): an intermediate that is rounded and then quantised to a coarse grid lands on the
+    #: other side of a decision boundary when two legal computations differ by one fp32 rounding,
+    #: in rare tokens; a wrong quantisation rule moves every token. ``why`` says the derivation.
+    quantized_rows: int = 0
 
     def floor_for(self, dtype: torch.dtype) -> float:
         return float(self.floors.get(str(dtype).replace("torch.", ""), self.floor))
@@ -128,7 +134,7 @@ _CATALOGUE: dict[str, OpSpec] = {}
 
 
 def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), writes: tuple[str, ...] = (),
-       capturable: bool = True) -> Callable[[Callable], OpSpec]:
+       capturable: bool = True, params_since: dict | None = None) -> Callable[[Callable], OpSpec]:
     """Declare a HAL op. The decorated function is its reference implementation.
 
     ``writes``: parameters written in place (the op returns None). ``capturable``: whether the
@@ -136,6 +142,7 @@ def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), wr
 
     def wrap(fn: Callable) -> OpSpec:
         spec = OpSpec(fn, family, tolerance, since, writes, capturable)
+        spec.params_since = dict(params_since or {})
         if spec.name in _CATALOGUE:
             raise ValueError(f"op {spec.name!r} declared twice")
         _CATALOGUE[spec.name] = spec

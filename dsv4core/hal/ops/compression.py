@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import OpInputError
+from ..quant import FP4_GROUP, OFFICIAL_ACT_DTYPE, fake_quant, hadamard, hadamard_matrix
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
 
@@ -356,3 +357,44 @@ def _(shapes, dtype, device, gen):
     lengths = torch.tensor([0, 3, topk, 2 * topk, 3 * topk])
     yield Case("topk-other", dict(scores=randn((5, 3 * topk), gen, torch.float32, device), k_lengths=lengths.to(device),
                                   topk=topk + 3))
+
+
+@op(family="compression", since=(1, 2), tolerance=Tolerance(
+    k=2.0, floor=1e-6, quantized_rows=32,
+    why="a length-d fp32 Hadamard sum per value, rounded to bf16, then FP4 e2m1 codes a quarter to "
+        "half of their group scale apart: a legal fp32 difference crosses a bf16 boundary with "
+        "probability ~2^-15 a value and that moves its e2m1 code ~1 time in 64; 1 token row in 32 "
+        "may therefore differ"))
+def indexer_rotate_quant(x: torch.Tensor) -> torch.Tensor:
+    """The official indexer's query / key simulation: ``fake_quant(bf16(hadamard(x)), "fp4", 32)``
+    over the last dim d (a power of two, a multiple of 32): the Sylvester-ordered Hadamard rotation
+    scaled by d^-0.5 (fp32 math), rounded to bfloat16 (the official activation dtype), then FP4
+    e2m1 fake-quantisation per 32 values with power-of-two scales ``2^ceil(log2(amax / 6))``
+    (``hal.quant``). x [..., d] (queries [T, heads, d] after rope, keys [T, d] after norm and rope);
+    the result in x's dtype. The values are exact e2m1 codes times UE8M0 scales: an FP4 key store
+    of them is lossless."""
+    y = hadamard(x.to(compute_dtype(x))).to(OFFICIAL_ACT_DTYPE)
+    return fake_quant(y, "fp4", FP4_GROUP).to(x.dtype)
+
+
+@indexer_rotate_quant.check
+def _(x):
+    Dims("indexer_rotate_quant").tensor("x", x, dtypes=ACT_DTYPES + (torch.float64,), min_rank=1)
+    d = x.shape[-1]
+    expect("indexer_rotate_quant", "x", d > 0 and d & (d - 1) == 0 and d % FP4_GROUP == 0,
+           f"last dim a power of two and a multiple of {FP4_GROUP}", f"shape {tuple(x.shape)}")
+
+
+@indexer_rotate_quant.cases
+def _(shapes, dtype, device, gen):
+    D = dims(shapes)
+    nI, dI = D["nI"], D["dI"]
+    yield Case("queries-T40", dict(x=randn((40, nI, dI), gen, dtype, device, 2.0)))
+    yield Case("keys-T40", dict(x=randn((40, dI), gen, dtype, device, 0.5)))
+    # a row concentrated in one Sylvester basis vector: an unscaled or differently ordered (or
+    # unrotated) transform puts its energy elsewhere; spread magnitudes per token
+    basis = torch.zeros(33, dI)
+    basis[torch.arange(33), torch.randint(0, dI, (33,), generator=gen)] = float(dI) ** 0.5
+    x = (hadamard_matrix(dI) @ basis.T).T * 2.0 ** torch.randint(-8, 8, (33, 1), generator=gen)
+    yield Case("basis-rows", dict(x=(x + randn((33, dI), gen, torch.float32, "cpu", 0.01)).to(device, dtype)))
+    yield Case("zeros-and-empty", dict(x=torch.zeros((0, dI), device=device, dtype=dtype)))

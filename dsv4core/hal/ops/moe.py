@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant import E8M0, FP4_GROUP, FP4_PACKED_DTYPES, quantize_fp4, quantize_fp8_block, scale_to_float32, unpack_fp4
+from ..quant import (E8M0, FP4_GROUP, FP4_PACKED_DTYPES, OFFICIAL_ACT_DTYPE, fake_quant, quantize_fp4,
+                     quantize_fp8_block, scale_to_float32, unpack_fp4)
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
-from .projections import BLOCK as FP8_BLOCK, FP8, SCALE_DTYPES as FP8_SCALE_DTYPES, dequant_block_fp8
+from .projections import (BLOCK as FP8_BLOCK, FP8, SCALE_DTYPES as FP8_SCALE_DTYPES, check_act_block,
+                          dequant_block_fp8, quantized_activation)
 
 #: scale dtypes of packed FP4 weights: UE8M0 (float8_e8m0fnu, or its raw bytes as uint8)
 FP4_SCALE_DTYPES = tuple(d for d in (E8M0, torch.uint8) if d is not None)
@@ -98,13 +100,17 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, ct: torc
 
 # capturable=False: the reference loops over the experts present (torch.unique + nonzero: host
 # syncs, data-dependent shapes); a gathered formulation would read T*k expert weights per call.
-@op(family="moe", capturable=False, tolerance=Tolerance(
-    k=4.0, floor=1e-6,
+@op(family="moe", capturable=False, params_since={"w13_scale": (1, 2), "w2_scale": (1, 2), "act_block": (1, 2)},
+    tolerance=Tolerance(
+    k=4.0, floor=1e-6, quantized_rows=32,
     why="two chained fp32 GEMMs (length H then I) and a k-term weighted sum: more roundings "
-        "than linear, ordered freely by grouped kernels; quantised weights are dequantised exactly"))
+        "than linear, ordered freely by grouped kernels; quantised weights are dequantised exactly. "
+        "The official math (act_block) rounds gate / up to bf16 and quantises h to e4m3: a legal "
+        "fp32 difference moves an h code with probability ~2^-19 a value (or 2^-20 through a bf16 "
+        "flip of gate / up), ~1 % of tokens at I = 2048 and k = 6; 1 token in 32 may differ"))
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, swiglu_limit: float, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w2_scale: torch.Tensor | None = None, act_block: int | None = None) -> torch.Tensor:
     """``sum_i weights[t, i] * expert_{ids[t, i]}(x[t])`` with SwiGLU experts
     ``(silu(min(x W1^T, L)) * clamp(x W3^T, -L, L)) W2^T``; w13 [E, 2I, H] holds W1 rows then W3
     rows; w2 [E, H, I]; negative ids are skipped. fp32 math and accumulation, result in x.dtype.
@@ -112,15 +118,28 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     with 128x128 block multipliers [E, ceil(rows/128), ceil(cols/128)] (fp32 or e8m0), or packed
     FP4 e2m1 (int8/uint8 [E, rows, cols/2], column 2j in the low nibble of byte j, 2j+1 in the
     high one) with one UE8M0 scale per 32 columns [E, rows, cols/32] (e8m0 or raw uint8 bytes).
-    Quantised weights are dequantised exactly, then the same formula."""
+    Quantised weights are dequantised exactly, then the same formula.
+
+    ``act_block`` (HAL 1.2): None = the formula above (exact numerics); 128 = the official expert
+    math (W8A8 in both GEMMs): ``x`` is quantised per token per 128 columns (``linear``'s rule);
+    gate and up are rounded to bfloat16 (the official activation dtype), clamped and combined in
+    fp32 as ``h = silu(min(g, L)) * clamp(u, -L, L) * weights[t, i]`` (the routing weight applied
+    BEFORE the down projection), rounded to bfloat16 and quantised again per 128 for ``w2``; the
+    experts' outputs are summed in fp32 and cast once to x.dtype."""
     ct = compute_dtype(x)
-    xf = x.to(ct)
+    xf = quantized_activation(x, act_block, ct)
     out = torch.zeros(x.shape, dtype=ct, device=x.device)
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = swiglu(xf[tok] @ _expert_weight(w13, w13_scale, e, ct).T, swiglu_limit)
-        y = h @ _expert_weight(w2, w2_scale, e, ct).T
-        out.index_add_(0, tok, y * weights[tok, slot].to(ct)[:, None])
+        gu = xf[tok] @ _expert_weight(w13, w13_scale, e, ct).T
+        if act_block is None:
+            h = swiglu(gu, swiglu_limit)
+            y = h @ _expert_weight(w2, w2_scale, e, ct).T
+            out.index_add_(0, tok, y * weights[tok, slot].to(ct)[:, None])
+            continue
+        h = swiglu(gu.to(OFFICIAL_ACT_DTYPE).to(ct), swiglu_limit) * weights[tok, slot].to(ct)[:, None]
+        h = fake_quant(h.to(OFFICIAL_ACT_DTYPE), "fp8", act_block).to(ct)
+        out.index_add_(0, tok, h @ _expert_weight(w2, w2_scale, e, ct).T)
     return out.to(x.dtype)
 
 
@@ -152,7 +171,7 @@ def _check_expert(d: Dims, arg: str, w, scale, rows: str, cols: str) -> tuple:
 
 
 @moe_experts.check
-def _(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+def _(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
     d = Dims("moe_experts").tensor("x", x, ("T", "H"), ACT_DTYPES + (torch.float64,))
     d.tensor("ids", ids, ("T", "k"), INT_DTYPES)
     d.tensor("weights", weights, ("T", "k"), F32)
@@ -162,6 +181,10 @@ def _(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
            f"shape {tuple(w13.shape)}")
     if ids.numel():
         expect("moe_experts", "ids", int(ids.max()) < s13[0], f"expert ids < {s13[0]}", int(ids.max()))
+    check_act_block("moe_experts", act_block, x)
+    if act_block is not None:
+        expect("moe_experts", "w2", s2[2] % act_block == 0, f"I (dim 2) a multiple of act_block {act_block}",
+               f"shape {tuple(w2.shape)}")
 @moe_experts.cases
 def _(shapes, dtype, device, gen):
     D = dims(shapes)
@@ -223,3 +246,31 @@ def _(shapes, dtype, device, gen):
                                                ids=torch.zeros((T, 1), dtype=torch.long, device=device),
                                                weights=torch.ones((T, 1), device=device), w13=w13s, w2=w2s,
                                                swiglu_limit=10.0))
+    yield from _official_cases(shapes, dtype, device, gen)
+
+
+def _official_cases(shapes, dtype, device, gen):
+    """The official expert math (act_block=128), 40 tokens a case (1 row in 32 may differ): FP4
+    w13 / w2 as the routed experts are stored, FP8 as the shared expert, bf16 weights holding
+    dequantised values; routing weights far from 1 and spread (applying them after w2 quantises a
+    different h); per-token magnitudes 2^-6 .. 2^6 (a per-tensor amax flushes the small tokens)."""
+    D = dims(shapes)
+    E, k, H, I = min(D["E"], 16), D["k"], D["H"], max(D["I"], 128)     # I: a multiple of act_block
+    wf13 = randn((E, 2 * I, H), gen, torch.float32, device, H ** -0.5 * 4)
+    wf2 = randn((E, H, I), gen, torch.float32, device, I ** -0.5)
+    q4 = (quantize_fp4(wf13, FP4_GROUP, E8M0), quantize_fp4(wf2, FP4_GROUP, E8M0))
+    q8 = (quantize_fp8_block(wf13, E8M0, FP8_BLOCK, pow2=True), quantize_fp8_block(wf2, E8M0, FP8_BLOCK, pow2=True))
+    for name, ((w13, w13s), (w2, w2s)) in (("fp4", q4), ("fp8", q8)):
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(40)]).long()
+        ids[::7, -1] = -1
+        x = randn((40, H), gen, torch.float32, device, 2.0) * 2.0 ** torch.randint(-6, 7, (40, 1), generator=gen).to(device)
+        wts = (0.05 + 3 * torch.rand((40, k), generator=gen)).to(device)
+        yield Case(f"official-{name}", dict(x=x.to(dtype), ids=ids.to(device), weights=wts, w13=w13, w2=w2,
+                                            swiglu_limit=10.0, w13_scale=w13s, w2_scale=w2s, act_block=128),
+                   ("official", name))
+    w13, w2 = wf13.to(dtype), wf2.to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(40)]).long()
+    yield Case("official-dense-weights-clamp", dict(x=randn((40, H), gen, dtype, device, 6.0), ids=ids.to(device),
+                                                    weights=(0.05 + 3 * torch.rand((40, k), generator=gen)).to(device),
+                                                    w13=w13, w2=w2, swiglu_limit=2.0, act_block=128),
+               ("official", "extreme"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_BLOCK as BLOCK, FP8_E4M3 as FP8, quantize_fp8_block
+from ..quant import FP8_BLOCK as BLOCK, FP8_E4M3 as FP8, fake_quant, quantize_fp8_block
 from ..spec import ACT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, block_varied, dims, noncontig, randn
 
@@ -36,27 +36,53 @@ def _check_scale(op_name: str, d: Dims, weight, weight_scale, lead: tuple) -> No
         d.tensor("weight_scale", weight_scale, grid, SCALE_DTYPES)
 
 
-@op(family="projections", tolerance=Tolerance(
+#: the activation block sizes of the official quantised numerics (``act_block`` arguments)
+ACT_BLOCKS = (128,)
+
+
+def quantized_activation(x: torch.Tensor, act_block: int | None, ct: torch.dtype) -> torch.Tensor:
+    """``x`` in ``ct``; with ``act_block`` the official FP8 activation quantisation first
+    (``fake_quant(x, "fp8", act_block)``: per row, per ``act_block`` columns; exact values)."""
+    return x.to(ct) if act_block is None else fake_quant(x, "fp8", act_block).to(ct)
+
+
+def check_act_block(op_name: str, act_block, x) -> None:
+    expect(op_name, "act_block", act_block is None or (isinstance(act_block, int) and act_block in ACT_BLOCKS),
+           f"None or one of {ACT_BLOCKS}", act_block)
+    if act_block is not None:
+        expect(op_name, "x", x.shape[-1] % act_block == 0, f"last dim a multiple of act_block {act_block}",
+               f"shape {tuple(x.shape)}")
+
+
+@op(family="projections", params_since={"act_block": (1, 2)}, tolerance=Tolerance(
     k=4.0, floor=1e-6,
     why="a length-K fp32 dot product per output: blocked/split-K accumulation orders differ from "
-        "torch's by a few roundings of K-term sums; fp8 weights are dequantised exactly"))
+        "torch's by a few roundings of K-term sums; fp8 weights are dequantised exactly; the "
+        "activation quantisation (act_block) is exact and depends on x only"))
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, act_block: int | None = None) -> torch.Tensor:
     """``y = x @ W^T`` with fp32 accumulation. weight [N, K] in an act dtype, or float8_e4m3fn with
     ``weight_scale`` [ceil(N/128), ceil(K/128)] block dequantisation multipliers. Output dtype
-    ``out_dtype`` (default x.dtype)."""
+    ``out_dtype`` (default x.dtype).
+
+    ``act_block`` (HAL 1.2): None = x as it is (exact numerics); 128 = the official W8A8: x is first
+    quantised per token per 128 columns with the official rule (``hal.quant.act_quant``: a
+    power-of-two scale ``2^ceil(log2(amax / 448))``, e4m3 codes) and the product is taken with
+    the dequantised codes, i.e. an FP8 x FP8 GEMM with both scales applied per 128-wide K block.
+    Any weight dtype: FP8 weights, or weights holding FP8-dequantised values, give the same result."""
     ct = compute_dtype(x)
-    return (x.to(ct) @ _weight(weight, weight_scale, ct).T).to(out_dtype or x.dtype)
+    return (quantized_activation(x, act_block, ct) @ _weight(weight, weight_scale, ct).T).to(out_dtype or x.dtype)
 
 
 @linear.check
-def _(x, weight, weight_scale=None, out_dtype=None):
+def _(x, weight, weight_scale=None, out_dtype=None, act_block=None):
     d = Dims("linear").tensor("x", x, dtypes=ACT_DTYPES + (torch.float64,), min_rank=1)
     d.sizes["K"] = x.shape[-1]
     d.tensor("weight", weight, ("N", "K"), WEIGHT_DTYPES)
     _check_scale("linear", d, weight, weight_scale, ())
     expect("linear", "out_dtype", out_dtype is None or isinstance(out_dtype, torch.dtype), "a torch.dtype or None",
            out_dtype)
+    check_act_block("linear", act_block, x)
 
 
 @linear.cases
@@ -95,6 +121,37 @@ def _(shapes, dtype, device, gen):
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
     yield Case("out-other-dtype", dict(x=randn((3, H), gen, dtype, device),
                                        weight=randn((64, H), gen, dtype, device, H ** -0.5), out_dtype=other))
+    yield from _w8a8_cases(shapes, dtype, device, gen, wv)
+
+
+def _w8a8_cases(shapes, dtype, device, gen, wv):
+    """The official W8A8 (act_block=128). The activations are built so that the classic mistakes
+    of the activation rule are large errors, not rounding noise: per-token, per-block magnitudes
+    spread over 2^-6 .. 2^6 (a per-tensor or per-row amax flushes the small blocks), block maxima
+    of the form 1.6 * 2^k (floor instead of ceil in the scale exponent makes x / s reach 1.6 * 448
+    and clamp), and values on a fine grid (a non-power-of-two scale amax / 448 rounds them to
+    other codes)."""
+    D = dims(shapes)
+    H = D["H"]
+    for T in (1, TOKENS[shapes][-1]):
+        x = block_varied(randn((T, H), gen, torch.float32, device), levels=13, block=BLOCK)
+        yield Case(f"w8a8-T{T}", dict(x=x.to(dtype), weight=randn((D["q_lora"], H), gen, dtype, device, H ** -0.5),
+                                      act_block=128), ("w8a8",))
+    # activation blocks 2^0, 2^-8, 2^-16 ... apart, the weight's columns scaled back: every block
+    # contributes alike to y, so a block quantised with another block's (or the tensor's) amax
+    # shows at full weight
+    f = 2.0 ** (-8.0 * (torch.arange(H // BLOCK) % 3)).repeat_interleave(BLOCK).to(device)
+    yield Case("w8a8-block-magnitudes", dict(x=(randn((5, H), gen, torch.float32, device) * f).to(dtype),
+                                             weight=(randn((64, H), gen, torch.float32, device, H ** -0.5) / f).to(dtype),
+                                             out_dtype=torch.float32, act_block=128), ("w8a8",))
+    q, s = quantize_fp8_block(wv, torch.float8_e8m0fnu, BLOCK, pow2=True)
+    x = randn((6, wv.shape[1]), gen, torch.float32, device, 0.5)
+    x[:, ::BLOCK] = 1.6 * 2.0 ** torch.randint(-4, 4, (6, 1), generator=gen).to(device)   # amax 1.6 * 2^k
+    x[1] = 0.0                                                                    # a zero token
+    yield Case("w8a8-fp8-weight", dict(x=x.to(dtype), weight=q, weight_scale=s, act_block=128), ("w8a8", "fp8"))
+    yield Case("w8a8-fp32out-3d", dict(x=randn((2, 3, H), gen, dtype, device, 40.0),
+                                       weight=randn((64, H), gen, dtype, device, H ** -0.5),
+                                       out_dtype=torch.float32, act_block=128), ("w8a8",))
 
 
 @op(family="projections", tolerance=Tolerance(

@@ -7,8 +7,9 @@ import math
 
 import torch
 
+from ..quant import OFFICIAL_ACT_DTYPE, fake_quant
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
-from ._cases import TOKENS, dims, noncontig, positions, randn
+from ._cases import TOKENS, block_varied, dims, noncontig, positions, randn
 from .norms import rms
 
 
@@ -151,19 +152,48 @@ def _(shapes, dtype, device, gen):
                                    inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-3), ("eps",))
 
 
-@op(family="rope", tolerance=Tolerance(
-    k=2.0, floor=1e-6, why="a weighted rms reduction of length d then the rotation, fp32 with one rounding"))
+@op(family="rope", params_since={"nope_quant_block": (1, 2)}, tolerance=Tolerance(
+    k=2.0, floor=1e-6, quantized_rows=32,
+    why="a weighted rms reduction of length d then the rotation, fp32 with one rounding; the "
+        "official row (nope_quant_block) rounds to bf16 and then to e4m3: a legal fp32 difference "
+        "crosses a bf16 boundary with probability ~2^-16 a value and that moves its e4m3 code 1 time "
+        "in 16, so ~0.03 % of rows of 448 quantised values; 1 row in 32 may therefore differ"))
 def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """Weighted rms_norm of kv [T, d], then rope on its trailing channels; fp32, one cast."""
-    return rotate(rms(kv.to(compute_dtype(kv)), weight, eps), positions, inv_freq, False).to(kv.dtype)
+                 eps: float, nope_quant_block: int | None = None) -> torch.Tensor:
+    """Weighted rms_norm of kv [T, d], then rope on its trailing channels; fp32, one cast.
+
+    ``nope_quant_block`` (HAL 1.2; None = exact): the official KV row. The normed row is rounded to
+    bfloat16 (the official activation dtype), rope turns its trailing ``2 * len(inv_freq)``
+    channels (fp32, rounded to bfloat16 again), and the other channels are fake-quantised to FP8
+    per ``nope_quant_block`` (64) channels with the official rule (``hal.quant.fake_quant``); the
+    rope channels are not quantised. The values are exact in bfloat16 and in e4m3 x a UE8M0 scale:
+    an FP8 row store of them is lossless."""
+    ct = compute_dtype(kv)
+    y = rms(kv.to(ct), weight, eps)
+    if nope_quant_block is None:
+        return rotate(y, positions, inv_freq, False).to(kv.dtype)
+    y = rotate(y.to(OFFICIAL_ACT_DTYPE).to(ct), positions, inv_freq, False).to(OFFICIAL_ACT_DTYPE)
+    nope = y.shape[-1] - 2 * inv_freq.shape[0]
+    y = torch.cat((fake_quant(y[..., :nope], "fp8", nope_quant_block), y[..., nope:]), -1)
+    return y.to(kv.dtype)
+
+
+#: the block of the official KV rows' non-rope FP8 fake-quantisation
+NOPE_QUANT_BLOCKS = (64,)
 
 
 @kv_norm_rope.check
-def _(kv, weight, positions, inv_freq, eps):
+def _(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
     d = Dims("kv_norm_rope").tensor("kv", kv, ("T", "d"), ACT_DTYPES + (torch.float64,))
     d.tensor("weight", weight, ("d",), ACT_DTYPES + F32)
     _check_rope_args("kv_norm_rope", d, "kv", kv, positions, inv_freq)
+    expect("kv_norm_rope", "nope_quant_block", nope_quant_block is None or nope_quant_block in NOPE_QUANT_BLOCKS,
+           f"None or one of {NOPE_QUANT_BLOCKS}", nope_quant_block)
+    if nope_quant_block is not None:
+        nope = kv.shape[-1] - 2 * inv_freq.shape[0]
+        expect("kv_norm_rope", "kv", nope % nope_quant_block == 0,
+               f"non-rope channels (d - 2 * len(inv_freq)) a multiple of nope_quant_block {nope_quant_block}",
+               f"{nope} (shape {tuple(kv.shape)})")
 
 
 @kv_norm_rope.cases
@@ -179,3 +209,12 @@ def _(shapes, dtype, device, gen):
     yield Case("eps-visible", dict(kv=randn((3, D["d"]), gen, dtype, device, 3e-2), weight=w,
                                    positions=positions(3, gen, device),
                                    inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-3), ("eps",))
+    # the official KV row (FP8 non-rope channels per 64): 40 tokens (a quantised call may differ
+    # in 1 row of 32); a norm weight whose 64-blocks differ by powers of two (a per-row or
+    # per-tensor amax flushes the small blocks to zero); and the compressed entries' width
+    wq = block_varied(w[None], levels=5, block=64)[0]
+    for label, f in (("main", main_inv_freq(D["d_r"], 10000.0)),
+                     ("yarn", yarn_inv_freq(D["d_r"], 160000.0, 16.0, 65536, 32.0, 1.0))):
+        yield Case(f"fp8-row-{label}", dict(kv=randn((40, D["d"]), gen, dtype, device, 2.0), weight=wq,
+                                            positions=positions(40, gen, device), inv_freq=f.to(device), eps=1e-6,
+                                            nope_quant_block=64), ("fp8-row",))
