@@ -8,13 +8,15 @@ binding) -> backends (the built-in ``reference`` and plugins in entry-point grou
 __version__ = "0.1.0"
 
 
-def load_model(path_or_name, *, backend="auto", dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1):
+def load_model(path_or_name, *, backend="auto", dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1,
+               numerics="auto"):
     """Load a DSV4 model (a checkpoint directory or ``"tiny"``); ``tp`` / ``ep``: tensor- and
-    expert-parallel sizes (run under torchrun). See :mod:`dsv4core.model.api`."""
+    expert-parallel sizes (run under torchrun); ``numerics``: "auto", "exact" or "official"
+    (:mod:`dsv4core.model.numerics`). See :mod:`dsv4core.model.api`."""
     from .model.api import load_model as _load
 
     return _load(path_or_name, backend=backend, dtype=dtype, device=device, quantized=quantized, verify=verify,
-                 tp=tp, ep=ep)
+                 tp=tp, ep=ep, numerics=numerics)
 
 
 __all__ = ["__version__", "load_model"]

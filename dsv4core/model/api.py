@@ -67,13 +67,16 @@ def _bind(device: torch.device, backend: str | None, verify=None):
 def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
                 device: torch.device | str | None = None, backend: str | None = "auto",
                 seed: int | None = None, ops=None, verify: float | str | None = None, tp: int = 1,
-                ep: int = 1) -> DSV4ForCausalLM:
+                ep: int = 1, numerics: str = "auto") -> DSV4ForCausalLM:
     """A model for `config` with deterministic random weights (seed) or empty weights (seed=None).
 
     tp / ep: tensor- and expert-parallel sizes (see `dsv4core.model.parallel`; the process group
     is initialised from the torchrun environment when needed). With a seed, every rank holds its
     slices of the same weights the single-process model gets (the full model is drawn on the
     host, then cut: fine for test-sized configs)."""
+    from . import numerics as num
+
+    num.check(numerics)
     cfg = config if isinstance(config, DSV4Config) else DSV4Config.from_dict(config)
     dt = resolve_dtype(dtype, torch.float32)
     dev = torch.device(device if device is not None else "cpu")
@@ -89,12 +92,14 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
     elif seed is not None:
         randomize_weights_(model, cfg, seed=seed)
     model.backend = backend
+    num.apply(model, num.resolve(numerics, None, config if isinstance(config, dict) else None))
     return model.eval()
 
 
 def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, quantized: str = "auto",
-               verify: float | str | None = None, tp: int = 1, ep: int = 1) -> DSV4ForCausalLM:
+               verify: float | str | None = None, tp: int = 1, ep: int = 1,
+               numerics: str = "auto") -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
@@ -108,6 +113,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     Routed experts stored packed (FP4 / FP8 + scales) follow the same rule through `moe_experts`
     (see `dsv4core.model.experts_quant`); shared experts are dequantised.
     `model.quantization_report()` lists every decision.
+    numerics: "exact" (activations as they are, bf16 KV: the transformers math), "official"
+    (DeepSeek-V4's quantisation-aware inference: W8A8 projections, FP8-rounded KV rows, the FP4
+    indexer; `dsv4core.model.numerics`) or "auto" (official for an official-format or FP8 / FP4
+    checkpoint, else exact); `model.numerics` says which.
     verify: fraction of op calls re-checked against the reference (default: env DSV4CORE_VERIFY,
     else off; see `dsv4core.hal.verify`); the counts are in `model.hal_report()`.
     tp / ep: tensor- and expert-parallel sizes (`dsv4core.model.parallel`): run under
@@ -116,12 +125,14 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     rank returns the same logits.
     """
     from . import experts_quant, fp8
+    from . import numerics as num
 
     fp8.check_mode(quantized)
+    num.check(numerics)
     dev = torch.device(device if device is not None else "cpu")
     if str(path_or_name) == "tiny":
         model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
-                            tp=tp, ep=ep)
+                            tp=tp, ep=ep, numerics=numerics)
         model._quantization = fp8.report(model, quantized, [])
         return model
 
@@ -147,4 +158,5 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
+    num.apply(model, num.resolve(numerics, ckpt.format, ckpt.config_dict))
     return model.eval()

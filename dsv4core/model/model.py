@@ -129,9 +129,21 @@ class DSV4ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def numerics(self) -> str:
+        """"exact" or "official" (`dsv4core.model.numerics`; set with `set_numerics`)."""
+        return self._ops.numerics
+
+    def set_numerics(self, numerics: str) -> None:
+        """Compute with "exact" or "official" numerics from the next step on (graphs re-captured)."""
+        from .numerics import apply
+
+        apply(self, numerics)
+
     def hal_report(self):
-        """The binding table of the op table this model calls (op -> implementation)."""
-        return self._ops.t.report()
+        """The binding table of the op table this model calls (op -> implementation), each row
+        with the model's ``numerics``."""
+        return [dict(row, numerics=self._ops.numerics) for row in self._ops.t.report()]
 
     def quantization_report(self) -> dict:
         """Which weights are kept FP8 (+ block scale) and why each FP8-capable projection was or was

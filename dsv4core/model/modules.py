@@ -29,12 +29,22 @@ FP32 = torch.float32
 
 
 class OpsRef:
-    """Shared, rebindable holder of the bound op table (`dsv4core.hal.OpTable`)."""
+    """Shared, rebindable holder of the bound op table (`dsv4core.hal.OpTable`) and of the
+    numerics the model calls it with (`"exact"` or `"official"`: `dsv4core.model.numerics`)."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "numerics")
 
-    def __init__(self, table=None) -> None:
+    def __init__(self, table=None, numerics: str = "exact") -> None:
         self.t = table
+        self.numerics = numerics
+
+    @property
+    def official(self) -> bool:
+        return self.numerics == "official"
+
+
+#: the official numerics' block sizes: W8A8 activations, FP8 KV rows (non-rope channels)
+ACT_BLOCK, KV_QUANT_BLOCK = 128, 64
 
 
 def _param(shape, dtype) -> nn.Parameter:
@@ -62,6 +72,9 @@ class Linear(nn.Module):
         self.weight = _param((out_features, in_features), dtype)
         self.register_parameter("weight_scale_inv", None)
         self._ops = ops
+        #: the official W8A8 activation block (set by `dsv4core.model.numerics` on the projections
+        #: the official inference runs in FP8; None: x as it is)
+        self.act_block: int | None = None
 
     def fp8_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(weight shape, scale shape) of the FP8 form."""
@@ -75,7 +88,9 @@ class Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(s, dtype=FP32, device=dev), requires_grad=False)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self._ops.t.linear(x, self.weight, self.weight_scale_inv, out_dtype)
+        if self.act_block is None:
+            return self._ops.t.linear(x, self.weight, self.weight_scale_inv, out_dtype)
+        return self._ops.t.linear(x, self.weight, self.weight_scale_inv, out_dtype, act_block=self.act_block)
 
 
 class RMSNorm(nn.Module):
@@ -305,7 +320,8 @@ def _project(ops, comp: nn.Module, x: torch.Tensor, extra: "Linear | None") -> t
 
 def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: Step, cap: int,
                   ring: torch.Tensor, entry_pool: torch.Tensor, per_block: int,
-                  extra: "Linear | None" = None) -> torch.Tensor | None:
+                  extra: "Linear | None" = None, official: bool = False,
+                  indexer: bool = False) -> torch.Tensor | None:
     """Feed the step's tokens into a compressor `comp` (a `Compressor` or an `Indexer`: `kv_proj`,
     `gate_proj`, `position_bias`, `kv_norm`, `ratio`): project (fp32, SPEC section 0; both
     projections in one GEMM, `_project`), add the position bias to the scores, pool every
@@ -313,7 +329,10 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
     the entries at their window start and store them into `entry_pool` (entry rows); queue the
     ring write (`step.deferred`). `ring`: the compressor's rings `[kv | score]`
     (KVCache.ring_pairs), whose row layout the projections `both = [kv | score]` already have.
-    `extra`: one more projection of x (fp32) computed in the same GEMM and returned (else None)."""
+    `extra`: one more projection of x (fp32) computed in the same GEMM and returned (else None).
+    `official` (numerics): the pooled rows are rounded to the activation dtype before their norm,
+    and the entries are the official rows: FP8 non-rope channels (`kv_norm_rope`'s
+    `nope_quant_block`), or for the `indexer` keys the Hadamard + FP4 simulation."""
     ratio, w = comp.ratio, comp.kv_proj.weight.shape[0]
     out = _project(ops, comp, x, extra)
     both = out[:, :2 * w]                  # a view: the ring write and the window gather read strides
@@ -321,8 +340,16 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
         win = _gather_window(both, ring, step.sources(ratio, overlap, cap, per_block), step.cache.ring_fill(w))
         pooled = ops.compress_windows(win[..., :w], win[..., w:], overlap)
-        ent = ops.kv_norm_rope(pooled, comp.kv_norm.weight, step.entry_starts(ratio, per_block),
-                               step.inv_freq["compress"], comp.kv_norm.eps)
+        if not official:
+            ent = ops.kv_norm_rope(pooled, comp.kv_norm.weight, step.entry_starts(ratio, per_block),
+                                   step.inv_freq["compress"], comp.kv_norm.eps)
+        elif indexer:
+            ent = ops.indexer_rotate_quant(ops.kv_norm_rope(pooled.to(x.dtype), comp.kv_norm.weight,
+                                                            step.entry_starts(ratio, per_block),
+                                                            step.inv_freq["compress"], comp.kv_norm.eps))
+        else:
+            ent = ops.kv_norm_rope(pooled.to(x.dtype), comp.kv_norm.weight, step.entry_starts(ratio, per_block),
+                                   step.inv_freq["compress"], comp.kv_norm.eps, nope_quant_block=KV_QUANT_BLOCK)
         ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent)
     if step.ring_tok.numel():
         step.deferred.append((ring, step.ring_rows(cap), ix.take(both, step.ring_tok)))
@@ -350,7 +377,7 @@ class Compressor(nn.Module):
         """Store the entries the step completes into the layer's row pool (after the window rows)."""
         c, i = step.cache, self.layer
         compress_step(self._ops.t, self, self.overlap, x, step, c.ring_cap[i], c.ring_pairs[i]["kv"],
-                      c.rows[i][c.Rw:], c.epb[i])
+                      c.rows[i][c.Rw:], c.epb[i], official=self._ops.official)
 
 
 class IndexerScorer(nn.Module):
@@ -380,11 +407,14 @@ class Indexer(nn.Module):
         """Top-k compressed entries per query as rows of the layer's entry region plus `base`,
         integer [T, topk], -1 = unused. Stores this step's indexer keys first."""
         ops, c, i = self._ops.t, step.cache, self.layer
+        official = self._ops.official
         hw = compress_step(ops, self, True, x, step, c.ring_cap[i], c.ring_pairs[i]["ikv"], c.keys[i], c.epb[i],
-                           extra=self.scorer.weights_proj)        # + the head weights, same GEMM
+                           extra=self.scorer.weights_proj, official=official, indexer=True)  # + head weights
         T = step.num_tokens
         q = self.q_b_proj(q_latent).view(T, self.n_heads, self.head_dim)
         q = ops.rope(q, step.positions, step.inv_freq["compress"])
+        if official:
+            q = ops.indexer_rotate_quant(q)
         w = hw * (self.n_heads ** -0.5)
         rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
@@ -489,7 +519,11 @@ class Attention(nn.Module):
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(T, self.h, self.d)
         q = ops.q_norm_rope(q, pos, inv_freq, self.eps)
-        kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
+        if self._ops.official:                                # the official row: FP8 non-rope channels
+            kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps,
+                                  nope_quant_block=KV_QUANT_BLOCK)
+        else:
+            kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
         ops.cache_store(pool, step.window_writes(), kv)       # rows at positions >= start: unread until committed
         if self.compressor is not None:
             self.compressor(x, step)
@@ -591,8 +625,10 @@ class SharedMLP(nn.Module):
             return torch.zeros(T, 1, dtype=torch.int32, device=dev), torch.ones(T, 1, dtype=FP32, device=dev)
 
         ids, wts = route() if step is None else step.memo(("shared", T), route)
-        return self._ops.t.moe_experts(x, ids, wts, self.w13(), self._expert_view("w2", self.down_proj.weight),
-                                       self.limit)
+        w13, w2 = self.w13(), self._expert_view("w2", self.down_proj.weight)
+        if self._ops.official:
+            return self._ops.t.moe_experts(x, ids, wts, w13, w2, self.limit, act_block=ACT_BLOCK)
+        return self._ops.t.moe_experts(x, ids, wts, w13, w2, self.limit)
 
 
 class SparseMoeBlock(nn.Module):
@@ -618,8 +654,9 @@ class SparseMoeBlock(nn.Module):
             e0, e1 = self.expert_range
             ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).to(ids.dtype)
         ex = self.experts
+        quant = {"act_block": ACT_BLOCK} if self._ops.official else {}
         routed = self._ops.t.moe_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, self.limit,
-                                         ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv)
+                                         ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, **quant)
         out = routed + self.shared_experts(x, step)
         return self._ops.t.all_reduce(out, self.par.world_group) if self.par.world > 1 else out
 
