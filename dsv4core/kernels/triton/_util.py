@@ -99,3 +99,12 @@ def interpreting(t: torch.Tensor) -> bool:
     Unlike :func:`interp`, False in an ahead-of-time compile of CPU tensors (aot.py), which then
     compiles the branch a GPU runs."""
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def no_quant(op: str, **args) -> None:
+    """The official-numerics arguments these kernels do not compute yet: their ``supports``
+    predicate declines such calls (the reference serves them), so one reaching a kernel is a bug."""
+    for name, value in args.items():
+        if value is not None:
+            raise ValueError(f"{op}: the Triton kernel does not implement {name}={value!r} (its supports "
+                             f"predicate declines it; the reference serves it)")

@@ -18,6 +18,8 @@ still multiplies its own partial sum). ``grouped_gemm`` takes G groups: it serve
 """
 from __future__ import annotations
 
+from ._util import no_quant as _no_quant
+
 import torch
 import triton
 import triton.language as tl
@@ -260,7 +262,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     return out
 
 
-def linear(x, weight, weight_scale=None, out_dtype=None):
+def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
+    _no_quant("linear", act_block=act_block)
     K = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # a view whenever the leading dims allow it; strides are passed through

@@ -25,6 +25,8 @@ partial results and (3) sums them; every sum in a fixed part order.
 """
 from __future__ import annotations
 
+from ._util import no_quant as _no_quant
+
 import torch
 import triton
 import triton.language as tl
@@ -610,7 +612,8 @@ def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
+    _no_quant("moe_experts", act_block=act_block)
     T, H = x.shape
     E = w13.shape[0]
     I = w13.shape[1] // 2

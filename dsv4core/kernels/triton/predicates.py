@@ -90,7 +90,9 @@ def q_norm_rope_supports(q, positions, inv_freq, eps) -> bool:
     return q.dim() == 3 and _rope_ok(q, positions, inv_freq)
 
 
-def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps) -> bool:
+def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps, nope_quant_block=None) -> bool:
+    if nope_quant_block is not None:      # the official FP8 row: not in these kernels yet (reference)
+        return False
     if kv.dim() != 2 or not _rope_ok(kv, positions, inv_freq):
         return False
     return (weight is not None and weight.dim() == 1 and weight.shape[0] == kv.shape[-1]
@@ -230,7 +232,10 @@ def _expert_shape(w, scale, dev):
     return None
 
 
-def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None) -> bool:
+def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
+                         act_block=None) -> bool:
+    if act_block is not None:             # the official expert math: not in these kernels yet (reference)
+        return False
     if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
     T, H = x.shape
@@ -259,7 +264,9 @@ def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
     return weight_scale.dtype == torch.float32 or (_E8M0 is not None and weight_scale.dtype == _E8M0)
 
 
-def linear_supports(x, weight, weight_scale=None, out_dtype=None) -> bool:
+def linear_supports(x, weight, weight_scale=None, out_dtype=None, act_block=None) -> bool:
+    if act_block is not None:             # W8A8: not in these kernels yet (the reference serves it)
+        return False
     if x.dim() < 1 or x.dtype not in ACT_DTYPES or weight.dim() != 2 or weight.device != x.device:
         return False
     if weight.shape[1] != x.shape[-1]:

@@ -2,6 +2,8 @@
 on the trailing d_r channels), fp32 math, one rounding. cos/sin from libdevice on GPUs."""
 from __future__ import annotations
 
+from ._util import no_quant as _no_quant
+
 import torch
 import triton
 import triton.language as tl
@@ -106,5 +108,6 @@ def q_norm_rope(q, positions, inv_freq, eps):
     return _launch(q, None, positions, inv_freq, eps, True, False)
 
 
-def kv_norm_rope(kv, weight, positions, inv_freq, eps):
+def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
+    _no_quant("kv_norm_rope", nope_quant_block=nope_quant_block)
     return _launch(kv, weight, positions, inv_freq, eps, True, False)

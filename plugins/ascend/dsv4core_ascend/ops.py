@@ -102,7 +102,9 @@ def _q_norm_rope_limits(q, positions, inv_freq, eps):
     return _rope_limits(q, positions, inv_freq)
 
 
-def _kv_norm_rope_limits(kv, weight, positions, inv_freq, eps):
+def _kv_norm_rope_limits(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
+    if nope_quant_block is not None:
+        return "the official FP8 KV row (nope_quant_block) is not wired to the NPU ops here"
     return _rope_limits(kv, positions, inv_freq)
 
 
@@ -181,7 +183,9 @@ def _moe_route_limits(logits, topk, scaling, correction_bias=None, hash_ids=None
     return ""
 
 
-def _moe_experts_limits(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+def _moe_experts_limits(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
+    if act_block is not None:
+        return "the official W8A8 expert math (act_block) is not wired to npu_grouped_matmul here"
     if w13_scale is not None or w2_scale is not None:
         return "quantised experts (FP8 / FP4 + scales) are not wired to npu_grouped_matmul here"
     if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
@@ -244,7 +248,7 @@ def q_norm_rope(q, positions, inv_freq, eps):
     return _rotate_tail(_rms_f32(q.to(torch.float32), None, eps), positions, inv_freq, False).to(q.dtype)
 
 
-def kv_norm_rope(kv, weight, positions, inv_freq, eps):
+def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
     if kv.shape[0] == 0:
         return kv.clone()
     return _rotate_tail(_rms_f32(kv.to(torch.float32), weight, eps), positions, inv_freq, False).to(kv.dtype)
@@ -333,7 +337,7 @@ def moe_route(logits, topk, scaling, correction_bias=None, hash_ids=None):
     return y / (y.sum(-1, keepdim=True) + 1e-20) * float(scaling), ids.to(torch.int32)
 
 
-def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
     """Token-expert pairs sorted by expert (torch), two grouped GEMMs around npu_clipped_swiglu,
     then the weighted combine in fp32 (torch).
 
