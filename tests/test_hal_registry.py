@@ -14,10 +14,12 @@ from dsv4core.hal import (HAL_API_VERSION, Backend, BackendNotFoundError, Fallba
 
 CATALOGUE = ["rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
              "sparse_mqa_attention", "compress_pool", "compress_windows", "indexer_scores", "indexer_scores_rows",
-             "indexer_topk", "cache_store", "linear", "wo_a",
+             "indexer_topk", "indexer_rotate_quant", "cache_store", "linear", "wo_a",
              "moe_route", "moe_experts", "all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 #: Added in HAL 1.1 (pool ops of the engine-grade model core).
 SINCE_1_1 = {"compress_windows", "indexer_scores_rows", "cache_store"}
+#: Added in HAL 1.2 (the official numerics).
+SINCE_1_2 = {"indexer_rotate_quant"}
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +32,7 @@ def _fresh():
 def test_catalogue_has_the_initial_ops_and_the_1_1_additions():
     assert list(catalogue()) == CATALOGUE
     assert {n for n, s in catalogue().items() if s.since == (1, 1)} == SINCE_1_1
+    assert {n for n, s in catalogue().items() if s.since == (1, 2)} == SINCE_1_2
     for spec in catalogue().values():
         assert spec.doc, f"{spec.name} has no docstring"
         assert spec.tolerance.why, f"{spec.name} tolerance has no reason"

@@ -397,4 +397,4 @@ def _(shapes, dtype, device, gen):
     basis[torch.arange(33), torch.randint(0, dI, (33,), generator=gen)] = float(dI) ** 0.5
     x = (hadamard_matrix(dI) @ basis.T).T * 2.0 ** torch.randint(-8, 8, (33, 1), generator=gen)
     yield Case("basis-rows", dict(x=(x + randn((33, dI), gen, torch.float32, "cpu", 0.01)).to(device, dtype)))
-    yield Case("zeros-and-empty", dict(x=torch.zeros((0, dI), device=device, dtype=dtype)))
+    yield Case("T0-empty", dict(x=torch.zeros((0, dI), device=device, dtype=dtype)))
