@@ -30,6 +30,10 @@ def add_parser(subparsers) -> None:
                    help="quantised checkpoint weights (FP8 projections, packed FP4 / FP8 routed experts): "
                         "keep them quantised where the serving backend computes with them (auto), "
                         "always keep, or dequantise (default: auto)")
+    p.add_argument("--numerics", default="auto", choices=["auto", "exact", "official"],
+                   help="exact (the transformers math) or official (DeepSeek-V4's quantised inference: W8A8, "
+                        "FP8 KV rows, FP4 indexer); auto: official for an official or FP8 / FP4 checkpoint "
+                        "(default: auto)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="activation dtype (default: float32 for tiny, the checkpoint's dtype otherwise)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
@@ -92,6 +96,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
+                                    numerics=args.numerics,
                                      quantized=args.quantized, tp=args.tp, ep=args.ep)
         t_load = time.perf_counter() - t0
         progress = _Progress(not args.no_progress and rank == 0)
@@ -109,7 +114,8 @@ def run(args) -> int:
         return 0
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
-        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "tp": args.tp, "ep": args.ep,
+        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
+                    "tp": args.tp, "ep": args.ep,
                     "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})

@@ -38,17 +38,34 @@ def _compact_schedule(sched: list[dict]) -> str:
     return " ".join(out)
 
 
+def _numerics(ckpt) -> str:
+    """What ``load_model(path)`` (numerics="auto") computes with, and why."""
+    from dsv4core.model.config import DSV4Config
+    from dsv4core.model.numerics import _dims_problem, resolve
+
+    if not ckpt.config_dict:
+        return "unknown (no config.json)"
+    picked = resolve("auto", ckpt.format, ckpt.config_dict)
+    if picked == "official":
+        why = _dims_problem(DSV4Config.from_dict(ckpt.config_dict))
+        return f"exact (quantised, but {why})" if why else "official"
+    return "exact"
+
+
 def run(args) -> int:
     from dsv4core.checkpoint import open_checkpoint
     from dsv4core.checkpoint.summary import summarize
 
-    info = summarize(open_checkpoint(args.path))
+    ckpt = open_checkpoint(args.path)
+    info = summarize(ckpt)
+    info["numerics"] = _numerics(ckpt)
     if args.json:
         print_json(info)
         return 0
     q = info["quantization"]
     print(f"path:        {info['path']}")
     print(f"format:      {info['format']}")
+    print(f"numerics:    {info['numerics']} (load_model's default, numerics='auto')")
     print(f"files:       {info['files']} ({'sharded, with index' if info['sharded'] else 'no index'}), "
           f"{_size(info['size_bytes'])}; largest shard {info['largest_shard']['file']} "
           f"({_size(info['largest_shard']['bytes'])})")

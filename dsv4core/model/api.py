@@ -92,7 +92,8 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
     elif seed is not None:
         randomize_weights_(model, cfg, seed=seed)
     model.backend = backend
-    num.apply(model, num.resolve(numerics, None, config if isinstance(config, dict) else None))
+    num.apply(model, num.auto_or(numerics, num.resolve(numerics, None, config if isinstance(config, dict) else None),
+                                 model))
     return model.eval()
 
 
@@ -158,5 +159,5 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
-    num.apply(model, num.resolve(numerics, ckpt.format, ckpt.config_dict))
+    num.apply(model, num.auto_or(numerics, num.resolve(numerics, ckpt.format, ckpt.config_dict), model))
     return model.eval()

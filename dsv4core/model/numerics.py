@@ -14,12 +14,14 @@
   official inference runs them in bf16 / fp32 too).
 
 ``"auto"`` picks ``"official"`` for a checkpoint in the official DeepSeek format or one whose
-config declares FP8 / FP4 quantisation, else ``"exact"``. The quantisation points are op
+config declares FP8 / FP4 quantisation, else ``"exact"`` (and ``"exact"``, with a warning, for
+a quantised checkpoint whose dims cannot carry the official block sizes: test-sized ones). The quantisation points are op
 arguments (HAL 1.2); under ``"exact"`` the model never passes them.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 NUMERICS = ("auto", "exact", "official")
@@ -64,6 +66,19 @@ def _dims_problem(cfg) -> str:
     if dI & (dI - 1):
         bad.append(f"index_head_dim = {dI} (a power of two)")
     return "; ".join(bad)
+
+
+def auto_or(requested: str, resolved: str, model) -> str:
+    """``resolved``; but when "auto" resolved to "official" for a model whose dims cannot carry the
+    official block sizes (test-sized checkpoints), "exact" with a warning naming the dims (an
+    explicit numerics="official" is an error instead, in ``apply``)."""
+    if requested == "auto" and resolved == "official":
+        why = _dims_problem(model.config)
+        if why:
+            warnings.warn(f"numerics='auto': the checkpoint is quantised, but its dims cannot carry the official "
+                          f"block sizes ({why}); computing with numerics='exact'", stacklevel=3)
+            return "exact"
+    return resolved
 
 
 def apply(model, numerics: str) -> None:
