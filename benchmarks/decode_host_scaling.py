@@ -17,7 +17,7 @@ On the GPU the graph path's host work is what the replay's wall time exceeds its
 
     python benchmarks/decode_host_scaling.py                      # this checkout, one JSON line
     python benchmarks/decode_host_scaling.py --compare main=/path/to/main this=. --rounds 5 \
-        --json benchmarks/results/cpu/2026-12-01_882653d/bench/decode-host-scaling-tiny.json
+        --json benchmarks/results/cpu/<date>_<commit>/bench/decode-host-scaling-tiny.json
 
 `--compare` runs each checkout (PYTHONPATH=that checkout) in its own process, alternating, for
 `--rounds` rounds, and keeps the median over rounds of each figure (the machine is shared).
