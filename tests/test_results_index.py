@@ -32,10 +32,10 @@ def test_layout_errors_name_the_path(tmp_path):
     with pytest.raises(ValueError, match="h200: no system.json"):
         mod.scan(tmp_path)
     (tmp_path / "h200" / "system.json").write_text("{}")
-    (tmp_path / "h200" / "run2").mkdir()
-    with pytest.raises(ValueError, match=r"h200/run2: expected a folder named <YYYY-MM-DD>_<commit>"):
+    (tmp_path / "h200" / "latest").mkdir()
+    with pytest.raises(ValueError, match=r"h200/latest: expected a folder named <YYYY-MM-DD>_<commit>"):
         mod.scan(tmp_path)
-    (tmp_path / "h200" / "run2").rmdir()
+    (tmp_path / "h200" / "latest").rmdir()
     (tmp_path / "h200" / "2026-01-02_abc1234" / "misc").mkdir(parents=True)
     with pytest.raises(ValueError, match="misc: expected a folder named one of conformance"):
         mod.scan(tmp_path)

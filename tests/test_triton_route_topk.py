@@ -1,5 +1,5 @@
 """The moe_route kernel's accuracy where the GPU's math library differs from the interpreter's, the
-indexer_topk kernel's exact selection (issue 10), and the Triton selftest's judging.
+indexer_topk kernel's exact selection, and the Triton selftest's judging.
 
 Kernels run under the Triton interpreter (TRITON_INTERPRET=1) in subprocesses: the variable must be
 set before triton is imported. The scripts are files (triton.jit reads its function's source).

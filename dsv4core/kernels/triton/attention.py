@@ -21,7 +21,7 @@ TUNE ``pipe`` 1 (default at T <= 64, else 0): the row gather pipelined by hand, 
 block's indices loaded before the current block is computed; the same arithmetic in the same
 order (bitwise equal results).
 
-Removed after the H200 sweep (session 20, benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json;
+Removed after the H200 sweep (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json;
 the code is at commit 2494243): a column split of p @ v (``DV``: D / DV programs share a token's
 head block and split), p @ v with the lo half of p in its own dot or over duplicated kv rows
 (``pv`` "apart" / "dup"), and ``pipe`` 2 (the next block's kv rows gathered ahead too, a register

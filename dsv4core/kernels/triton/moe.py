@@ -537,7 +537,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:       the [2 BM, BNd] accumulator at the end;
 #:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
 #: (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
-#: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
+#: at T = 64; the FP4 "split" and FP8 "scaled" decodes lost there and were removed.)
 DECODES = ("join", "scaled")
 #: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
 #: values): linear's FP8_PATHS (imported above), which says why
@@ -567,7 +567,8 @@ SPLIT_FP4_PAIRS = 96
 
 
 def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee: bool, scaled_up: bool) -> tuple:
-    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, s22 / s23 sweeps);
+    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, the split-k and split-k-rule sweeps
+    of benchmarks/tune_triton.py);
     everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
       * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
