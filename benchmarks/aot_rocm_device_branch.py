@@ -1,7 +1,7 @@
 """Compile (ahead of time, CPU only) every portable kernel the rocm backend launches, in the branch a GPU runs.
 
     python benchmarks/aot_rocm_device_branch.py [--archs gfx942,gfx950] [--dtypes bfloat16,float32]
-        [--shapes flash] [--out benchmarks/results/aot-rocm-device-branch.json]
+        [--shapes flash] [--out FILE; default benchmarks/results/rocm-aot/<date>_<commit>/aot/device-branch-flash.json]
 
 Why: ``python -m dsv4core.kernels.triton.aot`` launches the kernels on CPU tensors, and the
 launchers pick their branch by the tensors' device, through helpers of
@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _results import result_path
 
 from dsv4core.kernels.triton import aot
 
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", default="gfx942,gfx950")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--shapes", default="flash")
-    ap.add_argument("--out", default=str(HERE / "results" / "aot-rocm-device-branch.json"))
+    ap.add_argument("--out", default=str(result_path("rocm-aot", "aot", "device-branch-flash.json")))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
         print(f"[{arch}] {len(rep['kernels'])} kernels, {len(bad)} failing; {rep['wall_s']} s wall, "
               f"{rep['cpu_s']} s CPU, peak RSS {rep['peak_rss_gib']} GiB", file=sys.stderr, flush=True)
         rc |= bool(bad)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return rc
 

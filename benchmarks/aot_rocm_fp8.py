@@ -1,6 +1,6 @@
 """Compile (ahead of time, CPU only) the rocm backend's FP8 linear / wo_a kernels as the device runs them.
 
-    python benchmarks/aot_rocm_fp8.py [--shapes flash] [--out benchmarks/results/aot-rocm-fp8-linear-wo_a.json]
+    python benchmarks/aot_rocm_fp8.py [--shapes flash] [--out FILE; default benchmarks/results/rocm-aot/<date>_<commit>/aot/fp8-linear-wo_a-flash.json]
 
 ``python -m dsv4core.kernels.triton.aot`` launches on CPU tensors, where linear / wo_a pick their
 interpreter branch (fp32 ``ieee`` dots, dsv4core/kernels/triton/_util.py ``interp``). This script
@@ -16,13 +16,15 @@ import json
 import sys
 from pathlib import Path
 
+from _results import result_path
+
 from dsv4core.kernels.triton import aot, linear, wo_a
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="flash")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "aot-rocm-fp8-linear-wo_a.json"))
+    ap.add_argument("--out", default=str(result_path("rocm-aot", "aot", "fp8-linear-wo_a-flash.json")))
     a = ap.parse_args()
     for mod in (linear, wo_a):
         mod.interp = lambda t: False          # the device branch, not the interpreter's
@@ -35,6 +37,7 @@ def main() -> int:
         tmp.unlink()
         rep["kernels"] = [k for k in rep["kernels"] if k.get("constexprs", {}).get("SCALE")]   # the FP8 ones
         out[arch] = rep
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"what": __doc__.split("\n\n")[0], "device_branch": True, **out}, indent=1))
     return rc
 

@@ -13,11 +13,11 @@ Per batch, two paths:
     the replay, split into before the replay (`pre_ms`: validation, staging, bucket, filling the
     static input buffer) and after it (`post_ms`: logits copy, commit).
 On the GPU the graph path's host work is what the replay's wall time exceeds its GPU-busy time by
-(issue 9's target: <= 1.15x).
+(the target: <= 1.15x).
 
     python benchmarks/decode_host_scaling.py                      # this checkout, one JSON line
     python benchmarks/decode_host_scaling.py --compare main=/path/to/main this=. --rounds 5 \
-        --json benchmarks/results/decode-host-scaling-cpu.json
+        --json benchmarks/results/cpu/<date>_<commit>/bench/decode-host-scaling-tiny.json
 
 `--compare` runs each checkout (PYTHONPATH=that checkout) in its own process, alternating, for
 `--rounds` rounds, and keeps the median over rounds of each figure (the machine is shared).

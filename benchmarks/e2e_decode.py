@@ -22,7 +22,7 @@ of <= `--prefill-chunk` tokens), then greedy decode, one token per request (argm
     embedding table, B embedding rows, and per layer the expected distinct experts of B tokens under
     uniform routing, E * (1 - (1 - k/E)^B). KV rows are left out (a few % at these contexts).
     PERF-ANCHORS.md section 10 counted the whole embedding table: `floor_ms_s10` in the JSON;
-  * x b1 step: step time / the batch-1 step of the same backend, mode and context (issue 9: a step's
+  * x b1 step: step time / the batch-1 step of the same backend, mode and context (the target: a step's
     host work should not grow with the number of requests).
 `--peer`: transformers' DeepseekV4 (eager experts) on the same weights, after the first backend.
 `--weights official`: the formats of an official DSV4 checkpoint, with the decisions `load_model`

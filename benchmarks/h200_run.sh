@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# How the H200 figures in benchmarks/results/ were produced (device machine: Python 3.12, torch 2.11,
-# Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
+# How the H200 figures in benchmarks/results/h200/ are produced (the machine: benchmarks/results/h200/system.json;
+# Python 3.12, torch 2.11, Triton 3.6, no pydantic). Wheels for what the machine lacks sit in .whl/ (git-ignored): pydantic,
 # pydantic-core, annotated-types, typing-inspection, transformers 5.23.0 (the peer).
-#   bash benchmarks/h200_run.sh STEP[,STEP...]    results under $OUT (default /tmp/dsv4core-out)
+#   bash benchmarks/h200_run.sh STEP[,STEP...]    results under $OUT (default /tmp/dsv4core-out), laid out as
+#   benchmarks/results/: $OUT/h200/<date>_<commit>/<kind>/<name> (COMMIT: the measured commit, default git's HEAD);
+#   copy that folder into benchmarks/results/h200/, delete what it supersedes, run benchmarks/index_results.py
 #   (STEP+STEP runs those steps at the same time: for numerics-only steps, never around a timing,
 #   and never cand, which reinstalls the package the other steps import)
 # steps:
-#   cand    the kernels cuda leaves to the reference (NOT_SERVED), served in this copy: their
-#           conformance; those that fail stay unserved for the steps after it
-#   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all)
+#   cand    the portable kernels without a cuda validation record (plugins/cuda/dsv4core_cuda/validation/),
+#           served through DSV4CORE_CUDA_TRY: their conformance; those that pass stay tried for the steps after it
+#   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all); a full
+#           passing run is also written as $OUT/validation/h200.json, the cuda validation record
 #   e2e     graph-vs-eager test (E2E_TEST=0: skipped) + benchmarks/e2e_decode.py (PEER=1: transformers eager
-#           too; E2E_WEIGHTS=official: FP8 projections + packed FP4 experts, files e2e-decode-h200-official.*)
+#           too; E2E_WEIGHTS=official: FP8 projections + packed FP4 experts, files decode-flash-4layers-official.*)
 #   ops     benchmarks/step_ops.py: aten ops per eager decode step by source line (flash, batch 1 and 32)
 #   mid     benchmarks/bench_model.py --configs mid, batch 32, against transformers
 #   vendor  benchmarks/vendor_tables_on_cuda.py (the ROCm and XPU launch tables on this GPU)
@@ -29,75 +32,85 @@ install() { python3 -m pip install -q --no-deps --no-build-isolation --no-compil
 install || exit 1
 export PYTHONPATH=/tmp/site:/tmp/dsv PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-init=plugins/cuda/dsv4core_cuda/__init__.py
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+RES="$OUT/h200/$(date -u +%F)_$COMMIT"
+mkdir -p "$RES"/{conformance,bench,e2e,tune}
 
 cand() {
-  local ops failed
-  ops=$(python3 -c "import re;print(','.join(sorted(re.findall(r'\"(\w+)\"', re.search(r'^NOT_SERVED = frozenset\((.*)\)', open('$init').read(), re.M).group(1)))))")
-  [ -n "$ops" ] || { echo "cand: nothing in NOT_SERVED"; return; }
-  sed -i 's/^NOT_SERVED = frozenset({.*})$/NOT_SERVED = frozenset()/' $init
-  install || exit 1
+  local ops passed
+  ops=$(python3 -c "from dsv4core.kernels.triton import OPS; from dsv4core_cuda import CUDA_OPS; print(','.join(sorted(set(OPS) - CUDA_OPS)))")
+  [ -n "$ops" ] || { echo "cand: every portable kernel has a validation record"; return; }
   echo "candidates: $ops"
-  timeout 200 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro --ops "$ops" \
-    --json "$OUT/conformance-cuda-h200-candidates.json" --markdown "$OUT/conformance-cuda-h200-candidates.md" 2>&1 | tail -12
-  # a run cut short (no JSON, or not complete) confirms nothing: every candidate stays unserved
-  failed=$(python3 -c "
-import json, sys
+  DSV4CORE_CUDA_TRY=$ops timeout 200 python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
+    --ops "$ops" --json "$RES/conformance/cuda-candidates.json" --markdown "$RES/conformance/cuda-candidates.md" 2>&1 | tail -12
+  # a run cut short (no JSON, or not complete) confirms nothing: no candidate stays tried
+  passed=$(python3 -c "
+import json
 try:
-    d = json.load(open('$OUT/conformance-cuda-h200-candidates.json'))
-    bad = None if not d['complete'] else sorted(o['op'] for o in d['ops'] if o['status'] != 'passed')
+    d = json.load(open('$RES/conformance/cuda-candidates.json'))
+    ok = sorted(o['op'] for o in d['ops'] if o['status'] == 'passed') if d['complete'] else []
 except (OSError, ValueError, KeyError):
-    bad = None
-print(sys.argv[1] if bad is None else ','.join(bad))" "$ops")
-  echo "still not served: ${failed:-none}"
-  python3 -c "import sys;f=[x for x in sys.argv[1].split(',') if x];s=open('$init').read();open('$init','w').write(s.replace('NOT_SERVED = frozenset()','NOT_SERVED = frozenset({'+', '.join(repr(x).replace(chr(39),chr(34)) for x in f)+'})'))" "$failed"
-  grep -n '^NOT_SERVED' $init; cp $init "$OUT/cuda-init-as-run.py"
-  install || exit 1
+    ok = []
+print(','.join(ok))")
+  echo "passed, tried in the steps after this one: ${passed:-none}"
+  export DSV4CORE_CUDA_TRY=$passed
 }
 conf() {
   timeout ${CONF_LIMIT:-330} python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
-    ${CONF_OPS:+--ops $CONF_OPS} --json "$OUT/conformance-cuda-h200.json" --markdown "$OUT/conformance-cuda-h200.md" 2>&1 | tail -30
+    ${CONF_OPS:+--ops $CONF_OPS} --json "$RES/conformance/cuda-${CONF_OPS:-all-ops}.json" \
+    --markdown "$RES/conformance/cuda-${CONF_OPS:-all-ops}.md" 2>&1 | tail -30
+  [ -n "${CONF_OPS:-}" ] || python3 -c "
+import json, os, torch, triton
+d = json.load(open('$RES/conformance/cuda-all-ops.json'))
+if not d['failed']:
+    rec = {'hardware': f'{torch.cuda.get_device_name()} (sm{\"\".join(map(str, torch.cuda.get_device_capability()))}), CUDA {torch.version.cuda}, torch {torch.__version__}, Triton {triton.__version__}',
+           'report': '$RES/conformance/cuda-all-ops.json'.replace('$OUT/', 'benchmarks/results/') + ' (the full report, every case)'}
+    rec.update({k: v for k, v in d.items() if k != 'ops'})
+    rec['ops'] = [{k: v for k, v in o.items() if k != 'cases'} for o in d['ops']]
+    os.makedirs('$OUT/validation', exist_ok=True)
+    json.dump(rec, open('$OUT/validation/h200.json', 'w'), indent=1)
+    print('wrote the validation record $OUT/validation/h200.json')"
 }
 e2e() {
   local peer=""
   [ "${PEER:-0}" = 1 ] && peer="--peer --peer-combos 1x1024,8x1024,32x1024"
-  local w=${E2E_WEIGHTS:-bf16} tag=""
-  [ "$w" = bf16 ] || tag="-$w"
+  local w=${E2E_WEIGHTS:-bf16}
   [ "${E2E_TEST:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_model_graphs_cuda.py -rs 2>&1 | tail -5
   timeout ${E2E_LIMIT:-420} python3 benchmarks/e2e_decode.py --device cuda --dims flash --layers 4 --experts 256 \
     --backend cuda --combos ${E2E_COMBOS:-1x1024,8x1024,32x1024,64x1024,128x1024,1x8192,8x8192} \
     --steps 16 --warmup 3 $peer --time-budget ${E2E_BUDGET:-240} --weights "$w" \
-    --json "$OUT/e2e-decode-h200$tag.json" --markdown "$OUT/e2e-decode-h200$tag.md" 2>&1 | tail -22
+    --json "$RES/e2e/decode-flash-4layers-$w.json" --markdown "$RES/e2e/decode-flash-4layers-$w.md" 2>&1 | tail -22
 }
 ops() {
   for b in 1 32; do
     timeout 150 python3 benchmarks/step_ops.py --device cuda --dims flash --experts 32 --batch $b \
-      --json "$OUT/step-ops-h200-flash-b$b.json" 2>&1 | head -${OPS_LINES:-40}
+      --json "$RES/bench/step-aten-ops-flash-b$b.json" 2>&1 | head -${OPS_LINES:-40}
   done
 }
 mid() {
   timeout 200 python3 benchmarks/bench_model.py --configs mid --backend cuda --device cuda --dtype bfloat16 \
-    --batch 32 --prompt 1024 --json 2>&1 > "$OUT/bench-model-mid-h200.json" | tail -5; tail -c 1200 "$OUT/bench-model-mid-h200.json"; echo
+    --batch 32 --prompt 1024 --json 2>&1 > "$RES/bench/model-mid-b32-vs-transformers.json" | tail -5
+  tail -c 1200 "$RES/bench/model-mid-b32-vs-transformers.json"; echo
 }
 vendor() {   # every table at small shapes, then the flash shapes for as many tables as time allows
   timeout ${VENDOR_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes small \
-    --json "$OUT/conformance-vendor-tables-h200-small.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
+    --json "$RES/conformance/rocm-xpu-launch-tables-small.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
   timeout ${VENDOR_FLASH_LIMIT:-200} python3 benchmarks/vendor_tables_on_cuda.py --shapes flash \
-    --json "$OUT/conformance-vendor-tables-h200-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
+    --json "$RES/conformance/rocm-xpu-launch-tables-flash.json" 2>&1 | grep -E "^(rocm|xpu)|wrote" | tail -8
 }
 tune() {
   timeout ${TUNE_LIMIT:-300} python3 benchmarks/tune_triton.py ${TUNE_OPS:+--ops $TUNE_OPS} ${TUNE_SET:+--set $TUNE_SET} --flush ${FLUSH:-read} \
-    --json "$OUT/tune-h200-flash-${FLUSH:-read}.json" 2>&1 | tail -${TUNE_LINES:-5}
+    --json "$RES/tune/${TUNE_SET:-all-ops}-flash$([ "${FLUSH:-read}" = read ] || echo "-$FLUSH-flush").json" 2>&1 | tail -${TUNE_LINES:-5}
 }
 bench() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
     timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile --flush ${FLUSH:-read} \
-    ${BENCH_OPS:+--ops $BENCH_OPS} --json "$OUT/bench-cuda-h200-flash-${FLUSH:-read}.json" --markdown "$OUT/bench-cuda-h200-flash-${FLUSH:-read}.md" \
+    ${BENCH_OPS:+--ops $BENCH_OPS} --json "$RES/bench/cuda-ops-flash-${FLUSH:-read}-flush.json" --markdown "$RES/bench/cuda-ops-flash-${FLUSH:-read}-flush.md" \
     2>&1 | tail -${BENCH_LINES:-50}
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
-    timeout ${FIMHC_LIMIT:-240} python3 benchmarks/flashinfer_mhc.py --json "$OUT/flashinfer-mhc-h200.json" 2>&1 | tail -30
+    timeout ${FIMHC_LIMIT:-240} python3 benchmarks/flashinfer_mhc.py --json "$RES/bench/flashinfer-mhc-hc_pre-hc_post-flash.json" 2>&1 | tail -30
 }
 for group in ${steps//,/ }; do
   echo "=== $group $(date +%T)"

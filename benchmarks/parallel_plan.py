@@ -1,5 +1,5 @@
 """Per-rank memory and collective bytes of the tensor x expert parallel layout (computed, not
-measured) for DSV4-Flash and DSV4-Pro; writes benchmarks/results/parallel-plan.json and the tables
+measured) for DSV4-Flash and DSV4-Pro; writes benchmarks/results/computed/<date>_<commit>/bench/parallel-plan-flash-pro.json and the tables
 of docs/parallelism.md (between the <!-- plan --> markers).
 
     python benchmarks/parallel_plan.py            # rewrite both
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from _results import result_path
+
 from dsv4core.model import DSV4ForCausalLM, state_bytes
 from dsv4core.model.config import DSV4Config
 from dsv4core.model.fp8 import candidates
@@ -33,7 +35,7 @@ from dsv4core.model.parallel import Parallel, ParallelError, check_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "parallelism.md"
-JSON = ROOT / "benchmarks" / "results" / "parallel-plan.json"
+JSON_NAME = "parallel-plan-flash-pro.json"     # under benchmarks/results/computed/<date>_<commit>/bench/
 
 H200_BYTES = 141 * 10**9          # HBM3e per H200 (141 GB)
 RESERVE = 12 * 2**30              # activations, workspace, graphs, allocator slack per GPU (assumed)
@@ -176,7 +178,9 @@ def main(argv=None) -> int:
             return 1
         return 0
     DOC.write_text(new)
-    JSON.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    out = result_path("computed", "bench", JSON_NAME)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(text)
     return 0
 

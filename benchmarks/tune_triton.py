@@ -16,18 +16,18 @@ from dsv4core.bench import Timer, get_backend, make_case
 from dsv4core.kernels.triton import attention, compress, linear, mhc, moe, norm, rope, wo_a
 
 SWEEPS = [
-    # attention at decode batch (issue 10: <= 15 us at T <= 8; `--ops sparse_mqa_attention`): the
+    # attention at decode batch (target: <= 15 us at T <= 8; `--ops sparse_mqa_attention`): the
     # hand-pipelined gather (pipe 1: 6-15 % faster at T <= 64, 4 % slower at T = 256, bitwise equal;
-    # tune-s20-h200-flash-read-mhc-attn.json, where the removed variants DV / pv / pipe 2 / S 1 lost),
+    # benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json, where the removed variants DV / pv / pipe 2 / S 1 lost),
     # 32 heads on 8 warps. The block-size / split / warp sweeps that set today's defaults:
-    # tune-s18-h200-flash-read.json.
+    # benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json.
     ("sparse_mqa_attention", attention, (1, 2, 4, 8, 64, 256), [{}, {"pipe": 1}, {"BH": 32, "num_warps": 8},
                                                                 {"BH": 32, "num_warps": 8, "pipe": 1}]),
-    # linear / wo_a FP8 (issue 10: >= 80 % of copy at T <= 64, >= 60 % of the bf16 mm rate at
+    # linear / wo_a FP8 (targets: >= 80 % of copy at T <= 64, >= 60 % of the bf16 mm rate at
     # T = 4096). {} is the default. NBLK = 128-column scale blocks per K step; bigger BN / more
     # stages = more FP8 bytes in flight per program; mode swap = the converted weight tile feeds
     # wgmma from registers (won at T = 4096: 1004 vs 1132 µs). The removed FP8 decodes (int, mix,
-    # dot_scaled) lost or tied: tune-s20-h200-flash-read-linear.json. Run with --flush read.
+    # dot_scaled) lost or tied: benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json. Run with --flush read.
     ("linear", linear, (1, 64), [{}]),       # bf16: unchanged path (NBLK = 1), a regression check
     ("linear_fp8", linear, (1, 8), [{}, {"num_stages": 5}, {"NBLK": 2}, {"NBLK": 2, "num_stages": 4},
                                     {"BN": 128, "num_warps": 8, "num_stages": 4},
@@ -42,9 +42,9 @@ SWEEPS = [
     ("wo_a", wo_a, (1,), [{}]),              # bf16 regression check
     ("wo_a_fp8", wo_a, (1, 64), [{}, {"NBLK": 2}, {"NBLK": 2, "num_stages": 5}, {"BN": 64, "NBLK": 2, "num_stages": 4},
                                  {"num_stages": 6}]),
-    # hc_pre / hc_head (issue 10 item 4; mhc.py's TUNE keys): target = fewer, fatter mix slices;
+    # hc_pre / hc_head (mhc.py's TUNE keys): target = fewer, fatter mix slices;
     # BT / BK / warps / stages of the mix GEMM (BT 128, BK 64, 8 warps, 4 stages: 105 vs 116 µs at
-    # T = 4096). The removed epilogue "vec" and the FMA mixes lost: tune-s20-h200-flash-read-mhc-attn.json.
+    # T = 4096). The removed epilogue "vec" and the FMA mixes lost: benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json.
     ("hc_pre", mhc, (1, 8, 64), [{}, {"target": 64}, {"target": 32}]),
     ("hc_pre", mhc, (4096,), [{}, {"BT": 128, "num_warps": 8}, {"BK": 64, "num_stages": 4},
                               {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}, {"target": 528}]),
@@ -72,7 +72,7 @@ SWEEPS = [
     ("moe_experts", moe, (1, 8), [{}, {"BK": 128}, {"BK": 256, "num_stages": 3}, {"BNu": 32, "BK": 128}]),
     ("moe_experts_fp4", moe, (1, 4096), [{}, {"BK": 128}, {"BK": 32}]),
     # the quantised-expert decodes (moe.DECODES; {} = "join"): "scaled" (tl.dot_scaled) won, 33-39 %
-    # faster at T = 1 / 64 (the removed "split" and FP8 "scaled" lost: tune-s20-h200-flash-read-moe.json);
+    # faster at T = 1 / 64 (the removed "split" and FP8 "scaled" lost: benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json);
     # bf16 big tiles at T = 4096 (>= 50 % of mm wanted)
     ("moe_experts_fp4", moe, (1, 64), [{}, {"fp4": "scaled"}, {"fp4": "scaled", "BK": 128},
                                        {"fp4": "scaled", "BNu": 32, "BNd": 64}]),
@@ -87,12 +87,13 @@ SWEEPS = [
 ]
 
 
-# session 20: the choices the session-19 sweep left open (its rows: tune-s20-h200-flash-read-a.json),
-# each timed beside the current default, with the default repeated to show the run's noise.
-# `--set s20`.
+# The choices the all-ops sweep left open (FP4 "scaled" tiles, the bf16 / FP8 prefill tiles, FP8
+# "via_f32"), each timed beside the current default, with the default repeated to show the run's
+# noise. `--set variants`; measured: benchmarks/results/h200/2026-12-01_2494243/tune/*-variants-flash.json,
+# benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json.
 _FP4 = {"fp4": "scaled"}
 _BIG = {"BNu": 128, "BNd": 256, "BK": 64, "num_warps": 8, "num_stages": 3}
-S20 = [
+VARIANTS = [
     ("moe_experts_fp4", moe, (1, 8, 64), [{}, _FP4, {**_FP4, "BK": 128}, {**_FP4, "BK": 128, "num_warps": 8},
                                           {**_FP4, "BK": 128, "num_stages": 3}, {**_FP4, "BK": 128, "BNu": 128}, {}]),
     ("moe_experts_fp4", moe, (4096,), [{**_FP4, "BNu": 128}, {**_FP4, "BNu": 128, "BNd": 256},
@@ -103,7 +104,7 @@ S20 = [
     ("wo_a_fp8", wo_a, (1, 8, 16), [{}, {"NBLK": 2}, {}]),
     ("linear_fp8", linear, (512, 1024, 2048), [{}, {"mode": "swap"}]),
     # fp8 "via_f32": the same bf16 operand with one conversion a code pair fewer on sm90
-    # (sass-sm90-s20-t1-decode-loops.md: the default FP8 GEMV is conversion-bound)
+    # (benchmarks/results/sm90-aot/2026-12-01_7374812/aot/sass-fp8-decode-loops.md: the default FP8 GEMV is conversion-bound)
     ("linear_fp8", linear, (1, 8, 64, 4096), [{}, {"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2},
                                               {"fp8": "via_f32", "mode": "swap"}, {}]),
     ("wo_a_fp8", wo_a, (1, 8, 64), [{"fp8": "via_f32"}, {"fp8": "via_f32", "NBLK": 2}]),
@@ -115,13 +116,13 @@ S20 = [
     ("linear_lm_head", linear, (1,), [{}, {"BN": 32}, {}, {"BN": 128}]),
 ]
 
-# session 21: FP4 experts at decode batches (the e2e decode of the official weights spends 36 / 68 / 82 %
-# of its GPU time at batch 1 / 8 / 32 in the two expert GEMMs, e2e-decode-h200-official-s21.json):
+# FP4 experts at decode batches (the e2e decode of the official weights spends 31 / 68 / 82 % of its
+# GPU time at batch 1 / 8 / 32 in the expert GEMMs, benchmarks/results/h200/2026-12-02_c4c8464/e2e/decode-flash-4layers-official.json):
 # "scaled"'s tiles, warps and stages around today's choice (BM 16, BNu 64, BNd 128, BK 128 while the
 # grid fits the target, 4 warps, 4 stages), "join" and the default repeated for the run's noise.
-# `--set s21`.
+# `--set fp4-decode`; measured: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json.
 _S = {"fp4": "scaled", "BK": 128}
-S21 = [
+FP4_DECODE = [
     ("moe_experts_fp4", moe, (1, 8, 32, 64), [
         {}, _FP4, _S, {**_S, "num_warps": 8}, {**_S, "num_stages": 2}, {**_S, "num_stages": 3},
         {**_S, "num_stages": 5}, {**_S, "BNu": 32}, {**_S, "BNu": 32, "num_warps": 8},
@@ -129,63 +130,65 @@ S21 = [
         {**_FP4, "BK": 256, "num_stages": 3}, {**_FP4, "BK": 64}, _FP4]),
 ]
 # FP4 "group" (one unscaled e2m1 dot a 32-column group, the scale on its fp32 partial; the kernel
-# change is benchmarks/results/moe-fp4-group-s21.diff) lost and was not kept: even at T = 1, 8 %
-# faster at T = 8, 3.8x slower at T = 32 / 64, 12x at 4096 (tune-s21-h200-flash-read-fp4-group.json)
-# split K (moe TUNE "Su" over H for gate / up, "Sd" over I for down; session 21, not timed yet): at
-# decode batches the expert GEMMs run few programs of long K loops (T = 1: 6 row tiles x 32 N
-# blocks, 32 steps each), so each program's serial decode -> MMA -> wait chain may bound them, not
-# the bytes. `--set s22`.
+# change: the patch of commit 2d29a67; docs/perf/moe_experts.md) lost and was not kept: even at T = 1, 8 %
+# faster at T = 8, 3.8x slower at T = 32 / 64, 12x at 4096 (benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-group-decode-flash.json)
+# split K (moe TUNE "Su" over H for gate / up, "Sd" over I for down): at decode batches the expert
+# GEMMs run few programs of long K loops (T = 1: 6 row tiles x 32 N blocks, 32 steps each), so each
+# program's serial decode -> MMA -> wait chain may bound them, not the bytes. `--set split-k`;
+# measured: benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json.
 _SPL = [{}, {"Su": 2}, {"Su": 4}, {"Su": 8}, {"Sd": 2}, {"Sd": 4}, {"Su": 4, "Sd": 2}, {"Su": 4, "Sd": 4},
         {"Su": 8, "Sd": 4}, {"Su": 4, "Sd": 2, "BNd": 128}, {}]
-S22 = [
+SPLIT_K = [
     ("moe_experts_fp4", moe, (1, 8, 32), _SPL),
     ("moe_experts_fp8", moe, (1, 8), _SPL),
     ("moe_experts", moe, (1, 8), [{}, {"Su": 2}, {"Su": 4}, {"Su": 4, "Sd": 2}, {}]),
     ("moe_experts_shared", moe, (1, 8, 64), [{}, {"Su": 2}, {"Su": 4}, {"Su": 4, "Sd": 2}, {"Su": 8, "Sd": 4},
                                              {"Su": 4, "Sd": 2, "BNu": 64, "BNd": 128}, {}]),
 ]
-# Session 22: where split K pays (s22 timed -10 % for FP4 at T = 1 with Su 2 and -12-17 % for the
+# Where split K pays (the split-k set timed -10 % for FP4 at T = 1 with Su 2 and -12-17 % for the
 # shared expert with Su 4 / Sd 2): the decode batches between, the shared expert's down split alone,
-# the default twice (the noise). `--set s23`.
-S23 = [
+# the default twice (the noise). `--set split-k-rule`; measured:
+# benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json.
+SPLIT_K_RULE = [
     ("moe_experts_fp4", moe, (1, 2, 4, 8, 16), [{}, {"Su": 2}, {"Su": 4}, {}]),
     ("moe_experts_fp8", moe, (1, 2, 4, 8), [{}, {"Su": 2}, {"Su": 2, "Sd": 2}, {}]),
     ("moe_experts", moe, (1, 2, 4), [{}, {"Su": 2}, {}, {"Su": 2}]),
     ("moe_experts_shared", moe, (1, 8, 64, 256), [{}, {"Sd": 2}, {"Sd": 4}, {"Sd": 8}, {"Su": 2, "Sd": 2},
                                                   {"Su": 4, "Sd": 2}, {"Su": 2, "Sd": 4}, {"Su": 4, "Sd": 4}, {}]),
 ]
-# Session 22, after the split rule (Su 2 by default for FP4 "scaled" at <= 96 pairs): the T = 1
-# tile rules (BK 128, BNd 64) at the decode batches above T = 1, and Su 4. `--set s25`.
-S25 = [
+# After the split rule (Su 2 by default for FP4 "scaled" at <= 96 pairs): the T = 1 tile rules
+# (BK 128, BNd 64) at the decode batches above T = 1, and Su 4. `--set fp4-decode-tiles`; measured:
+# benchmarks/results/h200/2026-12-02_8b88262/tune/moe_experts-fp4-decode-tiles-flash.json.
+FP4_DECODE_TILES = [
     ("moe_experts_fp4", moe, (2, 4, 8, 16), [{}, {"BK": 128}, {"BNd": 64}, {"BK": 128, "BNd": 64}, {"Su": 4},
                                              {"BK": 128, "Su": 4}, {}]),
 ]
 
-# FP4 "gemv" (session 23: one GEMV a pair row on the FMA units, 8 e2m1 codes a 32-bit word decoded
+# FP4 "gemv" (one GEMV a pair row on the FMA units, 8 e2m1 codes a 32-bit word decoded
 # exactly by bit placement, the group scale on each word's partial; the kernel change is
-# benchmarks/results/moe-fp4-gemv-s23.diff) lost and was not kept: its best launch 136 / 221 / 400 /
+# in commit 959676a; docs/perf/moe_experts.md) lost and was not kept: its best launch 136 / 221 / 400 /
 # 740 µs at T = 1 / 2 / 4 / 8 against the table's 104-105 / 181-184 / 283-285 / 381-384
-# (tune-s27-h200-flash-read-fp4-gemv.json)
+# (benchmarks/results/h200/2026-12-02_108d4ca/tune/moe_experts-fp4-gemv-flash.json)
 
-# FP8 "f16" (session 23: e4m3 -> fp16 exactly, one conversion a code pair; the bf16 activation rows
+# FP8 "f16" (e4m3 -> fp16 exactly, one conversion a code pair; the bf16 activation rows
 # scaled by powers of two into fp16; fp16 tensor cores; the kernel change is
-# benchmarks/results/linear-fp8-f16-s23.diff) lost and was not kept: linear FP8 15.2 / 15.7 / 27.2 /
+# in commit 06ebc28; docs/perf/linear.md) lost and was not kept: linear FP8 15.2 / 15.7 / 27.2 /
 # 1470 µs at T = 1 / 8 / 64 / 4096 against "via_f32"'s 13.9-14.3 / 14.3 / 20.6-20.7 / 856; wo_a FP8
 # 23.6 / 23.3 / 53.9 / 1359 against 16.2-17.1 / 16.1-16.3 / 31.1-31.2 / 875
-# (tune-s28-h200-flash-read-fp8-f16.json)
-# hc_pre epi_apart (session 23: post / comb in their own epilogue program; bitwise the same outputs)
-# won 4-8 % at T = 8 / 64 (tune-s29-h200-flash-read-hc-pre-apart.json) but was reverted for want of
+# (benchmarks/results/h200/2026-12-02_6df36df/tune/linear-fp8-f16-flash.json)
+# hc_pre epi_apart (post / comb in their own epilogue program; bitwise the same outputs)
+# won 4-8 % at T = 8 / 64 (benchmarks/results/h200/2026-12-02_1b71fa6/tune/hc_pre-epilogue-apart-flash.json) but was reverted for want of
 # its GPU conformance run; the kernel change and its sweep set are commit 7d2ffb5.
 
 
 def _no_default_split(rows):
-    """s22 / s23 were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
+    """The split-k sets were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
     Pinned so that a re-run times what their JSONs recorded."""
     return [(label, mod, toks, [{"Su": 1, "Sd": 1, **v} for v in variants]) for label, mod, toks, variants in rows]
 
 
-SETS = {"all": SWEEPS, "s20": S20, "s21": S21, "s22": _no_default_split(S22), "s23": _no_default_split(S23),
-        "s25": S25}
+SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
+        "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES}
 
 
 def _parts(timer, shapes, rows):

@@ -1,6 +1,6 @@
 """Run the ROCm and XPU launch tables' configurations on an NVIDIA GPU through the conformance suite.
 
-    python benchmarks/vendor_tables_on_cuda.py [--shapes small,flash] [--json benchmarks/results/conformance-vendor-tables-h200.json]
+    python benchmarks/vendor_tables_on_cuda.py [--shapes small,flash] [--json FILE; default benchmarks/results/h200/<date>_<commit>/conformance/rocm-xpu-launch-tables-<shapes>.json]
 
 Functional evidence for the one kernel source under the other vendors' tile sizes, warps and
 stages: each table (rocm gfx942 / gfx950 / other, xpu) drives the portable kernels on "cuda",
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -48,8 +49,13 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--ops", default=None)
     ap.add_argument("--tables", default=None, help="comma-separated subset of rocm-gfx942,rocm-gfx950,rocm-other,xpu-slm64k,xpu-slm128k")
-    ap.add_argument("--json", default="benchmarks/results/conformance-vendor-tables-h200.json")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.json is None:
+        from _results import result_path
+
+        a.json = str(result_path("h200", "conformance", f"rocm-xpu-launch-tables-{a.shapes.replace(',', '-')}.json"))
+    os.makedirs(os.path.dirname(a.json), exist_ok=True)
     from triton.runtime import driver
 
     from dsv4core.conformance import run

@@ -1,7 +1,7 @@
 """Cost of the runtime verify mode (DSV4CORE_VERIFY): prefill and decode time of the same model
 with verify off, at 1 % and at 100 % of op calls, reference backend, same process and thread count.
 
-    python benchmarks/verify_overhead.py --json benchmarks/results/verify-overhead-cpu.json
+    python benchmarks/verify_overhead.py --json benchmarks/results/cpu/<date>_<commit>/bench/verify-overhead-reference.json
 
 Off must cost nothing (the bound callables are the plain ones: checked by tests); the ratios here
 are what turning it on costs. Measured, never asserted.

@@ -13,7 +13,7 @@ Compile-only: no AMD device runs anything here. The two archs compile in subproc
 the other (no TRITON_INTERPRET: the interpreter replaces the jit functions): one compile peaks at
 ~12.1 GiB of host memory (measured: benchmarks/aot_rocm_device_branch.py, bf16), two at once exceed
 a 24 GiB CI machine. Full records (bf16 and fp32, time and memory):
-benchmarks/results/aot-rocm-device-branch.json.
+benchmarks/results/rocm-aot/2026-12-01_a6ae32f/aot/device-branch-flash.json.
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ for path in ("cvt", "via_f32"):
 def test_fp8_via_f32_compiles_without_the_f16_to_bf16_conversions():
     """TUNE fp8="via_f32" (linear / wo_a, and moe_experts' FP8 weights) gives the MMA the same bf16
     values by another conversion chain; its point
-    (benchmarks/results/sass-sm90-s20-t1-decode-loops.md) is that sm90 code then has no per-code
+    (benchmarks/results/sm90-aot/2026-12-01_7374812/aot/sass-fp8-decode-loops.md) is that sm90 code then has no per-code
     f16 -> bf16 conversion (F2F.BF16.F16), which the default chain has. Compile-only (no GPU: not
     timed)."""
     pytest.importorskip("triton.backends.nvidia")

@@ -1,5 +1,5 @@
 """The moe_route kernel's accuracy where the GPU's math library differs from the interpreter's, the
-indexer_topk kernel's exact selection (issue 10), and the Triton selftest's judging.
+indexer_topk kernel's exact selection, and the Triton selftest's judging.
 
 Kernels run under the Triton interpreter (TRITON_INTERPRET=1) in subprocesses: the variable must be
 set before triton is imported. The scripts are files (triton.jit reads its function's source).
@@ -167,35 +167,36 @@ def test_indexer_topk_registration_and_predicate():
     assert not ok(s, n, 0) and not ok(s, n, 4.0)             # topk an int >= 1
 
 
-def test_cuda_backend_serves_only_kernels_with_a_gpu_conformance_record():
-    """Every portable kernel the cuda backend serves passed `dsv4core conformance --backend cuda` on
-    a GPU at small, flash and pro shapes in the newest committed report that ran it at all three,
-    and no newer report (of any shapes) failed it (benchmarks/results/conformance-cuda-h200*.json, by
-    date; undated reports are older than dated ones); NOT_SERVED holds the others."""
-    import glob
+def test_cuda_backend_serves_the_kernels_its_validation_record_passed():
+    """The cuda backend serves exactly the portable kernels that passed in its recorded hardware
+    validation (plugins/cuda/dsv4core_cuda/validation/: a passing report of backend cuda on a cuda
+    device at small, flash and pro shapes), plus only those named in DSV4CORE_CUDA_TRY."""
     import json
+
+    from dsv4core.kernels.triton import OPS
 
     root = os.path.join(os.path.dirname(__file__), "..")
     sys.path.insert(0, os.path.join(root, "plugins", "cuda"))
     try:
-        from dsv4core_cuda import CUDA_OPS, NOT_SERVED
+        from dsv4core_cuda import CUDA_OPS, TRY_ENV, VALIDATION, tried_ops
     finally:
         sys.path.pop(0)
-    reports = [json.load(open(p)) for p in glob.glob(os.path.join(root, "benchmarks", "results",
-                                                                   "conformance-cuda-h200*.json"))]
-    reports = sorted((r for r in reports if r.get("device", "").startswith("cuda") and r.get("backend") == "cuda"),
-                     key=lambda r: r.get("date") or "")
-    newest, newest_full = {}, {}      # op -> status in the newest report that ran it (at all three shape sets)
-    for rep in reports:
-        for o in rep["ops"]:
-            if o["status"] != "not implemented":
-                newest[o["op"]] = o["status"]
-                if set(rep["shapes"]) >= {"small", "flash", "pro"}:
-                    newest_full[o["op"]] = o["status"]
-    passed = {op for op, status in newest_full.items() if status == "passed" and newest[op] == "passed"}
-    assert CUDA_OPS <= passed, sorted(CUDA_OPS - passed)
-    assert not CUDA_OPS & NOT_SERVED
+    records = [json.loads(p.read_text()) for p in sorted(VALIDATION.glob("*.json"))]
+    assert records, f"no validation record in {VALIDATION}"
+    passed = set()
+    for rec in records:
+        assert rec["backend"] == "cuda" and rec["device"].startswith("cuda") and rec["hardware"], rec["hardware"]
+        assert not rec["failed"] and set(rec["shapes"]) >= {"small", "flash", "pro"}
+        passed |= {op for op, s in rec["summary"].items() if s["status"] == "passed"}
+        full = os.path.join(root, rec["report"].split(" ")[0])
+        if os.path.exists(full):         # the record is the committed full report, less its cases
+            with open(full) as f:
+                assert json.load(f)["summary"] == rec["summary"], full
+    assert CUDA_OPS == frozenset(OPS) & passed
     assert {"rms_norm", "moe_experts", "moe_route", "indexer_topk", "cache_store"} <= CUDA_OPS
+    assert tried_ops({}) == frozenset() and tried_ops({TRY_ENV: " rms_norm , "}) == frozenset()
+    with pytest.raises(ValueError, match=f"{TRY_ENV}: not_an_op is not a portable kernel"):
+        tried_ops({TRY_ENV: "rms_norm,not_an_op"})
 
 
 def test_selftest_judges_route_ids_and_topk_sets():

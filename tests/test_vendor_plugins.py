@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dsv4core.conformance import run
-from dsv4core.hal.validation import NOT_VALIDATED, recorded
+from dsv4core.hal.validation import NOT_VALIDATED, passed_ops, recorded
 
 from vendor_emul import install_aiter, install_ascend
 
@@ -163,6 +163,10 @@ def test_validation_record(tmp_path):
     line = recorded(tmp_path, "rocm")
     assert line == "validated on hardware: MI300X (gfx942) (dsv4core 0.1.0, 2/2 ops passed)"
     assert recorded(tmp_path, "xpu").startswith(NOT_VALIDATED + " (ignored: gfx942.json: not a conformance")
+    rep["summary"]["rope"] = {"status": "not implemented"}
+    (tmp_path / "gfx942.json").write_text(json.dumps(rep))
+    assert passed_ops(tmp_path, "rocm") == {"rms_norm", "hc_pre"}    # the failing gfx950 record counts for nothing
+    assert passed_ops(tmp_path, "xpu") == frozenset() and passed_ops(tmp_path / "none", "rocm") == frozenset()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,9 @@ from pathlib import Path
 NOT_VALIDATED = "not validated on hardware"
 
 
-def recorded(directory: str | Path, backend: str) -> str:
-    """One line: ``"validated on hardware: <hardware> (dsv4core X, N ops passed)[; ...]"`` for each
-    recorded passing report of ``backend`` in ``directory``, else ``"not validated on hardware"``
-    (followed by the reason a recorded file was not counted, if one was found)."""
+def _reports(directory: str | Path, backend: str) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """The recorded passing reports of ``backend`` in ``directory`` (path, report) and, for each
+    file not counted, the reason."""
     d = Path(directory)
     good, bad = [], []
     for p in sorted(d.glob("*.json")) if d.is_dir() else ():
@@ -35,6 +34,25 @@ def recorded(directory: str | Path, backend: str) -> str:
         if rep.get("failed"):
             bad.append(f"{p.name}: the recorded report has failures")
             continue
+        good.append((p, rep))
+    return good, bad
+
+
+def passed_ops(directory: str | Path, backend: str) -> frozenset[str]:
+    """The ops with status "passed" in a recorded passing report of ``backend`` in ``directory``
+    (the ops a plugin may serve as validated on hardware); empty without a record."""
+    good, _ = _reports(directory, backend)
+    return frozenset(op for _, rep in good for op, s in rep["summary"].items()
+                     if isinstance(s, dict) and s.get("status") == "passed")
+
+
+def recorded(directory: str | Path, backend: str) -> str:
+    """One line: ``"validated on hardware: <hardware> (dsv4core X, N ops passed)[; ...]"`` for each
+    recorded passing report of ``backend`` in ``directory``, else ``"not validated on hardware"``
+    (followed by the reason a recorded file was not counted, if one was found)."""
+    reports, bad = _reports(directory, backend)
+    good = []
+    for p, rep in reports:
         summary = rep["summary"]
         passed = sum(1 for s in summary.values() if s.get("status") == "passed")
         hw = rep.get("hardware") or p.stem

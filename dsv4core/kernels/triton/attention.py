@@ -12,7 +12,7 @@ The split count comes from the device's SM count and the batch (:func:`plan`), s
 of 1-8 tokens still fills the GPU. The combine reads every split of a (token, element) block in
 one [splits, CB] tile (an earlier combine, one program per head block reading the splits one
 after another, made S dependent round trips on 4 SMs at T = 1: 22.9 µs against 15.2 on the H200,
-tune-s18-h200-flash-read.json). No atomics: results are bitwise repeatable for a given launch plan.
+benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json). No atomics: results are bitwise repeatable for a given launch plan.
 
 ``S`` = 1 (the plan's choice once T x head blocks fill the GPU, or for one row block) is the
 single launch: no partials, no combine.
@@ -21,7 +21,7 @@ TUNE ``pipe`` 1 (default at T <= 64, else 0): the row gather pipelined by hand, 
 block's indices loaded before the current block is computed; the same arithmetic in the same
 order (bitwise equal results).
 
-Removed after the H200 sweep (session 20, benchmarks/results/tune-s20-h200-flash-read-mhc-attn.json;
+Removed after the H200 sweep (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json;
 the code is at commit 2494243): a column split of p @ v (``DV``: D / DV programs share a token's
 head block and split), p @ v with the lo half of p in its own dot or over duplicated kv rows
 (``pv`` "apart" / "dup"), and ``pipe`` 2 (the next block's kv rows gathered ahead too, a register
@@ -165,7 +165,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     (S x CB), ``c_num_warps``; ``pipe`` 0 / 1 (module docstring)."""
     big = T >= 128
     # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
-    # / 2) is what the H200 sweep found fastest at T = 1..8 (tune-s18-h200-flash-read.json: 15.2 /
+    # / 2) is what the H200 sweep found fastest at T = 1..8 (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json: 15.2 /
     # 18.5 / 21.0 / 25.0 us against 22.9 / 24.3 / 27.3 / 26.9 for the first path; smaller row
     # blocks or two programs per SM were slower). T >= 128 (DSV4-Flash CSA shape): 32 heads x 32
     # rows (fewer re-gathers of the same kv rows, 1.4x), 2 programs per SM.
@@ -183,7 +183,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
-    # the index / kv gather pipelined at decode sizes (H200, tune-s20-h200-flash-read-mhc-attn.json:
+    # the index / kv gather pipelined at decode sizes (H200, benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json:
     # 14.0 / 16.2 / 17.4 / 20.8 / 60.5 µs at T = 1 / 2 / 4 / 8 / 64 against 14.9 / 18.2 / 20.6 / 24.4
     # / 61.8; 206 against 199 at T = 256), bitwise the same result
     pipe = TUNE.get("pipe", 1 if T <= 64 else 0)

@@ -154,8 +154,8 @@ MODES = {"dot": 0, "swap": 1}
 #: how FP8 e4m3 codes become the MMA's bf16 operand (TUNE key "fp8"; both give the same bf16
 #: values, so the same result bit for bit): "cvt" (default) converts e4m3 -> bf16, "via_f32"
 #: e4m3 -> fp32 -> bf16, a chain that some targets run with fewer conversion instructions (sm90
-#: SASS: benchmarks/results/sass-sm90-s20-t1-decode-loops.md; on an H200 15-21 % faster, the CUDA
-#: plugin's table entry: tune-s21-h200-flash-read-fp8.json)
+#: SASS: benchmarks/results/sm90-aot/2026-12-01_7374812/aot/sass-fp8-decode-loops.md; on an H200 15-21 % faster, the CUDA
+#: plugin's table entry: benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json)
 FP8_PATHS = ("cvt", "via_f32")
 
 
@@ -164,8 +164,8 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
     tiles may add NBLK as a seventh value). ``big``: the device has the shared memory of the GPU the
     prefill tiles were measured on (_util.BIG_TILE_SHARED).
 
-    bf16: the H200 sweep's tiles (benchmarks/results/tune-issue10-h200-flash-*.json). "dot" for
-    FP8 too: the H200 sweep of this session (tune-s18-h200-flash-read.json) timed "swap" at
+    bf16: the H200 sweep's tiles (benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json). "dot" for
+    FP8 too: the H200 read-flush sweep (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json) timed "swap" at
     17.9 / 18.0 / 29.7 µs at T = 1 / 8 / 64 against dot's 17.8 / 17.8 / 25.0."""
     if M <= 16:
         return "dot", 16, 64, 128, 4, 3
@@ -173,9 +173,9 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
         return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
     if scaled and big and M >= 1024:
         # FP8 prefill: the converted weight tile feeds the MMA from registers (H200,
-        # tune-s20-h200-flash-read-linear.json: 1004 µs at T = 4096 against dot's 1132). With
+        # benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json: 1004 µs at T = 4096 against dot's 1132). With
         # "cvt", swap is also 11 % faster at T = 512 (137.6 vs 155.5 µs) and even at 1024 / 2048
-        # (tune-s21-h200-flash-read-fp8.json; the threshold stays until timed with via_f32, with
+        # (benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json; the threshold stays until timed with via_f32, with
         # which swap and dot are even at 4096: 858.7 / 859.4)
         return "swap", 128, 128, 64, 8, 3
     return "dot", 128, 128, 64, 8, 3

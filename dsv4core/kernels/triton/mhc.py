@@ -17,11 +17,11 @@ Programmatic dependent launch (Triton's NVIDIA extras) was considered and left o
 kernels use no vendor extras; a plugin-side way to enable it is an open idea.
 
 A one-pass variant (the last program of a token block reducing the partials, behind an arrival
-counter, then Sinkhorn and the collapse) was built and timed on the H200 (session 18,
-benchmarks/results/tune-s18-h200-flash-read.json): 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at
+counter, then Sinkhorn and the collapse) was built and timed on the H200
+(benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json): 11.4 / 21.4 / 58.2 / 443 µs for hc_pre at
 T = 1 / 8 / 64 / 4096 against these two launches' 11.8 / 12.1 / 17.2 / 115 µs (its serial tail costs
 more than the second launch saves), so it was removed; it is in the git history (commit 6100a27).
-Removed the same way (session 20, benchmarks/results/tune-s20-h200-flash-read-mhc-attn.json; the
+Removed the same way (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json; the
 code is at commit 2494243): a "vec" epilogue (a program per token block, per-token vectors, the
 n x n Sinkhorn as explicit adds, post / comb in their own program column): hc_pre 14.0 / 14.7 /
 21.5 / 122.9 µs at T = 1 / 8 / 64 / 4096 against 11.6 / 12.1 / 17.3 / 116.3; and fp32 FMA mixes
@@ -136,8 +136,8 @@ def _mix(x2, fn, M):
     T, K = x2.shape
     MP = max(16, np2(M))
     # prefill (T >= 2048): 128-token blocks of 64 columns on 8 warps, 4 stages (H200,
-    # tune-s20-h200-flash-read-mhc-attn.json: 104.8 µs at T = 4096 against 116.3; from which T it
-    # pays is not measured yet: the s20 sweep's T = 256 / 1024 rows). hc_pre's 2n + n^2 mixes only
+    # benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json: 104.8 µs at T = 4096 against 116.3; from which T it
+    # pays is not measured yet: that sweep's T = 256 / 1024 rows). hc_pre's 2n + n^2 mixes only
     # (hc_head's n: not measured)
     big = T >= 2048 and M > 16 and shared_bytes(x2.device) >= BIG_TILE_SHARED
     BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else (128 if big else 64)))

@@ -471,7 +471,7 @@ def _few(tiles: int, I: int, programs: int) -> bool:
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
             plain: bool = False, scaled: bool = False, big: bool = False):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
-    benchmarks/results/tune-issue10-h200-flash-*.json. With FP8 weights BK * KSUB = 128.
+    benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json. With FP8 weights BK * KSUB = 128.
     Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
     than the device has SMs (`programs` / 2): the N blocks shrink (to 32 / 64 at most) until they
     do not. ``plain``: bf16 weights; ``big``: the device has the shared memory of the GPU
@@ -486,17 +486,17 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     elif P <= 64 * E:
         cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
     elif plain and big:
-        # H200, tune-s20-h200-flash-read-moe.json: 3412 µs at T = 4096 against 4602 for the
+        # H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 3412 µs at T = 4096 against 4602 for the
         # quantised weights' tile below (4357-4500 for the other big tiles tried)
         cfg = (128, 128, 256, 64, 8, 3)
     else:
-        # FP4 "scaled": 128-column up blocks (H200, tune-s20-h200-flash-read-moe.json: 7055 µs at
+        # FP4 "scaled": 128-column up blocks (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 7055 µs at
         # T = 4096 against 9710 with 64 and 7289 for "join")
         cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
     if not ieee:
         BM, BNu, BNd = cfg[:3]
         tiles = _row_tiles(P, E, BM)
-        # floors 32 / 64: the H200 sweep of the shared expert (tune-s18-h200-flash-read.json) timed
+        # floors 32 / 64: the H200 sweep of the shared expert (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json) timed
         # 44.5 / 59.3 / 60.2 µs at T = 1 / 8 / 64 with (32, 64) against 47.7 / 67.6 / 69.2 with
         # (64, 128) and 50.5 / 60.0 / 59.0 with (16, 64)
         while BNu > 32 and tiles * cdiv(I, BNu) < programs // 2:
@@ -505,14 +505,14 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
             BNd //= 2
         few = _few(tiles, I, programs)
         # and longer K steps: more bytes in flight per program (H200, one expert: 36.4 / 48.3 µs at
-        # T = 1 / 8 with BK 128 against 44.6 / 58.8 with 64, tune-s18-moe-shared-h200-flash-read.json)
+        # T = 1 / 8 with BK 128 against 44.6 / 58.8 with 64, benchmarks/results/h200/2026-12-01_9da52e6/tune/moe_experts-shared-flash.json)
         # FP4 "scaled" over a grid of at most one program per target slot (routed experts at T = 1):
-        # 128-column K steps (H200, tune-s20-h200-flash-read-moe.json: 127.8 µs at T = 1 against
+        # 128-column K steps (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 127.8 µs at T = 1 against
         # 141.4 with 64; at T = 64 the 64 step is faster, 623 against 718)
         long_k = few or (scaled and tiles * cdiv(I, BNu) <= programs)
         # and 64-column down blocks while the down grid of 128-column blocks fits the target too
         # (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not
-        # fit, 64 is 4 % faster to 4 % slower: tune-s21-h200-flash-read-fp4-decode.json,
+        # fit, 64 is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
         # -fp4-group.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too
         # (GPU conformance: the small shapes' mixed case)
         if scaled and tiles * cdiv(H, BNd) <= programs:
@@ -538,8 +538,8 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 #:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
 #:       the [2 BM, BNd] accumulator at the end;
 #:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
-#: (H200, tune-s20-h200-flash-read-moe.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
-#: at T = 64; the FP4 "split" and FP8 "scaled" decodes of session 19 lost and were removed.)
+#: (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
+#: at T = 64; the FP4 "split" and FP8 "scaled" decodes lost there and were removed.)
 DECODES = ("join", "scaled")
 #: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
 #: values): linear's FP8_PATHS (imported above), which says why
@@ -563,13 +563,14 @@ MAX_SPLIT = 16
 #: the decode batches (pairs = tokens x top-k) where FP4 "scaled" gate / up weights split K in two
 #: by default: H200, Flash shapes, Su 2 against none at T = 1 / 2 / 4 / 8 / 16 (6-96 pairs):
 #: 105 / 164 / 273 / 387 / 420 µs against 116-117 / 217-220 / 290-293 / 392-398 / 438-443
-#: (tune-s23-h200-flash-read-split.json); at T = 32 (192 pairs) a tie, 625 against 623-633
-#: (tune-s22-h200-flash-read-split.json)
+#: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json); at T = 32 (192 pairs) a tie, 625 against 623-633
+#: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
 SPLIT_FP4_PAIRS = 96
 
 
 def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee: bool, scaled_up: bool) -> tuple:
-    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, s22 / s23 sweeps);
+    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, the split-k and split-k-rule sweeps
+    of benchmarks/tune_triton.py);
     everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
       * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":

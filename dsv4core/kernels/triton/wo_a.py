@@ -15,12 +15,12 @@ TUNE = Tune(__name__, GEMM_KEYS)
 
 def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
     """(mode, BM, BN, BK, num_warps, num_stages[, NBLK]) for T tokens. bf16: the tiles of wo_a's former own
-    kernel (H200: 25.3 / 29.3 µs at T = 1 / 64, benchmarks/results/bench-cuda-h200-flash.json):
+    kernel (H200: 25.3 / 29.3 µs at T = 1 / 64, benchmarks/results/h200/2026-11-29_da152d4/bench/cuda-ops-flash-write-flush.json):
     32-row tiles, 8 groups x 32 = 256 programs, no split on a 132-SM GPU. FP8: the same tiles, "dot"
-    (H200, tune-s18-h200-flash-read.json: 21.0 / 20.6 / 32.6 µs at T = 1 / 8 / 64; "swap" 27.5 /
+    (H200, benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json: 21.0 / 20.6 / 32.6 µs at T = 1 / 8 / 64; "swap" 27.5 /
     27.6 / 52.9)."""
     if T <= 16:
-        # FP8: two scale blocks a K step (H200, tune-s20-h200-flash-read-linear.json: 18.8 µs at
+        # FP8: two scale blocks a K step (H200, benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json: 18.8 µs at
         # T = 1 against 20.8; at T = 64 one block is faster, 32.1 against 46.7)
         return ("dot", 16, 32, 128, 4, 4, 2) if scaled else ("dot", 16, 32, 256, 4, 4)
     if T <= 64:

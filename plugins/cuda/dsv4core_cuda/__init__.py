@@ -3,15 +3,20 @@ and "cuda-flashinfer" (FlashInfer's mHC kernels for hc_pre / hc_post, :mod:`.fla
 priority below "cuda" until measured, selectable with DSV4CORE_OPS).
 
 Cheap to import: neither triton nor any kernel module is imported here; the kernels load on their
-first call, and FlashInfer is neither imported nor built before its first call. ``available()`` is a static platform probe (a CUDA build of torch that sees a device;
-triton importable), with no kernel launch.
+first call, and FlashInfer is neither imported nor built before its first call. ``available()`` is
+a static platform probe (a CUDA build of torch that sees a device; triton importable), with no
+kernel launch. The ops served are those the recorded hardware validation (``validation/``) passed,
+plus any named in ``DSV4CORE_CUDA_TRY`` (a candidate kernel being tried on a GPU).
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+from pathlib import Path
 
 from dsv4core.hal import HAL_API_VERSION, Backend, hookimpl
+from dsv4core.hal.validation import passed_ops, recorded
 from dsv4core.kernels.triton import OPS
 
 from .graphs import CudaGraphCapture
@@ -21,15 +26,26 @@ log = logging.getLogger("dsv4core.cuda")
 __version__ = "0.1.0"
 
 
-#: Portable kernels not (yet) served here, left to the reference until a GPU conformance run
-#: confirms them (they still run under triton-interpret). Empty since the H200 run of
-#: benchmarks/results/conformance-cuda-h200-candidates.json (moe_route, indexer_topk, cache_store,
-#: compress_windows, indexer_scores_rows: all passed at small, flash and pro shapes). A new portable
-#: kernel starts here; remove its name once ``dsv4core conformance --backend cuda --device cuda
-#: --ops NAME --shapes small,flash,pro`` passes on a GPU (`benchmarks/h200_run.sh cand` does that).
-NOT_SERVED = frozenset()
-#: The portable kernels this backend serves.
-CUDA_OPS = frozenset(OPS) - NOT_SERVED
+#: Recorded hardware validation (``<hardware-id>.json``: a passing ``dsv4core conformance --backend
+#: cuda --device cuda`` report plus a ``"hardware"`` string; README.md in the folder).
+VALIDATION = Path(__file__).parent / "validation"
+#: Environment variable naming portable kernels to serve although no recorded report passed them
+#: (comma-separated op names), for trying a candidate kernel on a GPU before recording it.
+TRY_ENV = "DSV4CORE_CUDA_TRY"
+#: The portable kernels this backend serves: those a recorded report passed.
+CUDA_OPS = frozenset(OPS) & passed_ops(VALIDATION, "cuda")
+
+
+def tried_ops(env=None) -> frozenset[str]:
+    """The portable kernels ``DSV4CORE_CUDA_TRY`` asks to serve beyond the validated ones. Raises
+    ValueError for a name that is not a portable kernel."""
+    raw = (os.environ if env is None else env).get(TRY_ENV, "")
+    names = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    unknown = sorted(names - frozenset(OPS))
+    if unknown:
+        raise ValueError(f"{TRY_ENV}: {', '.join(unknown)} is not a portable kernel; expected a comma list "
+                         f"of {', '.join(sorted(OPS))}, got {raw!r}")
+    return names - CUDA_OPS
 
 
 def _available():
@@ -54,12 +70,14 @@ def dsv4core_register_backends(register):
     from . import providers
     from .launch import current
 
+    tried = tried_ops()
+    trying = f"; trying, not validated: {', '.join(sorted(tried))} ({TRY_ENV})" if tried else ""
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
                 priority=100, available=_available,
                 description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs; optional "
-                            f"providers: {providers.describe()}",
-                graph_capture=CudaGraphCapture())
-    register_ops(b, "cuda", launch=current, ops=CUDA_OPS)
+                            f"providers: {providers.describe()}{trying}",
+                graph_capture=CudaGraphCapture(), validated=recorded(VALIDATION, "cuda"))
+    register_ops(b, "cuda", launch=current, ops=CUDA_OPS | tried)
     register(b)
     try:       # an optional provider that fails to import must not take `cuda` down with it
         from . import flashinfer_mhc

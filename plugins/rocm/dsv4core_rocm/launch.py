@@ -4,8 +4,8 @@ Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64
 workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
 in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the kernels'
 own (H200-tuned) attention config, 16 heads x 64 rows x 2 stages, needs 69,632 B of LDS (gfx942
-has 65,536) and spills 436-449 VGPRs (benchmarks/results/aot-h200-defaults-gfx942-attention.json);
-with the tables below every kernel fits and spills nothing (benchmarks/results/aot-rocm-*.json).
+has 65,536) and spills 436-449 VGPRs (benchmarks/results/rocm-aot/2026-12-01_6426706/aot/gfx942-attention-portable-defaults-flash.json);
+with the tables below every kernel fits and spills nothing (benchmarks/results/rocm-aot/).
 
 How the entries were chosen: the largest tiles that compile for the arch with LDS within the
 limit and zero VGPR/SGPR spills at the DSV4-Flash shapes (``python -m dsv4core.kernels.triton.aot
@@ -57,7 +57,7 @@ def _fp8(args, kwargs) -> bool:
 def _linear(fp8_tiles: dict):
     """linear: the kernel's own tiles, except with FP8 weights: ``fp8_tiles``. The kernel's FP8
     16 x 64 x 128 x 3-stage tile spills SGPRs in its masked-K specialisation (EVEN_K false: 63 on
-    gfx942, 148 on gfx950; device-branch compile, benchmarks/results/aot-rocm-device-branch.json).
+    gfx942, 148 on gfx950; device-branch compile, benchmarks/results/rocm-aot/2026-12-01_a6ae32f/aot/device-branch-flash.json).
     EVEN_K follows the split-K factor, i.e. the device's CU count, not only K % 128, so the entry
     covers every FP8 call."""
     def entry(*args, **kwargs):
@@ -87,7 +87,7 @@ def _indexer(f32_stages: int):
 
 # cache (cache_store) and compress (compress_pool, compress_windows) have no entry: no tl.dot and no
 # pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950
-# (benchmarks/results/aot-rocm-<arch>-pool-ops.json, with the indexer entries below).
+# (benchmarks/results/rocm-aot/*/aot/<arch>-pool-ops-flash.json, with the indexer entries below).
 TABLES = {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs

@@ -7,7 +7,7 @@ work-group) stays <= 8, far below ``max_num_sub_groups``.
 
 Shared local memory (SLM) per work-group differs per device, so attention's tile is chosen from
 the device's ``local_mem_size`` when the table is resolved (the first kernel call). Compiled by
-triton-xpu 3.3.0b1 (benchmarks/results/aot-xpu-spirv-*.json), bf16 attention needs 100,384 B of
+triton-xpu 3.3.0b1 (benchmarks/results/xpu-aot/), bf16 attention needs 100,384 B of
 SLM with 16 heads x 32 rows, 66,624 B with 16 x 16, 49,680 B with 8 x 16 (fp32, 16 x 16: 65,536 B;
 num_stages does not change it there). With 8 heads the dot may leave DPAS for FMA: a device with
 less than 66,624 B of SLM gets correctness first, speed later.
