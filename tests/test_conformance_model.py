@@ -52,7 +52,7 @@ def test_bf16_accumulating_norm_fails_the_bf16_run_only():
     assert "the reference's own bf16 error" in runs["bfloat16"]["message"]
 
 
-def linear_fp8_first_row_of_scales(x, weight, weight_scale=None, out_dtype=None):
+def linear_fp8_first_row_of_scales(x, weight, weight_scale=None, out_dtype=None, act_block=None):
     """Uses the first row of blocks' scales for every row of blocks."""
     if weight_scale is not None:
         weight_scale = weight_scale[:1].expand_as(weight_scale)
@@ -74,7 +74,7 @@ def test_fp8_tiny_model_runs_the_fp8_paths_and_catches_wrong_block_scales():
 def test_fallbacks_are_counted_per_op_and_fail_require_all():
     from dsv4core.conformance import run
 
-    def no_fp8(x, weight, weight_scale=None, out_dtype=None):
+    def no_fp8(x, weight, weight_scale=None, out_dtype=None, act_block=None):
         return weight_scale is None
 
     be = make_backend("nofp8", ALT_IMPLS, supports={"linear": no_fp8})

@@ -58,7 +58,7 @@ def _linear_backend(name: str, fp8: bool, priority: int = 500) -> Backend:
     with float32 block scales only if `fp8` (then it declares reading them natively)."""
     b = Backend(name=name, device_types=("cpu",), priority=priority)
 
-    def supports(x, weight, weight_scale=None, out_dtype=None):
+    def supports(x, weight, weight_scale=None, out_dtype=None, act_block=None):
         if weight.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return False
         if weight_scale is None:

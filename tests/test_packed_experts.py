@@ -21,7 +21,7 @@ def _experts_backend(name: str, fp4: bool) -> Backend:
     only if ``fp4``."""
     b = Backend(name=name, device_types=("cpu",), priority=500)
 
-    def supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    def supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
         if w13_scale is None and w2_scale is None:
             return w13.dtype == x.dtype
         return fp4 and w13.dtype == torch.int8 and w2.dtype == torch.int8

@@ -153,7 +153,8 @@ def _stand_in_backend(arch, seen):
     specs = catalogue()
     kernels = Backend(name="stand-in", device_types=("cpu",))
 
-    def linear(x, weight, weight_scale=None, out_dtype=None):
+    def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
+        assert act_block is None, "the stand-in computes the exact numerics only"
         seen.append(weight.dtype)
         w = weight.to(torch.float64) if weight_scale is None else _dequant_any(weight, weight_scale)
         return x.to(torch.float64) @ w.T
@@ -163,7 +164,7 @@ def _stand_in_backend(arch, seen):
         w = weight.to(torch.float64) if weight_scale is None else _dequant_any(weight, weight_scale)
         return torch.einsum("tgd,grd->tgr", o.to(torch.float64), w)
 
-    def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+    def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
         raise AssertionError("FP8 experts must be declined on gfx942, not run")
 
     for name, f in (("linear", linear), ("wo_a", wo_a), ("moe_experts", moe_experts)):
