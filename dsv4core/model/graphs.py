@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import torch
 
-from .modules import Step
+from .step import Step
 
 log = logging.getLogger("dsv4core.model")
 

@@ -19,7 +19,8 @@ from torch import nn
 from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
-from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm, Step
+from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm
+from .step import Step
 from .parallel import SINGLE, Parallel
 
 
