@@ -3,7 +3,8 @@ steps on HAL ops (no vendor code here). Public entry point: ``dsv4core.load_mode
 (implemented in :mod:`dsv4core.model.api`)."""
 
 from .config import ConfigError, DSV4Config, RopeSpec, rope_inv_freq
-from .model import DeviceTokens, DSV4ForCausalLM, InputError, randomize_weights_
+from .model import DeviceTokens, DSV4ForCausalLM, InputError
+from .tiny import randomize_weights_
 from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState, state_bytes
 
 __all__ = [

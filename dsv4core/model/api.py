@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, DSV4Config
-from .model import DSV4ForCausalLM, randomize_weights_
+from .model import DSV4ForCausalLM
+from .tiny import randomize_weights_
 from .parallel import RankCut, setup as _setup_parallel, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
