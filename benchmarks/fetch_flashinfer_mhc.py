@@ -3,8 +3,8 @@
     python benchmarks/fetch_flashinfer_mhc.py            # run from the repository root
 
 Downloads (``pip download --no-deps``) flashinfer-python 0.7.2.post1 and the apache-tvm-ffi
-cp312 manylinux wheel (the JIT loader FlashInfer's kernels are written against;
-../shared/docs/PERF-ANCHORS.md section 2), then keeps only:
+cp312 manylinux wheel (the JIT loader FlashInfer's kernels are written against), then keeps
+only:
 
 * ``.vendor/flashinfer-mhc/``: the two mHC CUDA sources, the two headers they include, and
   ``flashinfer/mhc.py`` (to read the call conventions), in the wheel's ``flashinfer/data`` layout

@@ -1,4 +1,4 @@
-"""Collectives over real process groups (issue 13): spawned gloo ranks, subgroups, uneven splits,
+"""Collectives over real process groups: spawned gloo ranks, subgroups, uneven splits,
 fp64 formulas; and a mutation check that the multi-rank cases distinguish every parameter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The model-level check can fail in every dtype it reports (issue 13): bfloat16 judged against the
+"""The model-level check can fail in every dtype it reports: bfloat16 judged against the
 reference's own bf16 error, an FP8 tiny model so the FP8 paths run, fallbacks counted per op."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FP8 weights kept as FP8 + block scale when the bound backend computes with them (issue 4 item 3).
+"""FP8 weights kept as FP8 + block scale when the bound backend computes with them.
 
 * HAL: ``OpTable.accepts`` asks the SERVING implementation only (its ``supports``), not the chain.
 * Model: ``load_model(..., quantized="auto" | "keep" | "dequantize")`` on a tiny official-format

@@ -1,4 +1,4 @@
-"""Runtime verify mode (issue 13): DSV4CORE_VERIFY re-checks a fraction of op calls against the
+"""Runtime verify mode: DSV4CORE_VERIFY re-checks a fraction of op calls against the
 reference; zero cost when off; a planted bug is caught at run time in `dsv4core generate`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""sparse_mqa_attention's split-KV launch plans (issue 10): the one-split kernel, the split kernel
+"""sparse_mqa_attention's split-KV launch plans: the one-split kernel, the split kernel
 with the [S, CB] tile combine (the default tile and a narrow one), against an fp64 evaluation of
 the op's formula, with a derived rounding bound; plus the plan's split count at decode batch sizes.
 

@@ -147,7 +147,7 @@ def test_decode_tune_keys_select_the_kernel_constexprs(monkeypatch):
         moe.TUNE.update(fp8="int")
         with pytest.raises(ValueError, match=r"moe_experts: TUNE fp8='int' must be one of \('cvt', 'via_f32'\)"):
             moe.moe_experts(torch.zeros(2, H), ids, wts, q4[0], q8[0], 10.0, q4[1], q8[1])
-        for bad in ("interleave", "split"):            # "split" (session 19) lost on the H200: removed
+        for bad in ("interleave", "split"):            # "split" lost on the H200 (docs/perf/moe_experts.md): removed
             moe.TUNE.clear()
             moe.TUNE.update(fp4=bad)
             with pytest.raises(ValueError, match=rf"moe_experts: TUNE fp4='{bad}' must be one of \('join', 'scaled'\)"):
