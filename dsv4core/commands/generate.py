@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 import time
 
 
 def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"--input-ids expects comma-separated integers, got {text!r}") from None
+    """``--input-ids``: comma-separated non-negative integers, strictly (``'1 2 3'`` is not 123,
+    ``1,,2`` is no list); argparse shows the message as the one-line usage error."""
+    items = [t.strip() for t in text.split(",")]
+    for t in items:
+        if not t:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
+        if not t.lstrip("-").isdigit() or t.count("-") > 1 or "-" in t[1:]:
+            hint = "; separate ids with commas, not spaces" if " " in t else ""
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} "
+                                             f"({t!r} is not an integer{hint})")
+    ids = [int(t) for t in items]
+    neg = [i for i in ids if i < 0]
+    if neg:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {neg[0]} in {text!r}")
     return ids
+
+
+#: argparse reads an argument that starts with "-" as an option unless it looks like a negative
+#: number; this makes "-3,4" (and "-3") a value, so `--input-ids -3,4` is refused as a negative id
+#: instead of "expected one argument"
+_NEGATIVE_IDS = re.compile(r"^-\d[\d,\s-]*$")
 
 
 def add_parser(subparsers) -> None:
@@ -20,6 +38,7 @@ def add_parser(subparsers) -> None:
                               description="Load a DSV4 model (checkpoint directory or the built-in 'tiny') and "
                                           "greedily generate tokens for one or more prompts given as token ids, "
                                           "batched: one prefill, then one decode step per new token.")
+    p._negative_number_matcher = _NEGATIVE_IDS
     p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' for the built-in tiny DSV4")
     p.add_argument("--input-ids", action="append", required=True, type=_ids, metavar="1,2,3",
                    help="prompt token ids, comma-separated; repeat for a batch of prompts")
@@ -47,12 +66,18 @@ def add_parser(subparsers) -> None:
 
 
 class _Progress:
-    """A one-line progress display on stderr, shown only once a run takes more than a second."""
+    """Progress on stderr once a run takes more than a second: on a terminal one line rewritten in
+    place (``\\r``); otherwise (a log, a pipe) a plain line every `every` seconds and a last one,
+    so no carriage return reaches a file."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr is not None
+    def __init__(self, enabled: bool, stream=None, every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled and self.stream is not None
+        self.tty = self.enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
         self.t0 = time.perf_counter()
         self.shown = False
+        self.last = 0.0
 
     def __call__(self, step: int, total: int) -> None:
         if not self.enabled:
@@ -62,20 +87,27 @@ class _Progress:
             return
         if not self.shown and step >= total:
             return
-        self.shown = True
+        if not self.tty and step < total and self.shown and dt - self.last < self.every:
+            return
+        self.shown, self.last = True, dt
         rate = step / dt if dt > 0 else 0.0
-        sys.stderr.write(f"\rgenerate: {step}/{total} tokens, {rate:.1f} tokens/s")
-        if step >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        line = f"generate: {step}/{total} tokens, {rate:.1f} tokens/s"
+        if self.tty:
+            self.stream.write(f"\r{line}" + ("\n" if step >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def run(args) -> int:
     import dsv4core
     from dsv4core.commands._util import print_json
 
+    from dsv4core.commands._util import check_device
+
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
+    check_device(args.device)
     if args.threads:
         import torch
 
