@@ -1,8 +1,10 @@
-"""``dsv4core generate``: greedy generation from token ids with a DSV4 model (a checkpoint or ``tiny``)."""
+"""``dsv4core generate``: generation (greedy, or sampled with a seed) from token ids or text with a DSV4
+model (a checkpoint or ``tiny``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -34,14 +36,25 @@ _NEGATIVE_IDS = re.compile(r"^-\d[\d,\s-]*$")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="greedy generation from token ids",
+    p = subparsers.add_parser("generate", help="generate tokens / text (greedy or sampled)",
                               description="Load a DSV4 model (checkpoint directory or the built-in 'tiny') and "
-                                          "greedily generate tokens for one or more prompts given as token ids, "
-                                          "batched: one prefill, then one decode step per new token.")
+                                          "generate tokens for one or more prompts given as token ids or text, "
+                                          "batched: one prefill, then one decode step per new token; greedy "
+                                          "unless --temperature > 0.")
     p._negative_number_matcher = _NEGATIVE_IDS
     p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' for the built-in tiny DSV4")
-    p.add_argument("--input-ids", action="append", required=True, type=_ids, metavar="1,2,3",
+    p.add_argument("--input-ids", action="append", default=[], type=_ids, metavar="1,2,3",
                    help="prompt token ids, comma-separated; repeat for a batch of prompts")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a text prompt, encoded with the model's tokenizer (tokenizer.json; the tiny model's "
+                        "is one token per byte); repeat for a batch; combines with --input-ids")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy, the argmax (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                   "whose probability mass reaches P (default: 1, all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default: 0, all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator: the same seed "
+                   "gives the same tokens (default: a fresh one each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
     p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -108,6 +121,12 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
     check_device(args.device)
+    if not args.input_ids and not args.prompt:
+        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT")
+    from dsv4core.model.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)   # a bad value: exit 2 before loading
+    prompts = list(args.input_ids) + list(args.prompt)
     if args.threads:
         import torch
 
@@ -128,8 +147,9 @@ def run(args) -> int:
         t_load = time.perf_counter() - t0
         progress = _Progress(not args.no_progress and rank == 0)
         t1 = time.perf_counter()
-        out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
-                             progress=progress)
+        out = model.generate(prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                             progress=progress, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, seed=args.seed)
         t_gen = time.perf_counter() - t1
     finally:
         if parallel:
@@ -139,16 +159,25 @@ def run(args) -> int:
                 dist.destroy_process_group()
     if rank != 0:      # every rank computed the same tokens; rank 0 reports them
         return 0
+    tok = getattr(model, "tokenizer", None)
+    texts = [tok.decode(o) for o in out] if tok is not None else None
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "tp": args.tp, "ep": args.ep,
-                    "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
+                    "prompts": prompts, "new_tokens": out, "new_text": texts,
+                    "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                 "seed": args.seed}, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})
     else:
-        for i, (p, o) in enumerate(zip(args.input_ids, out)):
-            print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
+        for i, (p, o) in enumerate(zip(prompts, out)):
+            if isinstance(p, str):
+                print(f"[{i}] prompt (text): {json.dumps(p, ensure_ascii=False)}")
+            else:
+                print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
             print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
+            if texts is not None:   # quoted, control characters escaped
+                print(f"[{i}] new text: {json.dumps(texts[i], ensure_ascii=False)}")
         n = sum(len(o) for o in out)
         mib = model.cache.bytes_report()["total"] / 2**20
         print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)

@@ -108,6 +108,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     Routed experts stored packed (FP4 / FP8 + scales) follow the same rule through `moe_experts`
     (see `dsv4core.model.experts_quant`); shared experts are dequantised.
     `model.quantization_report()` lists every decision.
+    Text: `model.tokenizer` is the checkpoint's `tokenizer.json` (read with `tokenizers`; its
+    chat template, from `chat_template.jinja` or `tokenizer_config.json`, is
+    `model.tokenizer.chat_template`), the built-in byte tokenizer for "tiny", or None (the reason
+    in `model.tokenizer_why`); `generate` then takes prompts as text.
     verify: fraction of op calls re-checked against the reference (default: env DSV4CORE_VERIFY,
     else off; see `dsv4core.hal.verify`); the counts are in `model.hal_report()`.
     tp / ep: tensor- and expert-parallel sizes (`dsv4core.model.parallel`): run under
@@ -123,6 +127,7 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
         model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
                             tp=tp, ep=ep)
         model._quantization = fp8.report(model, quantized, [])
+        _attach_tokenizer(model, None)
         return model
 
     from dsv4core.checkpoint import open_checkpoint
@@ -147,4 +152,26 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
+    p = Path(path_or_name)
+    _attach_tokenizer(model, p if p.is_dir() else p.parent)
     return model.eval()
+
+
+def _attach_tokenizer(model: DSV4ForCausalLM, directory: Path | None) -> None:
+    """`model.tokenizer`: the checkpoint's tokenizer.json (with its chat template), the byte
+    tokenizer for the tiny model (directory None), or None with the reason in
+    `model.tokenizer_why` (no tokenizer.json; `tokenizers` not installed)."""
+    from . import tokenizer as tk
+
+    model.tokenizer, model.tokenizer_why = None, ""
+    try:
+        model.tokenizer = tk.byte_tokenizer() if directory is None else tk.from_directory(directory)
+    except tk.TokenizerUnavailable as e:
+        model.tokenizer_why = str(e)
+        return
+    if model.tokenizer is None:
+        model.tokenizer_why = f"{directory} has no tokenizer.json"
+    elif model.tokenizer.vocab_size > model.config.vocab_size:
+        model.tokenizer_why = (f"{model.tokenizer.source}: {model.tokenizer.vocab_size} tokens, more than the "
+                               f"model's vocab_size {model.config.vocab_size}; not used")
+        model.tokenizer = None
