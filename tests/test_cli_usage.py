@@ -103,3 +103,17 @@ def test_bench_options_have_help():
 
     text = build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
     assert "DSV4-Flash" in text and "timed calls per op" in text
+
+
+def test_tables_fit_the_given_width_by_wrapping_the_widest_column():
+    from dsv4core._table import print_table
+
+    rows = [("cuda", "no: " + "torch was built without CUDA support " * 4, "x"), ("reference", "yes", "y")]
+    wide, narrow = io.StringIO(), io.StringIO()
+    print_table(("backend", "available", "ops"), rows, file=wide)
+    print_table(("backend", "available", "ops"), rows, file=narrow, width=60)
+    assert max(map(len, wide.getvalue().splitlines())) > 60 and len(wide.getvalue().splitlines()) == 4
+    lines = narrow.getvalue().splitlines()
+    assert max(map(len, lines)) <= 60 and len(lines) > 4
+    # nothing lost: the wrapped words are all there, in order
+    assert " ".join(ln[11:11 + 45].strip() for ln in lines[2:-1] if ln[11:11 + 45].strip()).split() == rows[0][1].split()
