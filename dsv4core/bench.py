@@ -3,7 +3,7 @@
     dsv4core bench --backend cuda --shapes flash --tokens 1,64,4096 --json out.json
     python -m dsv4core.bench --backend cuda ...            (same thing, as a script)
 
-For each op and token count: median device time (CUDA events around each call, warm-up first, L2
+For each op and token count: median device time (on CUDA: CUDA events around each call, warm-up first, L2
 flushed before every timed call, i.e. cold-L2 numbers comparable with PERF-ANCHORS.md), the bytes
 the op must move and its FLOPs (each input read once, each output written once), achieved GB/s and
 TFLOP/s, % of the copy bandwidth and of the bf16 matmul rate **measured in the same run**, and the
@@ -373,7 +373,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
     from dsv4core.hal import catalogue
 
     b = get_backend(backend)
-    device = device or (b.device_types[0] if b.device_types[0] != "meta" else "cpu")
+    if device is None:   # the backend's first concrete device type; the reference serves any ("*"): cpu
+        device = next((t for t in b.device_types if t not in ("*", "meta")), "cpu")
     timer = Timer(device, flush=flush)
     ceil = measure_ceilings(device, timer)
     log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s")
@@ -464,13 +465,17 @@ def _fmt_row(r):
 
 def markdown(result: dict) -> str:
     c = result["ceilings"]
+    if torch.device(result.get("device") or "cpu").type == "cuda":
+        timing = (f"cold L2 (256 MiB {'read' if result.get('flush') == 'read' else 'written'} before each "
+                  f"call), median of CUDA-event times. `µs` = device time of a CUDA-graph replay of the call "
+                  f"(eager where the op cannot be captured); `eager µs`, `reference µs` and `compiled ref µs` "
+                  f"= the call launched from Python, host overhead included, and the × columns compare those "
+                  f"eager times (like for like)")
+    else:
+        timing = ("median of host wall-clock times of each call launched from Python (no L2 flush, no "
+                  "device graphs: `µs` and `eager µs` are two runs of the same eager timing)")
     lines = [f"Backend `{result['backend']}` on {result['device_name']} (torch {result['torch']}), shapes "
-             f"`{result['shapes']}`, bf16 activations; cold L2 (256 MiB "
-             f"{'read' if result.get('flush') == 'read' else 'written'} before each call), median of "
-             f"CUDA-event times. `µs` = device time of a CUDA-graph replay of the call (eager where the op "
-             f"cannot be captured); `eager µs`, `reference µs` and `compiled ref µs` = the call launched "
-             f"from Python, host overhead included, and the × columns compare those eager times "
-             f"(like for like). GB/s, TFLOP/s and % use `µs`. Ceilings measured "
+             f"`{result['shapes']}`, bf16 activations; {timing}. GB/s, TFLOP/s and % use `µs`. Ceilings measured "
              f"in the same run: copy **{c['copy_GBps'] / 1e3:.2f} TB/s**, bf16 matmul **{c['bf16_mm_TFLOPs']:.0f} "
              f"TFLOP/s**.", "",
              "| op | T | µs | eager µs | roofline µs | GB/s | % copy | TFLOP/s | % mm | reference µs | × ref | compiled ref µs | × compiled | max rel err |",
@@ -489,7 +494,9 @@ def markdown(result: dict) -> str:
                      f"{r['speedup_ref']:.1f} | {_f(r.get('compiled_us'), '.1f')} | "
                      f"{_f(r.get('speedup_compiled'), '.2f')} | {r['max_rel_err_vs_ref']:.1e} |")
     if peer_rows:
-        lines += ["", f"Peers timed in the same run (same cold-L2 graph-replay timing; ratio = peer µs / "
+        same = ("same cold-L2 graph-replay timing" if torch.device(result.get("device") or "cpu").type == "cuda"
+                else "same host wall-clock timing")
+        lines += ["", f"Peers timed in the same run ({same}; ratio = peer µs / "
                       f"`{result['backend']}` µs, above 1 = ours faster):", "",
                   "| op | T | peer | ours µs | peer µs | peer / ours | peer max rel err |", "|---|---|---|---|---|---|---|",
                   *peer_rows]
@@ -500,12 +507,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", required=True, help="backend to time (e.g. cuda)")
     p.add_argument("--ops", default=",".join(DEFAULT_OPS),
                    help="comma list of ops (compress_pool = CSA variant, compress_pool_hca = HCA variant)")
-    p.add_argument("--shapes", default="flash", choices=("flash", "pro", "small"))
+    p.add_argument("--shapes", default="flash", choices=("flash", "pro", "small"),
+                   help="the op dimensions: DSV4-Flash, DSV4-Pro, or the small test shapes (default: flash)")
     p.add_argument("--tokens", default="1,64,4096", help="comma list of token counts")
     p.add_argument("--json", default=None, help="write the full results as JSON here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20,
+                   help="timed calls per op and token count, after the warm-up; the median is reported (default: 20)")
     p.add_argument("--device", default=None, help="torch device (default: the backend's first device type)")
     p.add_argument("--compare", default="auto",
                    help="peers timed beside the backend: auto (every other available backend serving the "
@@ -516,6 +525,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_args(args) -> int:
+    if args.device is not None:
+        from dsv4core.commands._util import check_device
+
+        check_device(args.device)
     ops = [o for o in args.ops.split(",") if o]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,

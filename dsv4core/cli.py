@@ -14,8 +14,17 @@ import dsv4core
 COMMANDS = ["backends", "ops", "generate", "inspect", "conformance", "bench"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit 2 (argparse's default repeats the usage first).
+    Subcommand parsers are of this class too (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4core", description="DeepSeek-V4 on any accelerator: a device-neutral "
+    parser = _Parser(prog="dsv4core", description="DeepSeek-V4 on any accelerator: a device-neutral "
                                      "model core, a hardware abstraction layer and vendor backends.")
     parser.add_argument("--version", action="version", version=f"dsv4core {dsv4core.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin import errors...)")
@@ -41,9 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()    # here, where a closed pipe is caught, not at interpreter exit
+        return rc
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # stdout closed early (`dsv4core backends --json | head -1`): stop quietly
+        _silence_stdout()
+        return 141            # what a shell reports for a writer stopped by SIGPIPE
     except Exception as e:  # a clean one-line error for users; -v shows the traceback
         if args.verbose:
             raise
@@ -54,6 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4core.hal import HALError
 
         return 2 if isinstance(e, (HALError, ValueError)) else 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of the closed pipe is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

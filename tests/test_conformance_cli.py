@@ -24,8 +24,10 @@ def test_cli_reference_subset_writes_all_reports(tmp_path, capsys):
                "--json", str(j), "--junit", str(x), "--markdown", str(m), "--seed", "3"])
     out, err = capsys.readouterr()
     assert rc == 0
-    assert "rms_norm" in err and "PASSED" in err                       # progress line per op on stderr
     assert "worst err/bound" in out and "result: PASSED" in out        # final table on stdout
+    # one copy of each result: stderr (not a terminal here) has the header, no per-op result lines
+    assert "dsv4core conformance: backend 'reference'" in err
+    assert "PASSED" not in err and "rms_norm" not in err and "\r" not in err
     data = json.loads(j.read_text())
     assert data["backend"] == "reference" and data["seed"] == 3 and not data["failed"] and data["complete"]
     assert [o["op"] for o in data["ops"]] == ["rms_norm", "indexer_topk", "moe_route"]
@@ -279,3 +281,24 @@ def test_source_digests_name_the_plugin_and_hash_only_its_code(tmp_path, monkeyp
         assert runner.source_digests(be)["no_file_pkg"] == "unknown (no source file)"
     finally:
         sys.modules.pop("one_file_plugin", None)
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten_and_erased():
+    import io
+
+    from dsv4core.commands.conformance import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        p = _Progress(stream, every=3600.0)
+        p.note("header")
+        p("rms_norm               PASSED   4 passed, 0 failed, 0 declined  (0.1s)")
+        p("rope                   PASSED   4 passed, 0 failed, 0 declined  (0.1s)")
+        p.end()
+    assert tty.getvalue().startswith("header\n") and tty.getvalue().endswith("\r\x1b[K")
+    assert tty.getvalue().count("\n") == 1 and "2 ops done; rope" in tty.getvalue()
+    assert log.getvalue() == "header\n"           # a log: nothing until `every` seconds have passed

@@ -4,6 +4,7 @@
     ckpt = open_checkpoint(path)          # format detection, headers only
     ckpt.format, ckpt.config_dict, ckpt.files, ckpt.tensor_names()
     ckpt.load_into(module, device="cuda")  # module built on meta (or on the device)
+    save(model, "out/", format="transformers" | "official")   # write a loaded model
 """
 
 from .errors import CheckpointError
@@ -19,10 +20,11 @@ from .quant import (
     unpack_fp4,
 )
 from .safetensors_io import TensorInfo, read_header
+from .save import save
 
 __all__ = [
     "Checkpoint", "CheckpointError", "FORMATS", "INDEX_NAME", "TensorInfo", "open_checkpoint", "read_header",
     "official_to_hf", "hf_to_official", "hf_scale_name", "is_mtp",
     "FP4_E2M1_TABLE", "dequantize", "dequantize_fp8", "dequantize_fp4", "unpack_fp4",
-    "quantize_fp8_block", "quantize_fp4",
+    "quantize_fp8_block", "quantize_fp4", "save",
 ]

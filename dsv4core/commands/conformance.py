@@ -9,7 +9,9 @@ See docs/conformance.md.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import time
 
 
 def add_parser(subparsers) -> None:
@@ -58,7 +60,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from dsv4core.conformance import ConformanceError, load_backend, parse_dtypes, parse_ops, parse_shapes
     from dsv4core.conformance import runner
-    from dsv4core.conformance.report import format_model, write_json, write_junit, write_markdown, write_table
+    from dsv4core.conformance.report import write_json, write_junit, write_markdown, write_table
 
     def err(msg: str) -> int:
         print(f"dsv4core conformance: error: {msg}", file=sys.stderr)
@@ -90,10 +92,10 @@ def run(args) -> int:
     except ConformanceError as e:
         return err(str(e))
 
-    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    progress = None if args.quiet else _Progress(sys.stderr)
     if progress:
-        progress(f"dsv4core conformance: backend {backend.name!r} {backend.version}, device {args.device}, "
-                 f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
+        progress.note(f"dsv4core conformance: backend {backend.name!r} {backend.version}, device {args.device}, "
+                      f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
     try:
         report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
                             seed=args.seed, progress=progress, world_sizes=world_sizes,
@@ -108,13 +110,53 @@ def run(args) -> int:
             progress(f"model check ({args.model}) ...")
         report.model = check_model(backend, args.model, tuple(str(d).replace("torch.", "") for d in dtypes),
                                    args.device, args.seed)
-        if progress:
-            progress(f"model check: {format_model(report.model)}")
-    write_table(report, sys.stdout)
+    if progress:
+        progress.end()
+    write_table(report, sys.stdout)    # the one copy of every result line
     for path, writer in ((args.json, write_json), (args.junit, write_junit), (args.markdown, write_markdown)):
         if path:
             writer(report, path)
     return report.exit_code(require_all=args.require_all)
+
+
+class _Progress:
+    """Where the run is, on stderr, without repeating the report (the table on stdout holds every
+    result): on a terminal the current op's line, rewritten in place and erased at the end;
+    otherwise (a log) a plain line at most every `every` seconds."""
+
+    def __init__(self, stream, every: float = 10.0) -> None:
+        self.stream, self.every = stream, every
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.t0 = self.last = time.perf_counter()
+        self.done = 0
+        self.live = False
+
+    def note(self, line: str) -> None:
+        """A line that stays (the run's header)."""
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def __call__(self, line: str) -> None:
+        """A finished op's line from the runner (or a step such as the model check)."""
+        head = line.splitlines()[0] if line else ""
+        if not head.startswith("model check"):
+            self.done += 1
+        now = time.perf_counter()
+        if self.tty:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            self.stream.write("\r\x1b[K" + f"[{now - self.t0:5.0f}s] {self.done} ops done; {head}"[:width])
+            self.live = True
+        elif now - self.last >= self.every or head.startswith("model check"):
+            self.stream.write(f"conformance: {self.done} ops done after {now - self.t0:.0f}s; last: {head.split()[0]}\n"
+                              if not head.startswith("model check") else f"conformance: {head}\n")
+            self.last = now
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.live = False
 
 
 def _merge(args) -> int:

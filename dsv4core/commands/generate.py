@@ -1,28 +1,60 @@
-"""``dsv4core generate``: greedy generation from token ids with a DSV4 model (a checkpoint or ``tiny``)."""
+"""``dsv4core generate``: generation (greedy, or sampled with a seed) from token ids or text with a DSV4
+model (a checkpoint or ``tiny``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import sys
 import time
 
 
 def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"--input-ids expects comma-separated integers, got {text!r}") from None
+    """``--input-ids``: comma-separated non-negative integers, strictly (``'1 2 3'`` is not 123,
+    ``1,,2`` is no list); argparse shows the message as the one-line usage error."""
+    items = [t.strip() for t in text.split(",")]
+    for t in items:
+        if not t:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (an empty item)")
+        if not t.lstrip("-").isdigit() or t.count("-") > 1 or "-" in t[1:]:
+            hint = "; separate ids with commas, not spaces" if " " in t else ""
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} "
+                                             f"({t!r} is not an integer{hint})")
+    ids = [int(t) for t in items]
+    neg = [i for i in ids if i < 0]
+    if neg:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {neg[0]} in {text!r}")
     return ids
 
 
+#: argparse reads an argument that starts with "-" as an option unless it looks like a negative
+#: number; this makes "-3,4" (and "-3") a value, so `--input-ids -3,4` is refused as a negative id
+#: instead of "expected one argument"
+_NEGATIVE_IDS = re.compile(r"^-\d[\d,\s-]*$")
+
+
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="greedy generation from token ids",
+    p = subparsers.add_parser("generate", help="generate tokens / text (greedy or sampled)",
                               description="Load a DSV4 model (checkpoint directory or the built-in 'tiny') and "
-                                          "greedily generate tokens for one or more prompts given as token ids, "
-                                          "batched: one prefill, then one decode step per new token.")
+                                          "generate tokens for one or more prompts given as token ids or text, "
+                                          "batched: one prefill, then one decode step per new token; greedy "
+                                          "unless --temperature > 0.")
+    p._negative_number_matcher = _NEGATIVE_IDS
     p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' for the built-in tiny DSV4")
-    p.add_argument("--input-ids", action="append", required=True, type=_ids, metavar="1,2,3",
+    p.add_argument("--input-ids", action="append", default=[], type=_ids, metavar="1,2,3",
                    help="prompt token ids, comma-separated; repeat for a batch of prompts")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a text prompt, encoded with the model's tokenizer (tokenizer.json; the tiny model's "
+                        "is one token per byte); repeat for a batch; combines with --input-ids")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy, the argmax (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                   "whose probability mass reaches P (default: 1, all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default: 0, all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator: the same seed "
+                   "gives the same tokens (default: a fresh one each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
     p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -51,12 +83,18 @@ def add_parser(subparsers) -> None:
 
 
 class _Progress:
-    """A one-line progress display on stderr, shown only once a run takes more than a second."""
+    """Progress on stderr once a run takes more than a second: on a terminal one line rewritten in
+    place (``\\r``); otherwise (a log, a pipe) a plain line every `every` seconds and a last one,
+    so no carriage return reaches a file."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr is not None
+    def __init__(self, enabled: bool, stream=None, every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled and self.stream is not None
+        self.tty = self.enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
         self.t0 = time.perf_counter()
         self.shown = False
+        self.last = 0.0
 
     def __call__(self, step: int, total: int) -> None:
         if not self.enabled:
@@ -66,20 +104,33 @@ class _Progress:
             return
         if not self.shown and step >= total:
             return
-        self.shown = True
+        if not self.tty and step < total and self.shown and dt - self.last < self.every:
+            return
+        self.shown, self.last = True, dt
         rate = step / dt if dt > 0 else 0.0
-        sys.stderr.write(f"\rgenerate: {step}/{total} tokens, {rate:.1f} tokens/s")
-        if step >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        line = f"generate: {step}/{total} tokens, {rate:.1f} tokens/s"
+        if self.tty:
+            self.stream.write(f"\r{line}" + ("\n" if step >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def run(args) -> int:
     import dsv4core
     from dsv4core.commands._util import print_json
 
+    from dsv4core.commands._util import check_device
+
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
+    check_device(args.device)
+    if not args.input_ids and not args.prompt:
+        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT")
+    from dsv4core.model.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)   # a bad value: exit 2 before loading
+    prompts = list(args.input_ids) + list(args.prompt)
     if args.threads:
         import torch
 
@@ -96,13 +147,13 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
-                                    numerics=args.numerics,
-                                     quantized=args.quantized, tp=args.tp, ep=args.ep)
+                                    numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
         t_load = time.perf_counter() - t0
         progress = _Progress(not args.no_progress and rank == 0)
         t1 = time.perf_counter()
-        out = model.generate(args.input_ids, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
-                             progress=progress)
+        out = model.generate(prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                             progress=progress, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, seed=args.seed)
         t_gen = time.perf_counter() - t1
     finally:
         if parallel:
@@ -112,17 +163,26 @@ def run(args) -> int:
                 dist.destroy_process_group()
     if rank != 0:      # every rank computed the same tokens; rank 0 reports them
         return 0
+    tok = getattr(model, "tokenizer", None)
+    texts = [tok.decode(o) for o in out] if tok is not None else None
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
                     "tp": args.tp, "ep": args.ep,
-                    "prompts": args.input_ids, "new_tokens": out, "load_s": round(t_load, 3),
+                    "prompts": prompts, "new_tokens": out, "new_text": texts,
+                    "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                 "seed": args.seed}, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})
     else:
-        for i, (p, o) in enumerate(zip(args.input_ids, out)):
-            print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
+        for i, (p, o) in enumerate(zip(prompts, out)):
+            if isinstance(p, str):
+                print(f"[{i}] prompt (text): {json.dumps(p, ensure_ascii=False)}")
+            else:
+                print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
             print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
+            if texts is not None:   # quoted, control characters escaped
+                print(f"[{i}] new text: {json.dumps(texts[i], ensure_ascii=False)}")
         n = sum(len(o) for o in out)
         mib = model.cache.bytes_report()["total"] / 2**20
         print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)

@@ -5,6 +5,8 @@ Reads only safetensors headers and ``config.json``; no tensor data is loaded.
 
 from __future__ import annotations
 
+import json
+
 from ._util import print_json, print_table
 
 
@@ -77,7 +79,7 @@ def run(args) -> int:
     print(f"FP4 e2m1:    {fp4}")
     if q["quantization_config"]:
         print(f"quant cfg:   {q['quantization_config']} expert_dtype={q['expert_dtype']}")
-    print(f"config:      {info['config']}")
+    print(f"config:      {json.dumps(info['config'], default=str)}")
     print(f"schedule:    {_compact_schedule(info['layer_schedule']) or '(no config)'}")
     print()
     print_table(("dtype", "tensors", "size"), [(k, v["tensors"], _size(v["bytes"])) for k, v in info["dtypes"].items()])

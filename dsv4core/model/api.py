@@ -119,6 +119,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     (DeepSeek-V4's quantisation-aware inference: W8A8 projections, FP8-rounded KV rows, the FP4
     indexer; `dsv4core.model.numerics`) or "auto" (official for an official-format or FP8 / FP4
     checkpoint, else exact); `model.numerics` says which.
+    Text: `model.tokenizer` is the checkpoint's `tokenizer.json` (read with `tokenizers`; its
+    chat template, from `chat_template.jinja` or `tokenizer_config.json`, is
+    `model.tokenizer.chat_template`), the built-in byte tokenizer for "tiny", or None (the reason
+    in `model.tokenizer_why`); `generate` then takes prompts as text.
     verify: fraction of op calls re-checked against the reference (default: env DSV4CORE_VERIFY,
     else off; see `dsv4core.hal.verify`); the counts are in `model.hal_report()`.
     tp / ep: tensor- and expert-parallel sizes (`dsv4core.model.parallel`): run under
@@ -136,6 +140,7 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
         model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
                             tp=tp, ep=ep, numerics=numerics)
         model._quantization = fp8.report(model, quantized, [])
+        _attach_tokenizer(model, None)
         return model
 
     from dsv4core.checkpoint import open_checkpoint
@@ -161,4 +166,26 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = backend
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, ckpt.format, ckpt.config_dict), model))
+    p = Path(path_or_name)
+    _attach_tokenizer(model, p if p.is_dir() else p.parent)
     return model.eval()
+
+
+def _attach_tokenizer(model: DSV4ForCausalLM, directory: Path | None) -> None:
+    """`model.tokenizer`: the checkpoint's tokenizer.json (with its chat template), the byte
+    tokenizer for the tiny model (directory None), or None with the reason in
+    `model.tokenizer_why` (no tokenizer.json; `tokenizers` not installed)."""
+    from . import tokenizer as tk
+
+    model.tokenizer, model.tokenizer_why = None, ""
+    try:
+        model.tokenizer = tk.byte_tokenizer() if directory is None else tk.from_directory(directory)
+    except tk.TokenizerUnavailable as e:
+        model.tokenizer_why = str(e)
+        return
+    if model.tokenizer is None:
+        model.tokenizer_why = f"{directory} has no tokenizer.json"
+    elif model.tokenizer.vocab_size > model.config.vocab_size:
+        model.tokenizer_why = (f"{model.tokenizer.source}: {model.tokenizer.vocab_size} tokens, more than the "
+                               f"model's vocab_size {model.config.vocab_size}; not used")
+        model.tokenizer = None

@@ -434,18 +434,30 @@ class DSV4ForCausalLM(nn.Module):
                                                         max_tokens=max(c.cc.max_tokens, total, cap)))
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+    def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int, *,
                  eos_token_id: int | None = None, prefill_chunk: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
-        """Greedy generation with continuous batching: every step is one forward over the decode
+                 progress: Callable[[int, int], None] | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> list[list[int]]:
+        """Generation with continuous batching: every step is one forward over the decode
         tokens of the running requests plus prefill chunks (at most `prefill_chunk` tokens of a
         prompt per step; default the cache's max_step_tokens) of newly admitted ones. Requests are
         admitted while the cache has a free slot and blocks for their whole length; a finished
         request (max_new_tokens, or `eos_token_id` emitted) leaves the batch and its blocks are
-        reused. Returns only the new tokens of each prompt. `progress(done, total)` counts tokens."""
+        reused. Returns only the new tokens of each prompt. `progress(done, total)` counts tokens.
+        A prompt is token ids or a str (encoded with `self.tokenizer`). The next token is the argmax
+        (temperature 0, the default) or drawn with temperature / top_k / top_p from a generator
+        seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits)."""
+        from .sampling import SamplingParams, make_generator
+
+        try:
+            sampling = SamplingParams(temperature, top_p, top_k, seed)
+        except ValueError as e:
+            raise InputError(f"generate: {e}") from None
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
-        prompts = [list(map(int, p)) for p in prompts]
+        if isinstance(prompts, str):
+            raise InputError("generate: prompts must be a list (of str or of token-id lists); got one str")
+        prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
         V, maxpos = self.config.vocab_size, self.config.max_position_embeddings
@@ -465,7 +477,8 @@ class DSV4ForCausalLM(nn.Module):
             raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
         cache = self._cache_for([len(p) + max_new_tokens for p in prompts])
         sched = _Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
-                           min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress)
+                           min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress,
+                           sampling, make_generator(sampling, self.device))
         try:
             sched.run(out)
         finally:
@@ -473,12 +486,24 @@ class DSV4ForCausalLM(nn.Module):
         return out
 
 
+    def _encode(self, p, i: int) -> list[int]:
+        """One prompt as token ids: a str through the tokenizer, else a sequence of ints."""
+        if isinstance(p, str):
+            tok = getattr(self, "tokenizer", None)
+            if tok is None:
+                why = getattr(self, "tokenizer_why", "") or "this model has no tokenizer"
+                raise InputError(f"prompt {i} is text but the model has no tokenizer ({why}); give token ids")
+            return tok.encode(p)
+        return list(map(int, p))
+
+
 class _Scheduler:
     """Continuous batching for `generate` (host-side bookkeeping only)."""
 
-    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress) -> None:
+    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None) -> None:
         self.model, self.cache, self.prompts, self.max_new, self.eos = model, cache, prompts, max_new, eos
         self.chunk, self.progress = chunk, progress
+        self.sampling, self.generator = sampling, generator
         self.waiting = deque(range(len(prompts)))
         self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
         self.done = 0
@@ -559,7 +584,7 @@ class _Scheduler:
             toks.tensor.index_select(0, self.cache.uploads.to_device(np.array(keep, dtype=np.int64))), toks.vocab)
         lg = self.model.forward_batch(ids, torch.tensor([st.length for st in states]),
                                       torch.arange(len(states)), states)
-        return sel, self.model.greedy_tokens(lg)
+        return sel, self._next(lg)
 
     def _host_step(self, out):
         """A step built from host values: admissions, prefill chunks, decode tokens read back."""
@@ -590,7 +615,15 @@ class _Scheduler:
                 owners.append(i)
         lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
                                       logits_rows=torch.tensor(rows, dtype=torch.int64))
-        return owners, self.model.greedy_tokens(lg)
+        return owners, self._next(lg)
+
+    def _next(self, lg) -> DeviceTokens:
+        """The step's next tokens, left on the device: greedy, or drawn (`sampling.sample`)."""
+        if self.sampling is None or self.sampling.greedy:
+            return self.model.greedy_tokens(lg)
+        from .sampling import sample
+
+        return DeviceTokens(sample(lg, self.sampling, self.generator), self.model.config.vocab_size)
 
     def _take(self, out, owners, toks) -> None:
         """Read a step's tokens (this waits for it): append, and retire finished requests."""

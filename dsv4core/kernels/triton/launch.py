@@ -104,10 +104,13 @@ class active:
 
 def accepted_options(target) -> frozenset[str]:
     """Launch option names Triton's backend for ``target`` (a ``triton.backends.compiler.GPUTarget``)
-    accepts: the fields of its options dataclass (what ``parse_options`` keeps)."""
+    accepts: the fields of its options dataclass (what ``parse_options`` keeps). FP fusion is
+    passed explicitly (its value does not change the field names): left unset, Triton 3.9 warns
+    that its default changes in 3.10."""
     from triton.compiler.compiler import make_backend
 
-    return frozenset(f.name for f in dataclasses.fields(make_backend(target).parse_options({})))
+    opts = make_backend(target).parse_options({"enable_fp_fusion": True})
+    return frozenset(f.name for f in dataclasses.fields(opts))
 
 
 def for_target(table: Mapping | None, accepted) -> dict:
