@@ -146,13 +146,22 @@ def indexer_rotate_quant(x):
     return _indexer_rotate_quant(x)
 
 
-def _indexer_rotate_quant(x, scaled=True, order=None):
+def _indexer_rotate_quant(x, scaled=True, order=None, fp4_scale=None):
     y = _fwht(x.to(_ct(x)))
     if order is not None:
         y = y[..., order(x.shape[-1])]
     if scaled:
         y = y * x.shape[-1] ** -0.5
-    return fake_quant(y.to(torch.bfloat16), "fp4", 32).to(x.dtype)
+    y = y.to(torch.bfloat16)
+    if fp4_scale is None:
+        return fake_quant(y, "fp4", 32).to(x.dtype)
+    g = y.float().unflatten(-1, (-1, 32))
+    s = fp4_scale(g.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0 ** -126))
+    v = (g / s).clamp(-6, 6)
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    q = torch.copysign(torch.round(a / step) * step, v)
+    return (q * s).flatten(-2).to(x.dtype)
 
 
 def _attention(q, kv, indices, sink, scale, use_sink=True):
@@ -355,7 +364,7 @@ def _dequant_experts(w, scale, ct, fp4_high_first=False):
 
 
 def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None, w2_scale=None,
-             fp4_high_first=False, act_block=None, weight_after_w2=False):
+             fp4_high_first=False, act_block=None, weight_after_w2=False, scale=None):
     """Slot-major (the reference is expert-major with index_add), split-K GEMMs, per-slot partial
     sums added in slot order; the official math (act_block) through the K-blocked W8A8 GEMM."""
     ct = _ct(x)
@@ -372,10 +381,10 @@ def _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=True, w13_scale=None,
                 h = _swiglu(_splitk_matmul(xf[tok], w13[e].to(ct)), swiglu_limit, clamp)
                 part[tok] = _splitk_matmul(h, w2[e].to(ct)) * wt
                 continue
-            gu = _w8a8(x[tok], w13[e].to(ct), act_block).to(torch.bfloat16).to(ct)
+            gu = _w8a8(x[tok], w13[e].to(ct), act_block, scale).to(torch.bfloat16).to(ct)
             h = _swiglu(gu, swiglu_limit, clamp)
             h = (h if weight_after_w2 else h * wt).to(torch.bfloat16)
-            y = _w8a8(h, w2[e].to(ct), act_block)
+            y = _w8a8(h, w2[e].to(ct), act_block, scale)
             part[tok] = y * wt if weight_after_w2 else y
         out = out + part
     return out.to(x.dtype)
@@ -627,8 +636,29 @@ def _bit_reversed(d):
     return torch.tensor([int(format(i, f"0{n}b")[::-1], 2) for i in range(d)])
 
 
+def moe_experts_act_scale_floor(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
+                                act_block=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
+                    act_block=act_block, scale=_scale_rule("floor"))
+
+
+def kv_norm_rope_one_row_zeroed(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
+    """Right but for the last token of a quantised call, which comes out zero (a tail bug)."""
+    y = kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block)
+    if nope_quant_block is not None and y.shape[0]:
+        y = y.clone()
+        y[-1] = 0
+    return y
+
+
 #: official-numerics mutants: name -> (op, implementation); each must fail its op's quantised cases
 QUANT_BROKEN = {
+    "moe-act-scale-floor": ("moe_experts", moe_experts_act_scale_floor),
+    "kv-row-last-token-zeroed": ("kv_norm_rope", kv_norm_rope_one_row_zeroed),
+    "indexer-fp4-scale-floor": ("indexer_rotate_quant", lambda x: _indexer_rotate_quant(
+        x, fp4_scale=lambda a: torch.exp2(torch.floor(torch.log2(a / 6)))),),
+    "indexer-fp4-scale-not-pow2": ("indexer_rotate_quant", lambda x: _indexer_rotate_quant(
+        x, fp4_scale=lambda a: a / 6)),
     "act-scale-floor": ("linear", linear_act_scale("floor")),
     "act-scale-not-pow2": ("linear", linear_act_scale("not-pow2")),
     "act-scale-per-tensor": ("linear", linear_act_scale("per-tensor")),

@@ -82,6 +82,21 @@ def test_official_calls_carry_the_quantisation_arguments_and_exact_calls_do_not(
     assert not any(c["op"] == "indexer_rotate_quant" for c in ex_calls)
 
 
+def test_exactly_the_official_w8a8_projections_get_act_block(pair):
+    _, off, _, _ = pair
+    m = load_model(off, dtype="bfloat16", numerics="official")
+    got = {n.removesuffix(".act_block") for n, mod in m.named_modules() if getattr(mod, "act_block", None) == 128}
+    want = set()
+    for i, kind in enumerate(m.config.layer_types):
+        want |= {f"model.layers.{i}.self_attn.{p}" for p in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")}
+        if m.model.layers[i].self_attn.compressor is not None and hasattr(m.model.layers[i].self_attn.compressor,
+                                                                           "indexer"):
+            want.add(f"model.layers.{i}.self_attn.compressor.indexer.q_b_proj")
+    assert got == want
+    m.set_numerics("exact")
+    assert not any(getattr(mod, "act_block", None) for mod in m.modules())
+
+
 def test_dims_that_cannot_carry_the_official_blocks_are_a_clear_error():
     with pytest.raises(ValueError, match=r"numerics='official' needs .*hidden_size = 64"):
         load_model("tiny", numerics="official")

@@ -125,16 +125,29 @@ def test_fake_quant_ties_round_to_even():
     assert fake_quant(y, "fp8", 32)[0, :5].tolist() == [448.0, 1.0, 1.25, 16.0, 20.0]
 
 
-def test_scale_uses_the_float32_product_and_ceil():
-    # amax = 448 * 2^k: fl32(amax * fl32(1/448)) is one ulp above 2^k, so the scale is 2^(k+1)
-    inv = torch.tensor(1.0 / 448, dtype=torch.float32)
-    a = torch.tensor(448.0 * 2.0 ** -10)
-    v = a * inv
-    expect = 2.0 ** -9 if float(v) > 2.0 ** -10 else 2.0 ** -10
-    x = torch.full((1, 128), float(a))
-    _, s = act_quant(x, 128)
-    assert float(s) == expect
-    assert float(s) == float(_scale64(torch.tensor([float(a)], dtype=F64), 448.0, 1e-4))
+@pytest.mark.parametrize("fmt,qmax", [("fp8", 448.0), ("fp4", 6.0)])
+def test_scale_is_the_smallest_power_of_two_covering_amax(fmt, qmax):
+    """Over every float32 mantissa of one binade (and random exponents): the scale is
+    2^ceil(log2(amax / qmax)) computed exactly (frexp on the float64 quotient), so amax / s is in
+    (qmax / 2, qmax]; a floor, a round or a non-power-of-two scale fails."""
+    from dsv4core.hal.quant import act_scale
+
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    for e in (-13, 0, 7):                                              # above the amax clamps
+        amax = ((mant | ((e + 127) << 23)).view(torch.float32))           # [2^e, 2^(e+1))
+        got = act_scale(amax, fmt).to(F64)
+        m, ex = torch.frexp(amax.to(F64) / qmax)
+        want = torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, ex - 1, ex))
+        assert torch.equal(got, want), fmt
+        r = amax.to(F64) / got
+        assert bool(((r <= qmax) & (r > qmax / 2)).all())
+
+
+def test_sign_of_zero_survives():
+    x = torch.tensor([[-0.0, 0.0, -1e-30, 1.0] * 8])
+    for fmt in ("fp8", "fp4"):
+        y = fake_quant(x, fmt, 32)
+        assert torch.equal(torch.signbit(y[0, :3]), torch.tensor([True, False, True])), fmt
 
 
 def test_bad_block_is_a_clear_error():
@@ -145,21 +158,21 @@ def test_bad_block_is_a_clear_error():
 
 
 def test_hadamard_sylvester_scaled():
-    H = hadamard_matrix(8, dtype=F64)
     want = torch.tensor([[1.0]], dtype=F64)
-    for _ in range(3):                                  # Sylvester: H_2n = [[H, H], [H, -H]]
+    for n in range(1, 8):                               # Sylvester: H_2n = [[H, H], [H, -H]]
         want = torch.cat([torch.cat([want, want], 1), torch.cat([want, -want], 1)], 0)
-    assert torch.equal(H, want)
+        assert torch.equal(hadamard_matrix(2 ** n, dtype=F64), want)
+    sylvester128 = want
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 128, generator=gen, dtype=F64)
     y = hadamard(x)
-    ref = x @ hadamard_matrix(128, dtype=F64).T / math.sqrt(128)
+    ref = x @ sylvester128.T / math.sqrt(128)
     assert torch.allclose(y, ref, rtol=0, atol=1e-12)
     assert torch.allclose(hadamard(y), x, rtol=0, atol=1e-12)        # orthonormal and symmetric
     xb = x.to(torch.bfloat16)
     # bf16 in: float32 math, one rounding to bf16 (within half a bf16 ulp of the fp64 value)
     got = hadamard(xb).to(F64)
-    exact = xb.to(F64) @ hadamard_matrix(128, dtype=F64).T / math.sqrt(128)
+    exact = xb.to(F64) @ sylvester128.T / math.sqrt(128)
     assert ((got - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-30).all()
     with pytest.raises(ValueError, match="power of two"):
         hadamard(torch.zeros(2, 96))

@@ -303,7 +303,9 @@ def _fp4_round(v: torch.Tensor) -> torch.Tensor:
 
 def act_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The official FP8 activation quantisation: ``x [..., K]`` -> (``q`` float8_e4m3fn ``[..., K]``,
-    ``scale`` float32 ``[..., K / block]``) with ``x ~ q * scale`` per group (rule above)."""
+    ``scale`` float32 ``[..., K / block]``) with ``x ~ q * scale`` per group (rule above). The rule
+    works on float32 values (float64 input is rounded to float32 first: the values the rule sees
+    in a model or a conformance case are bf16 / fp32 ones, exact in float32)."""
     g = _groups(x, block, "act_quant")
     s = act_scale(g.abs().amax(-1), "fp8")
     q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

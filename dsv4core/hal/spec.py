@@ -46,11 +46,13 @@ class Tolerance:
     #: Per-dtype floors (``{"bfloat16": 2**-10}``) overriding ``floor`` for cases of that dtype.
     floors: dict = field(default_factory=dict, hash=False, compare=False)
     #: Quantised calls (a case whose quantisation argument is set: ``act_block`` /
-    #: ``nope_quant_block``) may exceed the bound in 1 of every ``quantized_rows`` output rows (0:
-    #: none): an intermediate that is rounded and then quantised to a coarse grid lands on the
-    #: other side of a decision boundary when two legal computations differ by one fp32 rounding,
-    #: in rare tokens; a wrong quantisation rule moves every token. ``why`` says the derivation.
+    #: ``nope_quant_block``, or an op that always quantises) may exceed the bound in 1 of every
+    #: ``quantized_rows`` output rows (0: none), each such row in at most two values by at most
+    #: ``quantized_step`` x its max |value|: a value rounded and then quantised to a coarse grid
+    #: lands on the other side of a decision boundary when two legal computations differ by one
+    #: fp32 rounding, which moves its code to the neighbouring one. ``why`` says the derivation.
     quantized_rows: int = 0
+    quantized_step: float = 0.0
 
     def floor_for(self, dtype: torch.dtype) -> float:
         return float(self.floors.get(str(dtype).replace("torch.", ""), self.floor))

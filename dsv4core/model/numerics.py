@@ -31,6 +31,26 @@ _W8A8 = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_
          "self_attn.compressor.indexer.q_b_proj")
 
 
+def w8a8_projections(model) -> list[tuple[str, object]]:
+    """(name, Linear) of every projection the official inference runs as a W8A8 FP8 GEMM. The
+    attention's four are in every layer (a missing one is an error: a renamed module must not
+    silently lose its quantisation); the indexer's where the layer has one."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        for path in _W8A8:
+            mod = layer
+            for part in path.split("."):
+                mod = getattr(mod, part, None)
+                if mod is None:
+                    break
+            if mod is None:
+                if "indexer" in path:
+                    continue
+                raise AttributeError(f"numerics: layer {i} has no {path} (the official W8A8 projections)")
+            out.append((f"model.layers.{i}.{path}", mod))
+    return out
+
+
 def check(numerics: str) -> None:
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(repr(n) for n in NUMERICS)}, got {numerics!r}")
@@ -92,15 +112,8 @@ def apply(model, numerics: str) -> None:
         if why:
             raise ValueError(f"numerics='official' needs the official block sizes to divide the model's dims: {why}")
     block = ACT_BLOCK if numerics == "official" else None
-    for i, layer in enumerate(model.model.layers):
-        for path in _W8A8:
-            mod = layer
-            for part in path.split("."):
-                mod = getattr(mod, part, None)
-                if mod is None:
-                    break
-            if mod is not None:
-                mod.act_block = block
+    for _, lin in w8a8_projections(model):
+        lin.act_block = block
     model._ops.numerics = numerics
     model._graphs = None          # captured graphs recorded the other numerics' calls
     model._graph_why = None

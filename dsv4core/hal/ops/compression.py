@@ -360,11 +360,11 @@ def _(shapes, dtype, device, gen):
 
 
 @op(family="compression", since=(1, 2), tolerance=Tolerance(
-    k=2.0, floor=1e-6, quantized_rows=32,
-    why="a length-d fp32 Hadamard sum per value, rounded to bf16, then FP4 e2m1 codes a quarter to "
-        "half of their group scale apart: a legal fp32 difference crosses a bf16 boundary with "
-        "probability ~2^-15 a value and that moves its e2m1 code ~1 time in 64; 1 token row in 32 "
-        "may therefore differ"))
+    k=2.0, floor=1e-6, quantized_rows=32, quantized_step=1.0 / 3.0,
+    why="a length-d fp32 Hadamard sum per value, rounded to bf16, then FP4 e2m1 codes: a legal fp32 "
+        "difference crosses a bf16 boundary with probability ~2^-15 a value, and that moves its e2m1 "
+        "code (one step: at most 2 of a group's 6, a third of the group maximum) ~1 time in 64; 1 token "
+        "row in 32 may differ in a moved code"))
 def indexer_rotate_quant(x: torch.Tensor) -> torch.Tensor:
     """The official indexer's query / key simulation: ``fake_quant(bf16(hadamard(x)), "fp4", 32)``
     over the last dim d (a power of two, a multiple of 32): the Sylvester-ordered Hadamard rotation
