@@ -9,61 +9,22 @@ transformers checkpoint loads with no renaming.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .cache import CacheConfig, CacheError, KVCache, PoolFullError, RequestState
+from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
+from .inputs import DeviceTokens, InputError, _host_long
 from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm
 from .step import Step
 from .parallel import SINGLE, Parallel
 
 
-class InputError(ValueError):
-    """Bad request input (out-of-vocabulary id, empty prompt, too long, malformed batch)."""
-
-
-def _host_long(a, what: str = "argument") -> np.ndarray:
-    """A 1-D int64 numpy vector (host metadata) from a 1-D integer list / tensor (one copy if the
-    tensor lives on a device). Floats and other shapes are refused, not rounded or flattened."""
-    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
-    if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise InputError(f"{what} must hold integers; got dtype {str(t.dtype).removeprefix('torch.')}")
-    if t.dim() != 1 and not (t.numel() == 0 and t.dim() <= 1):
-        raise InputError(f"{what} must be 1-D (flattened tokens); got shape {tuple(t.shape)}")
-    if t.dtype != torch.int64 or t.device.type != "cpu":
-        t = t.to("cpu", torch.int64)
-    return t.reshape(-1).numpy()      # integer tensors carry no gradient: no detach needed
-
-
 _ZERO = np.zeros(1, dtype=np.int64)
-
-
-class DeviceTokens:
-    """Token ids that stay on the model's device, made by `model.greedy_tokens(logits)` only (the
-    argmax of each logits row, so every id is in [0, vocab) by construction; their values are
-    not checked again). `forward_batch` takes them as `input_ids` without reading them back: the
-    host never waits for the step that produced them, so the next step is queued while that one
-    still runs (an engine's async decode). `tolist()` reads them (that waits)."""
-
-    __slots__ = ("tensor", "vocab")
-
-    def __init__(self, tensor: torch.Tensor, vocab: int) -> None:
-        self.tensor, self.vocab = tensor, vocab
-
-    def __len__(self) -> int:
-        return self.tensor.shape[0]
-
-    def tolist(self) -> list[int]:
-        return self.tensor.tolist()
-
-    def __repr__(self) -> str:
-        return f"DeviceTokens({len(self)} ids on {self.tensor.device})"
 
 
 class DSV4Model(nn.Module):
@@ -476,7 +437,9 @@ class DSV4ForCausalLM(nn.Module):
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
         cache = self._cache_for([len(p) + max_new_tokens for p in prompts])
-        sched = _Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
+        from .scheduler import Scheduler
+
+        sched = Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
                            min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress,
                            sampling, make_generator(sampling, self.device))
         try:
@@ -495,151 +458,3 @@ class DSV4ForCausalLM(nn.Module):
                 raise InputError(f"prompt {i} is text but the model has no tokenizer ({why}); give token ids")
             return tok.encode(p)
         return list(map(int, p))
-
-
-class _Scheduler:
-    """Continuous batching for `generate` (host-side bookkeeping only)."""
-
-    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None) -> None:
-        self.model, self.cache, self.prompts, self.max_new, self.eos = model, cache, prompts, max_new, eos
-        self.chunk, self.progress = chunk, progress
-        self.sampling, self.generator = sampling, generator
-        self.waiting = deque(range(len(prompts)))
-        self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
-        self.done = 0
-
-    def _blocks(self, i: int) -> int:
-        return -(-(len(self.prompts[i]) + self.max_new) // self.cache.block_tokens) if self.cache.ratios else 0
-
-    def _free_blocks(self) -> int:
-        """The compressed blocks not yet promised to running requests: the pool's free blocks,
-        less what running requests will still take (requests outside this call hold theirs)."""
-        c = self.cache
-        pending = sum(max(0, self._blocks(i) - int((c.comp_table[st.slot] > 0).sum()))
-                      for i, (st, _) in self.running.items())
-        return len(c.comp_pool.free) - pending
-
-    def _can_admit(self) -> bool:
-        """Would `_admit` admit the first waiting prompt now (a free slot and its blocks)?"""
-        return bool(self.waiting and self.cache.free_slots and self._blocks(self.waiting[0]) <= self._free_blocks())
-
-    def _admit(self) -> None:
-        """Admit waiting prompts while a slot is free and the compressed blocks not yet promised to
-        running requests (`_free_blocks`) cover a prompt's whole length."""
-        c = self.cache
-        free_blocks = self._free_blocks()
-        while self.waiting:
-            i = self.waiting[0]
-            need = self._blocks(i)
-            if not c.free_slots or need > free_blocks:
-                if self.running:
-                    break                          # wait for a running request to finish
-                if need > c.comp_pool.n - 1:
-                    raise InputError(f"prompt {i}: {len(self.prompts[i])} + {self.max_new} tokens need {need} "
-                                     f"compressed blocks; the cache has {c.comp_pool.n - 1} (raise CacheConfig.max_tokens)")
-                if not c.free_slots:
-                    raise PoolFullError(f"generate: no free request slot (all {c.cc.max_requests} are held by live "
-                                        f"requests outside this call); release some or configure a larger cache")
-                raise PoolFullError(f"generate: prompt {i} needs {need} compressed blocks, {free_blocks} are free "
-                                    f"(live requests outside this call hold the rest)")
-            self.waiting.popleft()
-            self.running[i] = [c.new_request(), 0]
-            free_blocks -= need
-
-    def run(self, out: list[list[int]]) -> None:
-        """Steps until every prompt is done. A step's tokens are read back one step late when the
-        next step can be built without them: all running requests decode, none is admitted. Then
-        the next step takes them as `DeviceTokens` and is queued before the host waits for them,
-        so the host's bookkeeping overlaps the device's step. A request found finished (eos) in
-        the read-back ran one step too many; that step's token is dropped."""
-        self.total = len(self.prompts) * self.max_new
-        pending = None                    # (owners, DeviceTokens) of the last step, not read yet
-        while self.waiting or self.running or pending:
-            nxt = self._queued_step(out, *pending) if pending else None
-            if pending:
-                self._take(out, *pending)
-            if nxt is None:
-                if not (self.waiting or self.running):
-                    break
-                nxt = self._host_step(out)
-            pending = nxt
-
-    def _queued_step(self, out, owners, toks):
-        """The next all-decode step fed the pending tokens (`toks`, one per owner) on the device,
-        or None when it needs them on the host first: a prefill chunk or a request without a
-        pending token, a possible admission, more tokens than a step takes."""
-        run = self.running
-        if any(run[i][1] < len(self.prompts[i]) for i in run):
-            return None
-        # finishing with the pending token (max_new; an eos shows only when it is read)
-        done_now = {i for i in owners if i in run and len(out[i]) + 1 >= self.max_new}
-        keep = [k for k, i in enumerate(owners) if i in run and i not in done_now]
-        if not keep or len(keep) + len(done_now) != len(run) or len(keep) > self.cache.cc.max_step_tokens:
-            return None
-        if self.waiting and (done_now or self._can_admit()):
-            return None                   # a prompt can be admitted (or may be, once these finish): host path
-        sel = [owners[k] for k in keep]
-        states = [self.running[i][0] for i in sel]
-        ids = toks if len(keep) == len(owners) else DeviceTokens(
-            toks.tensor.index_select(0, self.cache.uploads.to_device(np.array(keep, dtype=np.int64))), toks.vocab)
-        lg = self.model.forward_batch(ids, torch.tensor([st.length for st in states]),
-                                      torch.arange(len(states)), states)
-        return sel, self._next(lg)
-
-    def _host_step(self, out):
-        """A step built from host values: admissions, prefill chunks, decode tokens read back."""
-        self._admit()
-        ids, pos, rid, rows, owners, states = [], [], [], [], [], []
-        budget = self.cache.cc.max_step_tokens
-        for i, (st, used) in self.running.items():
-            p = self.prompts[i]
-            if used < len(p):                      # prefill chunk
-                n = min(self.chunk, len(p) - used, budget)
-                if n <= 0:
-                    continue
-                seg = p[used:used + n]
-                self.running[i][1] = used + n
-                last = used + n == len(p)
-            else:                                  # decode
-                if budget <= 0:
-                    continue
-                seg, n, last = [out[i][-1]], 1, True
-            budget -= n
-            r = len(states)
-            states.append(st)
-            ids += seg
-            pos += range(st.length, st.length + n)
-            rid += [r] * n
-            if last:
-                rows.append(len(ids) - 1)
-                owners.append(i)
-        lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
-                                      logits_rows=torch.tensor(rows, dtype=torch.int64))
-        return owners, self._next(lg)
-
-    def _next(self, lg) -> DeviceTokens:
-        """The step's next tokens, left on the device: greedy, or drawn (`sampling.sample`)."""
-        if self.sampling is None or self.sampling.greedy:
-            return self.model.greedy_tokens(lg)
-        from .sampling import sample
-
-        return DeviceTokens(sample(lg, self.sampling, self.generator), self.model.config.vocab_size)
-
-    def _take(self, out, owners, toks) -> None:
-        """Read a step's tokens (this waits for it): append, and retire finished requests."""
-        for i, tok in zip(owners, toks.tolist()):
-            if i not in self.running:          # finished (eos) in the step before: one step too many
-                continue
-            out[i].append(tok)
-            self.done += 1
-            if len(out[i]) >= self.max_new or tok == self.eos:
-                self.done += self.max_new - len(out[i])
-                st, _ = self.running.pop(i)
-                st.release()
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
-    def release_all(self) -> None:
-        for st, _ in self.running.values():
-            st.release()
-        self.running.clear()
