@@ -80,7 +80,7 @@ def test_seeds_and_bounds_are_the_suites_shared_formulas():
 
     import torch
 
-    from dsv4core.conformance import compare
+    from dsv4core.hal import compare
     from dsv4core.conformance.distributed import _gen
     from dsv4core.conformance.runner import case_seed
     from dsv4core.hal.spec import Tolerance

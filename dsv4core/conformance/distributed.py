@@ -37,9 +37,8 @@ import torch
 
 from dsv4core.hal import catalogue
 from dsv4core.hal.spec import Case
-
-from . import compare
-from .compare import Check, Mismatch, dtype_name
+from dsv4core.hal import compare
+from dsv4core.hal.compare import Check, Mismatch, dtype_name
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 WORLD_SIZES = (2, 4)

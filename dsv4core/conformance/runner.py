@@ -33,9 +33,8 @@ import torch
 from dsv4core.hal import Backend, catalogue, discover
 from dsv4core.hal.backend import Impl
 from dsv4core.hal.spec import Case, OpSpec
-
-from . import compare
-from .compare import Check, Mismatch, dtype_name
+from dsv4core.hal import compare
+from dsv4core.hal.compare import Check, Mismatch, dtype_name
 
 SHAPE_SETS = ("small", "flash", "pro")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
