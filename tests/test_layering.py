@@ -53,4 +53,4 @@ def test_the_checker_sees_relative_and_lazy_imports(tmp_path, monkeypatch):
     names = {n for _, n in _imports(mod)}
     assert "dsv4core.hal.quant.quantize_fp8_block" in names and "dsv4core.hal.spec" in names
     src = ROOT / "conformance" / "distributed.py"
-    assert "dsv4core.conformance.runner.mix_seed" in {n for _, n in _imports(src)}   # inside a function
+    assert "dsv4core.conformance.cases.mix_seed" in {n for _, n in _imports(src)}   # inside a function

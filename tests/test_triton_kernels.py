@@ -51,7 +51,7 @@ def test_kernel_passes_conformance_in_interpreter(conformance, op):
     # compress_windows, have no bfloat16 case and run once, in float32)
     ran = {c["dtype"] for c in res.get("cases", []) if c["status"] == "passed"}
     assert ran == {c["dtype"] for c in res.get("cases", [])} and "float32" in ran, res
-    from dsv4core.conformance.runner import iter_cases
+    from dsv4core.conformance.cases import iter_cases
     from dsv4core.hal import catalogue
 
     if next(iter_cases(catalogue()[op], "small", torch.bfloat16, "cpu", 0), None) is not None:
