@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests._interp import interpreted_report  # noqa: E402
-from tests.launch_recorder import Recorder  # noqa: E402
+from _interp import interpreted_report  # noqa: E402
+from launch_recorder import Recorder  # noqa: E402
 
 _SCRIPT = r"""
 import json, sys

@@ -175,7 +175,7 @@ def test_cuda_backend_serves_only_kernels_with_a_gpu_conformance_record():
     import glob
     import json
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
     sys.path.insert(0, os.path.join(root, "plugins", "cuda"))
     try:
         from dsv4core_cuda import CUDA_OPS, NOT_SERVED
