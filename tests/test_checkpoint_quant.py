@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4core.checkpoint import quant
+from dsv4core.hal import quant
 
 E8M0 = torch.float8_e8m0fnu
 

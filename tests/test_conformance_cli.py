@@ -39,7 +39,7 @@ def test_cli_reference_subset_writes_all_reports(tmp_path, capsys):
     assert "| rms_norm | passed |" in m.read_text()
     # which code ran: the digest of the dsv4core sources (the reference backend: nothing else)
     import dsv4core
-    from dsv4core.conformance.runner import tree_digest
+    from dsv4core.conformance.provenance import tree_digest
     assert data["sources"] == {"dsv4core": tree_digest(Path(dsv4core.__file__).parent)}
     assert f"sources: dsv4core {data['sources']['dsv4core']}" in out
 
@@ -47,7 +47,7 @@ def test_cli_reference_subset_writes_all_reports(tmp_path, capsys):
 def test_tree_digest_follows_paths_and_bytes(tmp_path):
     """tree_digest changes with a file's bytes, with its path, and with a new .py file; not with
     other files."""
-    from dsv4core.conformance.runner import tree_digest
+    from dsv4core.conformance.provenance import tree_digest
 
     (tmp_path / "pkg" / "sub").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
@@ -86,12 +86,12 @@ def test_cli_unloadable_backend_exit_2(capsys):
 
 
 def test_cli_failing_backend_exit_1_and_junit_failures(tmp_path, monkeypatch, capsys):
-    from dsv4core.conformance import runner
+    from dsv4core.conformance import cases
 
     broken = make_broken_backend("hc-post-comb-transposed")
-    # The package resolves load_backend lazily from runner: patch runner only (patching both made
-    # older pytest restore the package attribute to the patched runner value, leaking it).
-    monkeypatch.setattr(runner, "load_backend", lambda name, device="cpu": broken)
+    # The package resolves load_backend lazily from cases: patch cases only (patching both made
+    # older pytest restore the package attribute to the patched value, leaking it).
+    monkeypatch.setattr(cases, "load_backend", lambda name, device="cpu": broken)
     x = tmp_path / "r.xml"
     rc = main(["--backend", "whatever", "--ops", "mhc", "--dtype", "float32", "--no-model", "--junit", str(x)])
     out = capsys.readouterr().out
@@ -140,9 +140,9 @@ def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def _cli(monkeypatch, capsys, backend, argv):
-    from dsv4core.conformance import runner
+    from dsv4core.conformance import cases
 
-    monkeypatch.setattr(runner, "load_backend", lambda name, device="cpu": backend)
+    monkeypatch.setattr(cases, "load_backend", lambda name, device="cpu": backend)
     rc = main(["--backend", "x", "--no-model", "-q", *argv])
     out = capsys.readouterr().out
     return rc, out.split("result: ", 1)[1].strip()
@@ -237,18 +237,18 @@ def test_merge_rejects_what_is_not_a_report_naming_the_file(tmp_path, capsys):
     assert main(["merge"]) == 2 and "at least one" in capsys.readouterr().err
 
 
-def test_patching_runner_load_backend_does_not_leak_into_the_package(monkeypatch):
-    """The CLI finds backends through the package's lazy attribute; a test patch of the runner's
-    function is seen there and leaves nothing behind (a leak once made later tests run a broken
-    backend under the name 'reference')."""
+def test_patching_cases_load_backend_does_not_leak_into_the_package(monkeypatch):
+    """The CLI finds backends through the package's lazy attribute; a test patch of the defining
+    module's function is seen there and leaves nothing behind (a leak once made later tests run a
+    broken backend under the name 'reference')."""
     import dsv4core.conformance as pkg
-    from dsv4core.conformance import runner
+    from dsv4core.conformance import cases
 
     assert "load_backend" not in vars(pkg)
     with monkeypatch.context() as m:
-        m.setattr(runner, "load_backend", lambda name, device="cpu": None)
+        m.setattr(cases, "load_backend", lambda name, device="cpu": None)
         assert pkg.load_backend("reference") is None
-    assert pkg.load_backend is runner.load_backend and "load_backend" not in vars(pkg)
+    assert pkg.load_backend is cases.load_backend and "load_backend" not in vars(pkg)
 
 
 def test_source_digests_name_the_plugin_and_hash_only_its_code(tmp_path, monkeypatch):
@@ -258,7 +258,7 @@ def test_source_digests_name_the_plugin_and_hash_only_its_code(tmp_path, monkeyp
     import sys
     import types
 
-    from dsv4core.conformance import runner
+    from dsv4core.conformance import provenance
     from dsv4core.hal import Backend
 
     (tmp_path / "one_file_plugin.py").write_text("X = 1\n")
@@ -269,16 +269,16 @@ def test_source_digests_name_the_plugin_and_hash_only_its_code(tmp_path, monkeyp
     try:
         be = Backend(name="fake-one-file")
         status = types.SimpleNamespace(source="some-dist (one_file_plugin:make_backend)")
-        monkeypatch.setattr(runner, "discover", lambda: {"fake-one-file": status})
-        d = runner.source_digests(be)
+        monkeypatch.setattr(provenance, "discover", lambda: {"fake-one-file": status})
+        d = provenance.source_digests(be)
         assert set(d) == {"dsv4core", "one_file_plugin"}
-        assert d["one_file_plugin"] == runner.tree_digest(tmp_path / "one_file_plugin.py")
+        assert d["one_file_plugin"] == provenance.tree_digest(tmp_path / "one_file_plugin.py")
         (tmp_path / "unrelated.py").write_text("Y = 3\n")           # not part of the plugin
-        assert runner.source_digests(be)["one_file_plugin"] == d["one_file_plugin"]
+        assert provenance.source_digests(be)["one_file_plugin"] == d["one_file_plugin"]
         (tmp_path / "one_file_plugin.py").write_text("X = 2\n")
-        assert runner.source_digests(be)["one_file_plugin"] != d["one_file_plugin"]
+        assert provenance.source_digests(be)["one_file_plugin"] != d["one_file_plugin"]
         status.source = "some-dist (no_file_pkg)"
-        assert runner.source_digests(be)["no_file_pkg"] == "unknown (no source file)"
+        assert provenance.source_digests(be)["no_file_pkg"] == "unknown (no source file)"
     finally:
         sys.modules.pop("one_file_plugin", None)
 

@@ -73,16 +73,16 @@ def test_cli_world_sizes_bad_value_exits_2(capsys):
 
 def test_seeds_and_bounds_are_the_suites_shared_formulas():
     """The spawned-rank cases draw from the same seed formula as the single-process suite
-    (runner.mix_seed; case_seed is it over op/shapes/dtype), written out here independently, and
+    (cases.mix_seed; case_seed is it over op/shapes/dtype), written out here independently, and
     judge with the same bound (compare.tolerance_check: k x reference error + floor + one
     output rounding)."""
     import zlib
 
     import torch
 
-    from dsv4core.conformance import compare
+    from dsv4core.hal import compare
     from dsv4core.conformance.distributed import _gen
-    from dsv4core.conformance.runner import case_seed
+    from dsv4core.conformance.cases import case_seed
     from dsv4core.hal.spec import Tolerance
 
     assert case_seed(3, "linear", "small", torch.bfloat16) == (3 * 1_000_003 + zlib.crc32(b"linear/small/bfloat16")) % 2 ** 63

@@ -258,6 +258,12 @@ def test_cli_backends_and_ops_json():
     assert r.returncode == 0, r.stderr
     ops = json.loads(r.stdout)["ops"]
     assert [o["op"] for o in ops] == CATALOGUE and {o["backend"] for o in ops} == {"reference"}
+    deprecated = {o["op"]: o["deprecated"] for o in ops if o["deprecated"]}
+    assert sorted(deprecated) == ["compress_pool", "indexer_scores"], deprecated
+    assert "compress_windows" in deprecated["compress_pool"] and "indexer_scores_rows" in deprecated["indexer_scores"]
+    r = _cli("ops", "--backend", "reference")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("compress_pool "))
+    assert r.returncode == 0 and "deprecated: the model calls compress_windows" in line, r.stdout
     r = _cli("ops", "--backend", "nope")
     assert r.returncode == 2 and "backend 'nope'" in r.stderr and "Traceback" not in r.stderr
     r = _cli("ops", "--device", "nodevice")

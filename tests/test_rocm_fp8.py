@@ -10,7 +10,7 @@
   stand-in kernel that dequantises whatever it is given, in fp64, must reproduce the fp64 oracle
   exactly); gfx950 passes e4m3fn through; moe_experts declines FP8 experts on gfx942 with its
   reason; the conversion is made once per weight and again after an in-place change.
-The real kernels on the fnuz weights run under the Triton interpreter (tests/test_rocm_xpu_triton.py).
+The real kernels on the fnuz weights run under the Triton interpreter (tests/interpret/test_rocm_xpu_triton.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 * the ascend glue on CPU tensors under an emulated torch_npu / vllm-ascend (tests/vendor_emul),
   judged by the conformance suite against the fp64 oracle, including its declines;
 * the rocm aiter glue under an emulated aiter (hc_pre / hc_post / wo_a), and its version gate.
-  (The rocm backend's portable-kernel ops need the Triton interpreter: tests/test_rocm_xpu_triton.py.)
+  (The rocm backend's portable-kernel ops need the Triton interpreter: tests/interpret/test_rocm_xpu_triton.py.)
 """
 from __future__ import annotations
 

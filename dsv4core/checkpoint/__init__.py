@@ -10,7 +10,7 @@
 from .errors import CheckpointError
 from .loader import FORMATS, INDEX_NAME, Checkpoint, open_checkpoint
 from .names import hf_scale_name, hf_to_official, is_mtp, official_to_hf
-from .quant import (
+from dsv4core.hal.quant import (
     FP4_E2M1_TABLE,
     dequantize,
     dequantize_fp4,

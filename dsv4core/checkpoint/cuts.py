@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from . import quant
+from dsv4core.hal import quant
+
 from .errors import CheckpointError
 
 Rule = list[tuple[int, int, int]]

@@ -20,7 +20,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import cuts, quant
+from dsv4core.hal import quant
+
+from . import cuts
 from .errors import CheckpointError
 from .names import HF_SCALE_SUFFIX, hf_scale_name, is_mtp, official_to_hf
 from .safetensors_io import TensorInfo, read_header

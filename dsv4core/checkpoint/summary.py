@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
-from . import quant
+from dsv4core.hal import quant
+
 from .loader import Checkpoint
 from .names import HF_SCALE_SUFFIX, is_mtp
 

@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from . import quant
+from dsv4core.hal import quant
+
 from .loader import INDEX_NAME
 from .names import hf_to_official
 

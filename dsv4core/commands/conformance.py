@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from dsv4core.conformance import ConformanceError, load_backend, parse_dtypes, parse_ops, parse_shapes
+    from dsv4core.conformance import (ConformanceError, load_backend, parse_dtypes, parse_ops, parse_shapes,
+                                      parse_world_sizes)
     from dsv4core.conformance import runner
     from dsv4core.conformance.report import write_json, write_junit, write_markdown, write_table
 
@@ -88,7 +89,7 @@ def run(args) -> int:
         except Exception as e:
             return err(f"device {args.device!r} is not usable: {e}")
         backend = load_backend(args.backend, args.device)
-        world_sizes = runner.parse_world_sizes(args.world_sizes)
+        world_sizes = parse_world_sizes(args.world_sizes)
     except ConformanceError as e:
         return err(str(e))
 

@@ -32,12 +32,15 @@ def run(args) -> int:
     report = table.report()
     for r in report:
         r["family"] = specs[r["op"]].family
+        r["deprecated"] = specs[r["op"]].deprecated
     if args.json:
         print_json({"device": table.device_type, "ops": report})
         return 0
     rows = []
     for r in report:
         why = "; ".join(f"{b}: {reason}" for b, reason in r["declined"].items())
-        rows.append((r["op"], r["family"], r["backend"], "fallback" if r["fallback"] else "", why))
+        notes = ", ".join(n for n in ("fallback" if r["fallback"] else "",
+                                      f"deprecated: {r['deprecated']}" if r["deprecated"] else "") if n)
+        rows.append((r["op"], r["family"], r["backend"], notes, why))
     print_table(("op", "family", "served by", "", "declined"), rows)
     return 0

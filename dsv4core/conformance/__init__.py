@@ -14,12 +14,19 @@ __all__ = ["run", "run_case", "iter_cases", "load_backend", "parse_ops", "parse_
            "NOT_IMPLEMENTED", "EXIT_PASSED", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NOTHING_VERIFIED",
            "parse_world_sizes"]
 
+#: the module each public name lives in (imported on first use)
+_HOME = {"run": "runner", **{n: "cases" for n in ("run_case", "iter_cases", "load_backend", "parse_ops", "parse_shapes",
+                                                  "parse_dtypes", "parse_world_sizes", "SHAPE_SETS")},
+         **{n: "results" for n in ("Report", "OpResult", "CaseResult", "ConformanceError", "PASSED", "FAILED",
+                                   "DECLINED", "NOT_IMPLEMENTED", "EXIT_PASSED", "EXIT_FAILED", "EXIT_USAGE",
+                                   "EXIT_NOTHING_VERIFIED")}}
+
 
 def __getattr__(name):
     # Lazy: the pytest11 entry point imports this package in every pytest run of an environment
     # with dsv4core installed, so it must not import torch until the suite is actually used.
     if name in __all__:
-        from . import runner
+        from importlib import import_module
 
-        return getattr(runner, name)
+        return getattr(import_module(f".{_HOME[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,9 +37,8 @@ import torch
 
 from dsv4core.hal import catalogue
 from dsv4core.hal.spec import Case
-
-from . import compare
-from .compare import Check, Mismatch, dtype_name
+from dsv4core.hal import compare
+from dsv4core.hal.compare import Check, Mismatch, dtype_name
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 WORLD_SIZES = (2, 4)
@@ -76,7 +75,7 @@ class DistCase:
 # ---------------------------------------------------------------------------------------------
 
 def _gen(seed: int, *parts) -> torch.Generator:
-    from .runner import mix_seed
+    from .cases import mix_seed
 
     return torch.Generator().manual_seed(mix_seed(seed, *parts))
 
@@ -268,7 +267,7 @@ def resolve_backend(ref: str, device: str = "cpu"):
 
         mod, fn = ref.split(":", 1)
         return getattr(importlib.import_module(mod), fn)()
-    from .runner import load_backend
+    from .cases import load_backend
 
     return load_backend(ref, device)
 
@@ -301,7 +300,8 @@ def _realize(kw: dict, groups: dict, rank: int, device: str) -> dict:
 def _judge_rank(spec, impl, case: DistCase, rank: int, groups: dict, flags: _Flags, device: str,
                 dtype: torch.dtype) -> tuple[dict, bool]:
     """One case on this rank (every rank calls this in lockstep). Returns (result dict, stop)."""
-    from .runner import DECLINED, PASSED, CaseResult, _exc, _modified, _snapshot
+    from .cases import _exc, _modified, _snapshot
+    from .results import DECLINED, PASSED, CaseResult
 
     res = CaseResult(spec.name, dtype_name(dtype), f"ws{case.world}", case.name, PASSED, case.tags)
     kw = _realize(case.kwargs[rank], groups, rank, device)
@@ -403,7 +403,8 @@ def run_many(backend_refs, *, world_sizes=WORLD_SIZES, ops=None, dtypes=("float3
     (one start-up per world size): ``{backend_ref: {op: [CaseResult, ...]}}``."""
     import torch.multiprocessing as mp
 
-    from .runner import DECLINED, FAILED, PASSED, CaseResult, ConformanceError, parse_dtypes
+    from .cases import parse_dtypes
+    from .results import DECLINED, FAILED, PASSED, CaseResult, ConformanceError
 
     plan = []
     for ref in backend_refs:

@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runner import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, ConformanceError, format_sources
+from .provenance import format_sources
+from .results import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, ConformanceError
 
 
 @dataclass

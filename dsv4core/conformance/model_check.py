@@ -32,7 +32,7 @@ import torch
 from dsv4core.hal import Backend, OpBinding, OpTable, catalogue
 from dsv4core.hal.ops._cases import block_varied
 
-from .runner import FAILED, PASSED
+from .results import FAILED, PASSED
 
 STEPS = 32
 PROMPT_LEN = 24

@@ -32,7 +32,8 @@ import torch
 from dsv4core.hal.backend import Impl
 from dsv4core.hal.spec import Case, OpSpec
 
-from .runner import FAILED, iter_cases, run_case
+from .cases import iter_cases, run_case
+from .results import FAILED
 
 
 @dataclass

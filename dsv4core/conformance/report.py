@@ -8,7 +8,8 @@ from typing import TextIO
 
 from dsv4core._table import print_table
 
-from .runner import DECLINED, FAILED, NOT_IMPLEMENTED, PASSED, Report, format_sources
+from .provenance import format_sources
+from .results import DECLINED, FAILED, NOT_IMPLEMENTED, PASSED, Report
 
 
 def table_rows(report: Report) -> list[tuple]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4core.conformance import runner
+from dsv4core.conformance import cases, results
+from dsv4core.hal.compare import dtype_name
 from dsv4core.conformance.pytest_plugin import settings
 
 _cache: dict = {}
@@ -21,7 +22,7 @@ _cache: dict = {}
 def _backend(s):
     key = ("backend", s["backend"], s["device"])
     if key not in _cache:
-        _cache[key] = runner.load_backend(s["backend"], s["device"])
+        _cache[key] = cases.load_backend(s["backend"], s["device"])
     return _cache[key]
 
 
@@ -30,7 +31,7 @@ def _cases(spec, shapes, dtype, device, seed):
     if key not in _cache:
         for k in [k for k in _cache if k[0] == "cases"]:   # keep one case list in memory at a time
             del _cache[k]
-        _cache[key] = list(runner.iter_cases(spec, shapes, dtype, device, seed))
+        _cache[key] = list(cases.iter_cases(spec, shapes, dtype, device, seed))
     return _cache[key]
 
 
@@ -44,10 +45,10 @@ def pytest_generate_tests(metafunc):
                                 "-p dsv4core.conformance.pytest_plugin")
     try:
         be = _backend(s)
-        ops = runner.parse_ops(s["ops"])
-        shape_sets = runner.parse_shapes(s["shapes"])
-        dtypes = runner.parse_dtypes(s["dtypes"])
-    except runner.ConformanceError as e:
+        ops = cases.parse_ops(s["ops"])
+        shape_sets = cases.parse_shapes(s["shapes"])
+        dtypes = cases.parse_dtypes(s["dtypes"])
+    except results.ConformanceError as e:
         raise pytest.UsageError(f"dsv4core conformance: {e}") from None
     if "conformance_model" in metafunc.fixturenames:
         metafunc.parametrize("conformance_model", [s["model"]], ids=[f"{s['backend']}-{s['model']}"])
@@ -72,7 +73,7 @@ def pytest_generate_tests(metafunc):
                 names = [c.name for c in _cases(specs[op], sh, dt, s["device"], s["seed"])]
                 for i, name in enumerate(names):
                     params.append((op, sh, dt, i))
-                    ids.append(f"{op}-{sh}-{runner.dtype_name(dt)}-{name}")
+                    ids.append(f"{op}-{sh}-{dtype_name(dt)}-{name}")
     _cache.clear()
     metafunc.parametrize("conformance_item", params, ids=ids)
 
@@ -88,16 +89,16 @@ def test_op(conformance_item, request):
 
     spec = catalogue()[op]
     case = _cases(spec, sh, dt, s["device"], s["seed"])[i]
-    res = runner.run_case(spec, be.impls[op], case, dt, sh)
+    res = cases.run_case(spec, be.impls[op], case, dt, sh)
     w = res.worst
     if w is not None:
         record_property(("metric", w.metric))
         record_property(("err", f"{w.err:.4g}"))
         record_property(("bound", f"{w.bound:.4g}"))
         record_property(("err_over_bound", f"{w.ratio:.4g}"))
-    if res.status == runner.DECLINED:
+    if res.status == results.DECLINED:
         pytest.skip(f"declined by supports(): {res.message}")
-    assert res.status == runner.PASSED, f"{res.id}: {res.message}"
+    assert res.status == results.PASSED, f"{res.id}: {res.message}"
 
 
 def test_model(conformance_model, request):
@@ -108,26 +109,26 @@ def test_model(conformance_model, request):
     from dsv4core.conformance.model_check import check_model
     from dsv4core.conformance.report import format_model
 
-    dtypes = tuple(runner.dtype_name(d) for d in runner.parse_dtypes(s["dtypes"]))
+    dtypes = tuple(dtype_name(d) for d in cases.parse_dtypes(s["dtypes"]))
     m = check_model(_backend(s), conformance_model, dtypes, s["device"], s["seed"])
     record_property(("model", format_model(m)))
     if m["status"] == "unavailable":
         pytest.skip(m["reason"])
-    assert m["status"] == runner.PASSED, format_model(m)
+    assert m["status"] == results.PASSED, format_model(m)
 
 
 def test_collectives(conformance_dist, request):
     """All multi-rank cases of one collective (one spawn per world size, shared by the ops)."""
     s = settings(request.config)
-    sizes = runner.parse_world_sizes(s["world_sizes"])
+    sizes = cases.parse_world_sizes(s["world_sizes"])
     if not sizes:
         pytest.skip("spawned collectives disabled (--dsv4core-world-sizes none)")
     key = ("dist", s["backend"], sizes)
     if key not in _cache:
         from dsv4core.conformance.distributed import run_distributed
 
-        _cache[key] = run_distributed(s["backend"], world_sizes=sizes, dtypes=runner.parse_dtypes(s["dtypes"]),
+        _cache[key] = run_distributed(s["backend"], world_sizes=sizes, dtypes=cases.parse_dtypes(s["dtypes"]),
                                       seed=s["seed"], device=s["dist_device"], dist_backend=s["dist_backend"])
     results = _cache[key].get(conformance_dist, [])
-    bad = [f"{c.id}: {c.message}" for c in results if c.status == runner.FAILED]
+    bad = [f"{c.id}: {c.message}" for c in results if c.status == results.FAILED]
     assert results and not bad, "\n".join(bad) or "no case ran"

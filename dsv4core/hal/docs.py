@@ -26,10 +26,13 @@ def render() -> str:
         "| op | family | k | floor | metric |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| [`{s.name}`](#{s.name}) | {s.family} | {s.tolerance.k:g} | {s.tolerance.floor:g} | "
-              f"{s.tolerance.metric} |" for s in specs.values()]
+    lines += [f"| [`{s.name}`](#{s.name}){' (deprecated)' if s.deprecated else ''} | {s.family} | "
+              f"{s.tolerance.k:g} | {s.tolerance.floor:g} | {s.tolerance.metric} |" for s in specs.values()]
     for s in specs.values():
-        lines += ["", f"## {s.name}", "", "```python", f"{s.name}{s.signature}", "```", "", s.doc, "",
+        lines += ["", f"## {s.name}", "", "```python", f"{s.name}{s.signature}", "```", ""]
+        if s.deprecated:
+            lines += [f"*Deprecated*: {s.deprecated}. It stays in the catalogue and in conformance.", ""]
+        lines += [s.doc, "",
                   f"*Tolerance* (k = {s.tolerance.k:g}, floor = {s.tolerance.floor:g}, {s.tolerance.metric}): "
                   f"{s.tolerance.why}."]
     return "\n".join(lines) + "\n"

@@ -91,6 +91,8 @@ class OpSpec:
         #: Whether the reference implementation can be recorded in a device graph (no host sync, no
         #: data-dependent shape). Backends declare their own implementations (Backend.add).
         self.capturable = capturable
+        #: Why the op is deprecated (what the model calls instead), or None for a current op.
+        self.deprecated: str | None = None
         self._check: Callable | None = None
         self._cases: CaseGenerator | None = None
 
@@ -136,15 +138,19 @@ _CATALOGUE: dict[str, OpSpec] = {}
 
 
 def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), writes: tuple[str, ...] = (),
-       capturable: bool = True, params_since: dict | None = None) -> Callable[[Callable], OpSpec]:
+       capturable: bool = True, params_since: dict | None = None,
+       deprecated: str | None = None) -> Callable[[Callable], OpSpec]:
     """Declare a HAL op. The decorated function is its reference implementation.
 
     ``writes``: parameters written in place (the op returns None). ``capturable``: whether the
-    reference implementation can be recorded in a device graph (see ``Backend.add``)."""
+    reference implementation can be recorded in a device graph (see ``Backend.add``).
+    ``deprecated``: why the op is deprecated (what replaces it); it stays in the catalogue and in
+    conformance."""
 
     def wrap(fn: Callable) -> OpSpec:
         spec = OpSpec(fn, family, tolerance, since, writes, capturable)
         spec.params_since = dict(params_since or {})
+        spec.deprecated = deprecated
         if spec.name in _CATALOGUE:
             raise ValueError(f"op {spec.name!r} declared twice")
         _CATALOGUE[spec.name] = spec

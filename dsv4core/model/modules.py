@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4core.hal.util import cdiv
+
 from . import indexing as ix
 from .step import Step
 from .config import CSA, HASH_MOE, HCA, SLIDING, DSV4Config
@@ -53,10 +55,6 @@ FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Linear(nn.Module):
     """A bias-free projection `y = x W^T`, W `[out, in]` (HF `nn.Linear` parameter layout).
 
@@ -77,7 +75,7 @@ class Linear(nn.Module):
     def fp8_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(weight shape, scale shape) of the FP8 form."""
         n, k = self.weight.shape
-        return (n, k), (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+        return (n, k), (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
 
     def keep_fp8(self) -> None:
         """Switch to FP8 weight + float32 block scale (empty; filled by the checkpoint loader)."""
@@ -333,7 +331,7 @@ class GroupedLinear(nn.Module):
         The checkpoint's `[G*R/128, ceil(D/128)]` scale grid splits per group only if R % 128 == 0."""
         G = self.groups
         R, D = self.weight.shape[0] // G, self.weight.shape[1]
-        return (G, R, D), (G, R // FP8_BLOCK, _cdiv(D, FP8_BLOCK))
+        return (G, R, D), (G, R // FP8_BLOCK, cdiv(D, FP8_BLOCK))
 
     def fp8_ok(self) -> bool:
         return (self.weight.shape[0] // self.groups) % FP8_BLOCK == 0
@@ -345,7 +343,7 @@ class GroupedLinear(nn.Module):
         n, d = self.weight.shape
         dev = self.weight.device
         self.weight = nn.Parameter(torch.empty(n, d, dtype=FP8, device=dev), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.empty(n // FP8_BLOCK, _cdiv(d, FP8_BLOCK), dtype=FP32, device=dev),
+        self.weight_scale_inv = nn.Parameter(torch.empty(n // FP8_BLOCK, cdiv(d, FP8_BLOCK), dtype=FP32, device=dev),
                                              requires_grad=False)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:

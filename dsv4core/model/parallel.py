@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from dsv4core.hal.util import cdiv
+
 from .config import DSV4Config
 
 
@@ -46,10 +48,6 @@ class ParallelError(ValueError):
     """A tensor/expert-parallel layout that does not fit the model or the process group. Raised
     identically on every rank (the checks depend only on the arguments, the config and the world
     size)."""
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class Parallel:
         return self._even(cfg.moe_intermediate_size, self.world, self.rank)
 
     def vocab_chunk(self, cfg: DSV4Config) -> int:
-        return _cdiv(cfg.vocab_size, self.tp)
+        return cdiv(cfg.vocab_size, self.tp)
 
     def vocab(self, cfg: DSV4Config) -> tuple[int, int]:
         c, V = self.vocab_chunk(cfg), cfg.vocab_size

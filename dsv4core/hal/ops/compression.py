@@ -13,7 +13,7 @@ from ._cases import TOKENS, dims, noncontig, randn
 _GATHER_BUDGET = 1 << 24
 
 
-@op(family="compression", tolerance=Tolerance(
+@op(family="compression", deprecated="the model calls compress_windows since HAL 1.1", tolerance=Tolerance(
     k=2.0, floor=1e-6, why="a softmax over at most 2m slots and a weighted sum per channel, fp32"))
 def compress_pool(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, overlap: bool,
                   prev_kv: torch.Tensor | None = None, prev_score: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,7 +153,7 @@ def _(shapes, dtype, device, gen):
     yield Case("csa-partial-prev", dict(kv=randn((3, 8, 2 * dp), gen, f32, device), score=sc, overlap=True), ("masked",))
 
 
-@op(family="compression", tolerance=Tolerance(
+@op(family="compression", deprecated="the model calls indexer_scores_rows since HAL 1.1", tolerance=Tolerance(
     k=4.0, floor=1e-5,
     why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
         "reductions in fp32; the floor absorbs cancellation when the weighted sum is near zero"))

@@ -6,7 +6,7 @@ import os
 import torch
 import triton
 
-from .predicates import cdiv  # noqa: F401  (one definition, in the triton-free module)
+from dsv4core.hal.util import cdiv  # noqa: F401  (re-exported for the kernel modules)
 
 
 def np2(n: int) -> int:
@@ -20,6 +20,11 @@ def c(t: torch.Tensor) -> torch.Tensor:
 
 _PROGRAMS: dict = {}
 
+#: compute units assumed for a device whose properties report none (neither
+#: ``multi_processor_count`` nor ``gpu_subslice_count``): a small GPU's count, so that a split sized
+#: from it never over-splits; on a larger device it only leaves units idle
+FALLBACK_COMPUTE_UNITS = 16
+
 
 def target_programs(device: torch.device, cpu: int = 16) -> int:
     """Programs that fill the device: 2 per SM of a GPU (from its properties, not a constant);
@@ -31,7 +36,8 @@ def target_programs(device: torch.device, cpu: int = 16) -> int:
     if n is None:
         # torch.cuda also fronts ROCm builds; XPU reports subslices (its compute-unit groups)
         props = getattr(torch, device.type).get_device_properties(device)
-        units = getattr(props, "multi_processor_count", None) or getattr(props, "gpu_subslice_count", None) or 132
+        units = getattr(props, "multi_processor_count", None) or getattr(props, "gpu_subslice_count", None) \
+            or FALLBACK_COMPUTE_UNITS
         n = _PROGRAMS[key] = 2 * int(units)
     return n
 

@@ -40,7 +40,12 @@ from .predicates import _E8M0, _FP8
 #: table (launch.py); the defaults are the kernels' own
 TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
 
-PLAIN, FP8_BLOCK, FP4 = 0, 1, 2
+#: weight format tags of an expert weight (``_format``): plain, FP8 with 128x128 block scales,
+#: packed FP4 with per-32-column scales
+FMT_PLAIN, FMT_FP8, FMT_FP4 = 0, 1, 2
+
+#: the UE8M0 scale byte 0: 2^-127, an fp32 subnormal
+E8M0_MIN_SCALE = tl.constexpr(2.0 ** -127)
 
 
 @triton.jit
@@ -71,7 +76,7 @@ def _fp4_values(b, sb):
     ex = idx >> 1
     mant = idx & 1
     bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
-    scale = tl.where(sb == 0, 5.877471754111438e-39,
+    scale = tl.where(sb == 0, E8M0_MIN_SCALE,
                      ((sb << 23) | ((sb == 255).to(tl.int32) << 22)).to(tl.float32, bitcast=True))
     return bits.to(tl.float32, bitcast=True) * scale
 
@@ -369,10 +374,10 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
 
 def _format(w, scale):
     if scale is None:
-        return PLAIN, w.shape[2], False
+        return FMT_PLAIN, w.shape[2], False
     if _FP8 and w.dtype in _FP8:
-        return FP8_BLOCK, w.shape[2], _E8M0 is not None and scale.dtype == _E8M0
-    return FP4, 2 * w.shape[2], True
+        return FMT_FP8, w.shape[2], _E8M0 is not None and scale.dtype == _E8M0
+    return FMT_FP4, 2 * w.shape[2], True
 
 
 def _scale_arg(scale, fmt, e8, fallback):
@@ -549,8 +554,8 @@ def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
     """The SCALED / VIA32 launch keywords of one weight: SCALED for FP4 weights read by "scaled"
     with bf16 activations; VIA32 for FP8 weights read "via_f32", passed only when set (the default
     launch keeps its arguments and code)."""
-    keys = {"SCALED": fmt == FP4 and fp4 == "scaled" and not f32}
-    if fmt == FP8_BLOCK and fp8 == "via_f32":
+    keys = {"SCALED": fmt == FMT_FP4 and fp4 == "scaled" and not f32}
+    if fmt == FMT_FP8 and fp8 == "via_f32":
         keys["VIA32"] = True
     return keys
 
@@ -631,7 +636,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f2, _, e2 = _format(w2, w2_scale)
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
-    fp8 = f13 == FP8_BLOCK or f2 == FP8_BLOCK
+    fp8 = f13 == FMT_FP8 or f2 == FMT_FP8
     fp4_mode, fp8_mode = TUNE.get("fp4", DECODES[0]), TUNE.get("fp8", FP8_PATHS[0])
     if fp4_mode not in DECODES:
         raise ValueError(f"moe_experts: TUNE fp4={fp4_mode!r} must be one of {DECODES}")
@@ -642,7 +647,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=w13.dtype == w2.dtype == torch.bfloat16,
                   scaled=d13["SCALED"] or d2["SCALED"], big=shared_bytes(dev) >= BIG_TILE_SHARED)
     BM, BNu, BNd, BK, nw, ns, KSUB = cfg
-    if (fp8 and BK * KSUB != 128) or ((f13 == FP4 or f2 == FP4) and BK % 32):
+    if (fp8 and BK * KSUB != 128) or ((f13 == FMT_FP4 or f2 == FMT_FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
     Su, Sd = _splits(_split_rule(P, E, H, I, cfg, programs, ieee, bool(d13["SCALED"])))
 
@@ -659,7 +664,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        BLK=f13 == FP8_BLOCK or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
+        BLK=f13 == FMT_FP8 or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
         **({"SPLIT": Su} if Su > 1 else {}), **TUNE.options())
     if Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
@@ -667,7 +672,7 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
         a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
         LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        BLK=f2 == FP8_BLOCK or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
+        BLK=f2 == FMT_FP8 or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
         **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,

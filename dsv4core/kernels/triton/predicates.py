@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from dsv4core.hal.util import cdiv
+
 ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-
-def cdiv(a, b):
-    return (a + b - 1) // b
 
 # ---- norm.py
 def rms_norm_supports(x, weight, eps) -> bool:

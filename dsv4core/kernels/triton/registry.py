@@ -11,12 +11,6 @@ from .launch import _ACTIVE
 
 _mods: dict = {}
 
-#: Kernels whose launch wrapper synchronises with the host (a grid sized from device data): not
-#: recordable in a device graph. None since the MoE kernel sorts on the device; every kernel here
-#: launches a grid fixed by the shapes.
-HOST_SYNC: frozenset[str] = frozenset()
-
-
 def _module(name: str):
     mod = _mods.get(name)
     if mod is None:
@@ -145,7 +139,7 @@ def register_ops(backend, device_type: str, ops=None, launch=None, supports=None
         extra = (supports or {}).get(op)
         backend.add(op, _lazy(op, modname, inspect.signature(pred), device_type, launch),
                     supports=_on_device(_both(pred, extra) if extra else pred, device_type),
-                    capturable=op not in HOST_SYNC,
+                    capturable=True,  # every kernel here launches a grid fixed by the shapes
                     native_quantized=True)  # no kernel here dequantises a weight copy
 
 

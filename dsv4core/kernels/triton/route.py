@@ -9,7 +9,7 @@ error up to ``|x| * 2^-24`` in ``exp(x)`` (5e-6 at the logits near -86.5 of the 
 2.6e-6 after the sqrt: 1.12x the conformance bound, measured on an H200). So ``exp`` here is
 computed with adds and multiplies only (:func:`_exp`), the divisions are correctly rounded
 (``div_rn``) and the sqrt too (``sqrt_rn``). The interpreter's ``tl.exp`` is numpy's (accurate),
-which is why CPU runs never showed it; tests/test_triton_route_topk.py runs the kernel with the
+which is why CPU runs never showed it; tests/interpret/test_triton_route_topk.py runs the kernel with the
 GPU lowering of ``tl.exp`` emulated.
 
 softplus follows torch (``x`` above 20, else ``log1p(exp(x))``), with log1p computed as

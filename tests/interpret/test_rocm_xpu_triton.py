@@ -67,7 +67,7 @@ OPS = {"rocm-gfx942": ("sparse_mqa_attention", "wo_a", "linear"),
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("vendor_triton") / "reports.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out), tests, json.dumps(OPS)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert out.exists(), f"no report:\n{proc.stdout}\n{proc.stderr}"

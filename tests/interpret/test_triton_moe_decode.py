@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests._interp import interpreted_report  # noqa: E402
-from tests.launch_recorder import Recorder  # noqa: E402
+from _interp import interpreted_report  # noqa: E402
+from launch_recorder import Recorder  # noqa: E402
 
 _SCRIPT = r"""
 import json, sys
@@ -29,7 +29,7 @@ from dsv4core.hal.quant import E8M0, FP4_E2M1_TABLE, quantize_fp4, scale_to_floa
 from dsv4core.kernels.triton import moe
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
-from dsv4core.conformance.runner import iter_cases
+from dsv4core.conformance.cases import iter_cases
 
 rep = {}
 

@@ -51,7 +51,7 @@ def test_kernel_passes_conformance_in_interpreter(conformance, op):
     # compress_windows, have no bfloat16 case and run once, in float32)
     ran = {c["dtype"] for c in res.get("cases", []) if c["status"] == "passed"}
     assert ran == {c["dtype"] for c in res.get("cases", [])} and "float32" in ran, res
-    from dsv4core.conformance.runner import iter_cases
+    from dsv4core.conformance.cases import iter_cases
     from dsv4core.hal import catalogue
 
     if next(iter_cases(catalogue()[op], "small", torch.bfloat16, "cpu", 0), None) is not None:
@@ -79,7 +79,7 @@ def test_registration_matches_contract_without_importing_triton():
             "print(got[0].available()); print(got[2].available())\n")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "plugins", "cuda"),
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "plugins", "cuda"),
                                          env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -163,7 +163,7 @@ def test_kernels_read_strided_weights_and_poison_out_of_range_experts():
 def test_cuda_plugin_reports_optional_providers_without_importing_them(monkeypatch):
     import importlib.util
 
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "plugins", "cuda"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "plugins", "cuda"))
     from dsv4core_cuda import providers
 
     real = importlib.util.find_spec

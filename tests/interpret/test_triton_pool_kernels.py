@@ -1,5 +1,5 @@
 """The Triton kernels of the HAL 1.1 pool ops (cache_store, compress_windows, indexer_scores_rows)
-beyond their conformance cases (tests/test_triton_kernels.py runs those for every kernel):
+beyond their conformance cases (tests/interpret/test_triton_kernels.py runs those for every kernel):
 
 * run by the Triton interpreter on shapes the cases do not reach (tile edges: a partial last block
   of keys, slots and channels, heads padded to the dot's minimum, several channel chunks), on

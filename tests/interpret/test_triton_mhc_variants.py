@@ -5,7 +5,7 @@ a part-masked second token block at T = 33), judged like the conformance suite
 (dsv4core.kernels.triton.selftest.check_case: per output, the kernel's error vs an fp64 evaluation
 <= k * the reference's error + floor, the op's SPEC tolerance) on every "small" sample case of both
 ops (n = 4, and the n = 2 case), plus n = 3 (not a power of two: padding lanes in the n x n
-Sinkhorn tile), under the Triton interpreter. tests/test_triton_kernels.py covers the defaults.
+Sinkhorn tile), under the Triton interpreter. tests/interpret/test_triton_kernels.py covers the defaults.
 
 Interpreter limits (stated, not hidden): the mixes run the fp32-product branch (the interpreter's
 bf16 tl.dot is unreliable, see _util.interp); the bf16x3 MMA branch compiles only on a GPU.
@@ -25,7 +25,7 @@ from dsv4core.hal import Backend, catalogue
 from dsv4core.kernels.triton import mhc
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
-from dsv4core.conformance.runner import iter_cases
+from dsv4core.conformance.cases import iter_cases
 
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", ["hc_pre", "hc_head"])

@@ -4,7 +4,7 @@ every output (starts, tcum, tok, inv) bitwise equal, integers, dtype and shape i
 with dropped slots (-1, E and farther outside [0, E)), several expert counts, slots per token and
 token counts, and pair counts just below, at and above ``ALIGN_MAX_PAIRS`` (above: the torch
 path, by shape). moe_experts' own conformance under the interpreter is run by
-tests/test_triton_kernels.py with every other kernel's.
+tests/interpret/test_triton_kernels.py with every other kernel's.
 
 Kernels run under the Triton interpreter (TRITON_INTERPRET=1) in one subprocess: the variable must
 be set before triton is imported.

@@ -4,7 +4,7 @@ select, judged like the
 conformance suite (dsv4core.kernels.triton.selftest.check_case: per output, the kernel's error vs
 an fp64 evaluation <= k * the reference's error + floor, k = 4 for both ops: SPEC tolerance of a
 length-K fp32 dot product) on every "small" sample case of both ops, fp32 and bf16, under the
-Triton interpreter. The suite's own run (tests/test_triton_kernels.py) covers the defaults.
+Triton interpreter. The suite's own run (tests/interpret/test_triton_kernels.py) covers the defaults.
 
 Interpreter limits (stated, not hidden): it runs the fp32-product branch of each mode (the
 interpreter's bf16 tl.dot is unreliable, see _util.interp), so the bf16 / FP8 MMA branches and the
@@ -30,7 +30,7 @@ from dsv4core.hal import Backend, catalogue
 from dsv4core.kernels.triton import linear, wo_a
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
-from dsv4core.conformance.runner import iter_cases
+from dsv4core.conformance.cases import iter_cases
 
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", ["linear", "wo_a"])
