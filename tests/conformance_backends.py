@@ -530,12 +530,12 @@ def attention_scale_ignored(q, kv, indices, sink, scale):
     return _attention(q, kv, indices, sink, q.shape[-1] ** -0.5)
 
 
-def linear_fp8_scale_per_row(x, weight, weight_scale=None, out_dtype=None):
+def linear_fp8_scale_per_row(x, weight, weight_scale=None, out_dtype=None, act_block=None):
     """Applies each row of blocks' FIRST scale to the whole row (found by an outside test: every
     linear case used to have one scale value for all blocks)."""
     if weight_scale is not None:
         weight_scale = weight_scale[:, :1].expand_as(weight_scale)
-    return linear(x, weight, weight_scale, out_dtype)
+    return linear(x, weight, weight_scale, out_dtype, act_block)
 
 
 def compress_pool_ape_halves_swapped(kv, score, ape, overlap, prev_kv=None, prev_score=None):
@@ -589,13 +589,15 @@ def cache_store_skips_to_row0(pool, index, rows):
     pool.index_copy_(0, index.long().clamp_min(0), rows.to(pool.dtype))
 
 
-def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
-    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False, w13_scale=w13_scale, w2_scale=w2_scale)
+def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
+    return _experts(x, ids, weights, w13, w2, swiglu_limit, clamp=False, w13_scale=w13_scale, w2_scale=w2_scale,
+                    act_block=act_block)
 
 
-def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None):
+def moe_experts_fp4_high_nibble_first(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
+                                      act_block=None):
     return _experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=w13_scale, w2_scale=w2_scale,
-                    fp4_high_first=True)
+                    fp4_high_first=True, act_block=act_block)
 
 
 def _scale_rule(kind):
