@@ -37,7 +37,9 @@ def run(args) -> int:
         return 0
     rows = []
     for r in report:
-        why = "; ".join(f"{b}: {reason}" for b, reason in r["declined"].items())
+        why = "; ".join([f"{b}: {reason}" for b, reason in r["declined"].items()]
+                        + [f"{b}: {note}" for b, note in r.get("limits", {}).items()]
+                        + [f"{b}: {msg}" for b, msg in r.get("problems", {}).items()])
         rows.append((r["op"], r["family"], r["backend"], "fallback" if r["fallback"] else "", why))
-    print_table(("op", "family", "served by", "", "declined"), rows)
+    print_table(("op", "family", "served by", "", "declined / limits"), rows)
     return 0
