@@ -52,7 +52,7 @@ EXIT_PASSED, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_VERIFIED = 0, 1, 2, 3
 #: ``CaseResult.failure`` values: why a failed case failed. ``numeric`` failures have an
 #: err/bound ratio; the others have none (their ``message`` says what was wrong).
 FAILURE_KINDS = ("numeric", "discrete", "structure", "dtype", "shape", "device", "non-finite",
-                 "modified input", "raised", "supports", "harness")
+                 "modified input", "raised", "supports", "harness", "contract")
 
 #: The JSON report's schema (docs/conformance.md, "JSON report"); ``merge`` refuses other versions.
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "dsv4core.conformance.report", 2
@@ -555,9 +555,13 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     for name in op_names:
         spec = specs[name]
         impl = be.impls.get(name)
-        opres = OpResult(name, impl is not None, spec.tolerance)
+        rejected = None if impl is not None else getattr(be, "rejected", {}).get(name)
+        opres = OpResult(name, impl is not None or rejected is not None, spec.tolerance)
         report.ops.append(opres)
         t0 = time.perf_counter()
+        if rejected is not None:   # registered, but its contract check failed: the op was left out
+            opres.cases.append(CaseResult(name, "-", "-", "<registration>", FAILED, message=rejected,
+                                          failure="contract"))
         if impl is not None:
             for sh in shape_sets:
                 for dt in dts:
