@@ -3,6 +3,7 @@ per-op overrides, fallback policies, registration checks, the bound hot path, in
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -182,24 +183,38 @@ def test_runtime_fallback_under_strict_raises():
         strict.hc_post(*_hc_post_args(torch.bfloat16))
 
 
-def test_registration_rejects_signature_mismatch():
+def test_registration_rejects_signature_mismatch_per_op():
+    """A mismatch leaves only that op out, recorded in Backend.rejected with the reason naming the
+    op and the parameter; nothing is raised, the backend's other ops register."""
     b = Backend(name="bad", device_types=("cpu",))
-    with pytest.raises(RegistrationError, match="op 'rms_norm': implementation .*missing parameter 'eps'"):
-        b.add("rms_norm", lambda x, weight: x)
-    with pytest.raises(RegistrationError, match="op 'rope': supports .*unexpected parameter 'foo'"):
-        b.add("rope", lambda x, positions, inv_freq, inverse=False: x,
-              supports=lambda x, positions, inv_freq, inverse, foo: True)
-    with pytest.raises(RegistrationError, match="unknown op 'attention'"):
-        b.add("attention", lambda q: q)
+
+    def rejected(op, fn, **kw):
+        b.rejected.pop(op, None)
+        b.add(op, fn, **kw)
+        assert op not in b.impls
+        return b.rejected[op]
+
+    assert re.search("op 'rms_norm': implementation .*missing parameter 'eps'",
+                     rejected("rms_norm", lambda x, weight: x))
+    assert re.search("op 'rope': supports .*unexpected parameter 'foo'",
+                     rejected("rope", lambda x, positions, inv_freq, inverse=False: x,
+                              supports=lambda x, positions, inv_freq, inverse, foo: True))
+    assert "unknown op 'attention'" in rejected("attention", lambda q: q)
     # the model omits defaulted arguments and passes the others positionally: both must work
-    with pytest.raises(RegistrationError, match="op 'rope': implementation .*'inverse' must default to False"):
-        b.add("rope", lambda x, positions, inv_freq, inverse: x)
-    with pytest.raises(RegistrationError, match="op 'rope': supports .*'inverse' must default to False"):
-        b.add("rope", lambda x, positions, inv_freq, inverse=False: x,
-              supports=lambda x, positions, inv_freq, inverse=True: True)
-    with pytest.raises(RegistrationError, match="op 'rms_norm': implementation .*'eps' is keyword-only"):
-        b.add("rms_norm", lambda x, weight, *, eps: x)
+    assert re.search("op 'rope': implementation .*'inverse' must default to False",
+                     rejected("rope", lambda x, positions, inv_freq, inverse: x))
+    assert re.search("op 'rope': supports .*'inverse' must default to False",
+                     rejected("rope", lambda x, positions, inv_freq, inverse=False: x,
+                              supports=lambda x, positions, inv_freq, inverse=True: True))
+    assert re.search("op 'rms_norm': implementation .*'eps' is keyword-only",
+                     rejected("rms_norm", lambda x, weight, *, eps: x))
+    assert "not callable" in rejected("hc_post", "not a function")
     assert not b.impls
+    b.add("rms_norm", lambda x, weight, eps: x)                    # a good op still registers
+    assert list(b.impls) == ["rms_norm"]
+    first = b.impls["rms_norm"].fn
+    b.add("rms_norm", lambda x, weight, eps: x)
+    assert b.impls["rms_norm"].fn is first and "registered twice" in b.rejected["rms_norm"]
 
 
 @pytest.mark.parametrize("args,match", [

@@ -20,13 +20,20 @@ def run(args) -> int:
     if args.json:
         print_json([s.as_dict() for s in statuses])
         return 0
-    rows = [(s.name, s.version or "-", ",".join(s.device_types) or "-",
+    rows = [(s.name, s.version or "-", ".".join(map(str, s.api_version)) if s.api_version else "-",
+             ",".join(s.device_types) or "-",
              f"{s.priority} (by name only)" if s.priority < 0 else s.priority,
-             "yes" if s.available else f"no: {s.reason}", len(s.backend.impls) if s.backend else 0,
+             "yes" if s.available else f"no: {s.reason}",
+             (f"{len(s.backend.impls)}" + (f" ({len(s.rejected)} rejected)" if s.rejected else "")) if s.backend else 0,
              s.validated or "-", s.source)
             for s in statuses]
-    print_table(("backend", "version", "devices", "priority", "available", "ops", "hardware validation", "source"),
-                rows)
+    print_table(("backend", "version", "HAL", "devices", "priority", "available", "ops", "hardware validation",
+                 "source"), rows)
+    rejected = [(s.name, op, why) for s in statuses for op, why in sorted(s.rejected.items())]
+    if rejected:
+        print("\nRejected implementations (each op left out; the next backend serves it):")
+        for name, op, why in rejected:
+            print(f"  {name} / {op}: {why}")
     print("\n'auto' picks, per op, the available backend serving the device with the highest priority "
           "(ties: by name); a negative priority is used only when named.")
     return 0

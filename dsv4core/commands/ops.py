@@ -38,9 +38,11 @@ def run(args) -> int:
         return 0
     rows = []
     for r in report:
-        why = "; ".join(f"{b}: {reason}" for b, reason in r["declined"].items())
+        why = "; ".join([f"{b}: {reason}" for b, reason in r["declined"].items()]
+                        + [f"{b}: {note}" for b, note in r.get("limits", {}).items()]
+                        + [f"{b}: {msg}" for b, msg in r.get("problems", {}).items()])
         notes = ", ".join(n for n in ("fallback" if r["fallback"] else "",
                                       f"deprecated: {r['deprecated']}" if r["deprecated"] else "") if n)
         rows.append((r["op"], r["family"], r["backend"], notes, why))
-    print_table(("op", "family", "served by", "", "declined"), rows)
+    print_table(("op", "family", "served by", "", "declined / limits"), rows)
     return 0

@@ -24,7 +24,7 @@ EXIT_PASSED, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_VERIFIED = 0, 1, 2, 3
 #: ``CaseResult.failure`` values: why a failed case failed. ``numeric`` failures have an
 #: err/bound ratio; the others have none (their ``message`` says what was wrong).
 FAILURE_KINDS = ("numeric", "discrete", "structure", "dtype", "shape", "device", "non-finite",
-                 "modified input", "raised", "supports", "harness")
+                 "modified input", "raised", "supports", "harness", "contract")
 
 #: The JSON report's schema (docs/conformance.md, "JSON report"); ``merge`` refuses other versions.
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "dsv4core.conformance.report", 2

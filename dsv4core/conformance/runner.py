@@ -73,9 +73,13 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     for name in op_names:
         spec = specs[name]
         impl = be.impls.get(name)
-        opres = OpResult(name, impl is not None, spec.tolerance)
+        rejected = None if impl is not None else getattr(be, "rejected", {}).get(name)
+        opres = OpResult(name, impl is not None or rejected is not None, spec.tolerance)
         report.ops.append(opres)
         t0 = time.perf_counter()
+        if rejected is not None:   # registered, but its contract check failed: the op was left out
+            opres.cases.append(CaseResult(name, "-", "-", "<registration>", FAILED, message=rejected,
+                                          failure="contract"))
         if impl is not None:
             for sh in shape_sets:
                 for dt in dts:

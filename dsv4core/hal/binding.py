@@ -31,6 +31,7 @@ from .backend import Impl
 from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
+from .version import version_str
 from .verify import VerifyStats, parse_fraction, parse_strict
 from .verify import wrap as verify_wrap
 
@@ -51,6 +52,12 @@ class OpBinding:
     runtime_fallbacks: int = 0      # calls handed down the chain because `supports` said no
     impl: Impl | None = field(default=None, repr=False)   # the serving implementation (None: hand-built)
     verify: VerifyStats | None = None   # verify-mode counts (None: verify mode off)
+    #: Candidates in the chain that implement an older contract of the op (backend -> what that
+    #: means: calls setting the parameters it lacks go to the next backend).
+    limits: dict[str, str] = field(default_factory=dict)
+    #: Contract violations seen at call time (backend -> the first one: a ``supports`` that raised
+    #: or returned a non-bool); such calls were handed to the next backend.
+    problems: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_fallback(self) -> bool:
@@ -59,7 +66,8 @@ class OpBinding:
     def as_dict(self) -> dict[str, Any]:
         d = {"op": self.op, "backend": self.backend, "fallback": self.is_fallback,
              "candidates": list(self.candidates), "declined": dict(self.declined),
-             "runtime_fallbacks": self.runtime_fallbacks}
+             "runtime_fallbacks": self.runtime_fallbacks, "limits": dict(self.limits),
+             "problems": dict(self.problems)}
         if self.verify is not None:
             d["verify"] = self.verify.as_dict()
         return d
@@ -100,7 +108,7 @@ class OpTable:
         if impl.supports is None:
             return True
         try:
-            return bool(impl.supports(*args, **kwargs))
+            return impl.supports(*args, **kwargs) is True   # a non-bool answer is a contract violation: no
         except Exception:  # noqa: BLE001 - a probe declines, it never raises
             return False
 
@@ -281,7 +289,8 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             elif not st.backend.serves(device_type):
                 declined[name] = f"does not serve device type {device_type!r}"
             elif impl is None:
-                declined[name] = "does not implement this op"
+                rejected = st.backend.rejected.get(op_name)
+                declined[name] = f"implementation rejected: {rejected}" if rejected else "does not implement this op"
             else:
                 chain.append(impl)
         serving = chain[0].backend
@@ -294,7 +303,10 @@ def _bind_cached(device_type: str, backend: str, policy: str, overrides: tuple, 
             # explicitly (or per op) that cannot serve an op is worth a warning.
             explicit = backend != "auto" or op_name in override_map
             log.log(logging.WARNING if policy == "warn" and explicit else logging.INFO, msg)
-        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0])
+        limits = {i.backend: (f"implements HAL {version_str(i.contract)}, which has no {', '.join(i.lacks)}: "
+                              f"calls setting {'it' if len(i.lacks) == 1 else 'them'} go to the next backend")
+                  for i in chain if i.lacks and i.contract is not None}
+        binding = OpBinding(op_name, serving, tuple(order), declined, call=None, impl=chain[0], limits=limits)
         binding.call = _make_call(spec, chain, policy, binding, check)
         bindings[op_name] = binding
     return OpTable(device_type, policy, bindings)
@@ -322,13 +334,33 @@ def _dispatch_chain(op_name: str, chain: list[Impl], policy: str, binding: OpBin
     rest = _dispatch_chain(op_name, chain[1:], policy, binding)
     warned = [False]
 
+    version_reason = f"{head.backend} implements HAL "
+
     def dispatch(*args, **kwargs):
-        if supports(*args, **kwargs):
+        try:
+            ok = supports(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a broken predicate: isolated, reported below
+            ok = e
+        if ok is True:
             return fn(*args, **kwargs)
         binding.runtime_fallbacks += 1
+        if ok is not False:   # a contract violation of the plugin: always reported (once)
+            if head.backend not in binding.problems:
+                what = (f"raised {type(ok).__name__}: {ok}" if isinstance(ok, Exception) else
+                        f"returned {type(ok).__name__}, not a bool")
+                msg = (f"{op_name}: backend {head.backend!r}'s supports() {what}; the call is served by "
+                       f"{chain[1].backend!r} (fix the plugin: supports() must return a plain bool)")
+                binding.problems[head.backend] = msg
+                if policy == "strict":
+                    raise FallbackError(msg + " — strict policy forbids fallbacks")
+                log.error(msg)
+            return rest(*args, **kwargs)
         if policy != "allow" and not warned[0]:
             reason = why_not(*args, **kwargs) if why_not else "its supports() predicate declined these inputs"
-            msg = f"{op_name}: backend {head.backend!r} declined a call ({reason}); next: {chain[1].backend!r}"
+            if head.lacks and isinstance(reason, str) and reason.startswith(version_reason):
+                msg = f"{op_name}: {reason}: served by {chain[1].backend}"
+            else:
+                msg = f"{op_name}: backend {head.backend!r} declined a call ({reason}); next: {chain[1].backend!r}"
             if policy == "strict":
                 raise FallbackError(msg + " — strict policy forbids fallbacks")
             warned[0] = True

@@ -9,6 +9,7 @@ import sys
 
 from .backend import HAL_API_VERSION
 from .spec import catalogue
+from .version import version_str
 
 
 def render() -> str:
@@ -29,7 +30,13 @@ def render() -> str:
     lines += [f"| [`{s.name}`](#{s.name}){' (deprecated)' if s.deprecated else ''} | {s.family} | "
               f"{s.tolerance.k:g} | {s.tolerance.floor:g} | {s.tolerance.metric} |" for s in specs.values()]
     for s in specs.values():
-        lines += ["", f"## {s.name}", "", "```python", f"{s.name}{s.signature}", "```", ""]
+        later: dict = {}
+        for n, v in s.params_since.items():
+            if v != s.since:
+                later.setdefault(v, []).append(f"`{n}`")
+        since = f"*Since* HAL {version_str(s.since)}" + "".join(
+            f"; {', '.join(ns)} since HAL {version_str(v)}" for v, ns in sorted(later.items())) + "."
+        lines += ["", f"## {s.name}", "", "```python", f"{s.name}{s.signature}", "```", "", since, ""]
         if s.deprecated:
             lines += [f"*Deprecated*: {s.deprecated}. It stays in the catalogue and in conformance.", ""]
         lines += [s.doc, "",

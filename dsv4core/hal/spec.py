@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .errors import OpInputError
+from .version import HAL_API_VERSION, version_str
 
 #: Activation dtypes every op accepts for its "act" tensors.
 ACT_DTYPES = (torch.float32, torch.bfloat16)
@@ -74,14 +75,18 @@ class OpSpec:
     """A HAL op: name, signature, reference implementation, input check, cases, tolerance."""
 
     def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int],
-                 writes: tuple[str, ...] = (), capturable: bool = True):
+                 writes: tuple[str, ...] = (), capturable: bool = True,
+                 params_since: dict[str, tuple[int, int]] | None = None):
         self.name: str = fn.__name__
         self.family = family
         self.reference = fn
         self.signature = inspect.signature(fn)
         self.doc = inspect.getdoc(fn) or ""
         self.tolerance = tolerance
-        self.since = since
+        self.since = _version(since, f"op {self.name!r}: since")
+        #: The HAL version each parameter dates from (every parameter; those not named in the
+        #: decorator's ``params_since`` date from the op's ``since``).
+        self.params_since: dict[str, tuple[int, int]] = _check_params_since(self, params_since or {})
         #: Arguments the op writes in place (pool ops); the op returns None. Conformance compares
         #: what each backend leaves in them, and that no other argument changed.
         self.writes = tuple(writes)
@@ -95,6 +100,25 @@ class OpSpec:
         self.deprecated: str | None = None
         self._check: Callable | None = None
         self._cases: CaseGenerator | None = None
+
+    # -- versioned contract ------------------------------------------------------------------
+    def signature_for(self, api_version: tuple[int, int]) -> inspect.Signature:
+        """The signature a backend declaring ``api_version`` implements: the parameters whose
+        ``since`` is at most that version, in order (same major version only)."""
+        v = _version(api_version, f"op {self.name!r}: signature_for")
+        if v[0] != self.since[0]:
+            raise ValueError(f"op {self.name!r}: HAL {version_str(v)} is another major version than the op's "
+                             f"{version_str(self.since)}")
+        if v < self.since:
+            raise ValueError(f"op {self.name!r} does not exist in HAL {version_str(v)} "
+                             f"(new in {version_str(self.since)})")
+        return self.signature.replace(parameters=[p for n, p in self.signature.parameters.items()
+                                                  if self.params_since[n] <= v])
+
+    def versions(self) -> list[tuple[int, int]]:
+        """Every HAL version of this major from the op's ``since`` to the current one."""
+        return [(self.since[0], m) for m in range(self.since[1], HAL_API_VERSION[1] + 1)] \
+            if self.since[0] == HAL_API_VERSION[0] else [self.since]
 
     # -- declaration helpers (used as decorators in the op modules) --------------------------
     def check(self, fn: Callable) -> Callable:
@@ -138,18 +162,22 @@ _CATALOGUE: dict[str, OpSpec] = {}
 
 
 def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), writes: tuple[str, ...] = (),
-       capturable: bool = True, params_since: dict | None = None,
+       capturable: bool = True, params_since: dict[str, tuple[int, int]] | None = None,
        deprecated: str | None = None) -> Callable[[Callable], OpSpec]:
     """Declare a HAL op. The decorated function is its reference implementation.
 
-    ``writes``: parameters written in place (the op returns None). ``capturable``: whether the
-    reference implementation can be recorded in a device graph (see ``Backend.add``).
-    ``deprecated``: why the op is deprecated (what replaces it); it stays in the catalogue and in
-    conformance."""
+    ``since``: the HAL version that added the op. ``params_since``: the HAL version that added a
+    parameter, for parameters added later than the op (``{"w13_scale": (1, 2)}``); every such
+    parameter must have a default that means "the behaviour before it existed", must come after
+    the older positional parameters (or be keyword-only), and cannot be newer than
+    ``HAL_API_VERSION``. Backends built for an older version implement the op without it
+    (:meth:`OpSpec.signature_for`). ``writes``: parameters written in place (the op returns
+    None). ``capturable``: whether the reference implementation can be recorded in a device graph
+    (see ``Backend.add``). ``deprecated``: why the op is deprecated (what replaces it); it stays
+    in the catalogue and in conformance."""
 
     def wrap(fn: Callable) -> OpSpec:
-        spec = OpSpec(fn, family, tolerance, since, writes, capturable)
-        spec.params_since = dict(params_since or {})
+        spec = OpSpec(fn, family, tolerance, since, writes, capturable, params_since)
         spec.deprecated = deprecated
         if spec.name in _CATALOGUE:
             raise ValueError(f"op {spec.name!r} declared twice")
@@ -164,6 +192,46 @@ def catalogue() -> dict[str, OpSpec]:
     from . import ops  # noqa: F401  (importing the op modules fills the catalogue)
 
     return dict(_CATALOGUE)
+
+
+def _version(v, what: str) -> tuple[int, int]:
+    if (not isinstance(v, tuple) or len(v) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in v)):
+        raise ValueError(f"{what}: expected a (major, minor) pair of ints, got {v!r}")
+    return v
+
+
+def _check_params_since(spec: OpSpec, given: dict) -> dict[str, tuple[int, int]]:
+    """Validate the decorator's ``params_since`` and return the version of every parameter."""
+    params = spec.signature.parameters
+    where = f"op {spec.name!r}: params_since"
+    out = {n: spec.since for n in params}
+    for name, v in dict(given).items():
+        if name not in params:
+            raise ValueError(f"{where} names unknown parameter {name!r} (parameters: {', '.join(params)})")
+        v = _version(v, f"{where}[{name!r}]")
+        if v[0] != spec.since[0] or v <= spec.since:
+            raise ValueError(f"{where}[{name!r}] = {version_str(v)} must be later than the op's since "
+                             f"{version_str(spec.since)}, in the same major version")
+        if v > HAL_API_VERSION:
+            raise ValueError(f"{where}[{name!r}] = {version_str(v)} is newer than HAL_API_VERSION "
+                             f"{version_str(HAL_API_VERSION)}")
+        if params[name].default is inspect.Parameter.empty:
+            raise ValueError(f"{where}[{name!r}]: a parameter added after the op needs a default meaning "
+                             f"\"the behaviour before it existed\"")
+        out[name] = v
+    # positional parameters must be ordered by version, so that an older backend's positional
+    # parameters are a prefix of the current ones (keyword-only parameters may come from any version)
+    last = None
+    for name, p in params.items():
+        if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD):
+            continue
+        if last is not None and out[name] < out[last]:
+            raise ValueError(f"{where}: positional parameter {name!r} (HAL {version_str(out[name])}) comes after "
+                             f"{last!r} (HAL {version_str(out[last])}); a newer parameter goes after the older "
+                             f"ones or is keyword-only")
+        last = name
+    return out
 
 
 def _require_same_signature(spec: OpSpec, fn: Callable, what: str) -> None:

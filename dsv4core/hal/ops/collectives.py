@@ -4,7 +4,7 @@ process group with more than one rank is initialised, identities otherwise.
 ``group`` is a ``torch.distributed`` ProcessGroup (``None``: the default group); "rank" below is
 this process's rank IN ``group`` and "world size" its size. The fp64 formulas the multi-process
 conformance run checks against are in :mod:`dsv4core.conformance.distributed` (``expected``).
-Uneven splits (HAL 1.1): ``all_gather(..., sizes=)`` gathers per-rank extents that differ (a
+Uneven splits (HAL 1.2): ``all_gather(..., sizes=)`` gathers per-rank extents that differ (a
 vocabulary or a token batch that does not divide by the world size), ``reduce_scatter(...,
 sizes=)`` keeps per-rank extents that differ; ``all_to_all`` has taken split sizes since 1.0.
 """
@@ -43,11 +43,11 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     return y
 
 
-@op(family="collectives", tolerance=_EXACT)
+@op(family="collectives", tolerance=_EXACT, params_since={"sizes": (1, 2)})
 def all_gather(x: torch.Tensor, dim: int = 0, group=None, sizes: list[int] | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order.
 
-    ``sizes`` (HAL 1.1): the extent of every rank's ``x`` along ``dim`` (one int per rank; this
+    ``sizes`` (HAL 1.2): the extent of every rank's ``x`` along ``dim`` (one int per rank; this
     rank's ``x.shape[dim] == sizes[rank]``; other dims equal); ``None``: all equal to this rank's.
     """
     ws = world_size(group)
@@ -67,10 +67,10 @@ def all_gather(x: torch.Tensor, dim: int = 0, group=None, sizes: list[int] | Non
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 
-@op(family="collectives", tolerance=_SUM)
+@op(family="collectives", tolerance=_SUM, params_since={"sizes": (1, 2)})
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, sizes: list[int] | None = None) -> torch.Tensor:
     """Sum ``x`` over ranks, then keep this rank's chunk along ``dim``: the equal chunk, or with
-    ``sizes`` (HAL 1.1, one int per rank, summing to ``x.shape[dim]``) the ``sizes[rank]`` entries
+    ``sizes`` (HAL 1.2, one int per rank, summing to ``x.shape[dim]``) the ``sizes[rank]`` entries
     after the first ``sum(sizes[:rank])``.
 
     Implemented as all_reduce + slice: the plainest correct form on every process-group backend
