@@ -190,8 +190,8 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
 
 # --------------------------------------------------------------------------------------------- timing
 class Timer:
-    """``flush``: how L2 is made cold before each timed call. "write" (the default; the committed
-    results before session 18): zero a 256 MiB buffer, which leaves L2 full of dirty lines (~50 MB on an
+    """``flush``: how L2 is made cold before each timed call. "write" (the default; the older
+    committed results): zero a 256 MiB buffer, which leaves L2 full of dirty lines (~50 MB on an
     H200) that the timed call pays to write back while it reads (about 12 µs at 4.3 TB/s: most
     of the gap between a 64 MiB weight stream and the copy rate). "read": read the buffer
     instead, which leaves clean lines, as in a decode step whose kernels write little."""

@@ -136,7 +136,7 @@ def test_pytest_entry_unknown_backend_is_a_usage_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Exit status and the result line agree (issue 13: a run that verified nothing was "PASSED")
+# Exit status and the result line agree (a run that verified nothing must not say "PASSED")
 # ---------------------------------------------------------------------------------------------
 
 def _cli(monkeypatch, capsys, backend, argv):
