@@ -21,6 +21,8 @@ arguments (HAL 1.2); under ``"exact"`` the model never passes them.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -88,6 +90,15 @@ def _dims_problem(cfg) -> str:
     return "; ".join(bad)
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside the dsv4core package (the user's call)."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    level, f = 1, sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg + os.sep):
+        f, level = f.f_back, level + 1
+    return level
+
+
 def auto_or(requested: str, resolved: str, model) -> str:
     """``resolved``; but when "auto" resolved to "official" for a model whose dims cannot carry the
     official block sizes (test-sized checkpoints), "exact" with a warning naming the dims (an
@@ -96,7 +107,7 @@ def auto_or(requested: str, resolved: str, model) -> str:
         why = _dims_problem(model.config)
         if why:
             warnings.warn(f"numerics='auto': the checkpoint is quantised, but its dims cannot carry the official "
-                          f"block sizes ({why}); computing with numerics='exact'", stacklevel=3)
+                          f"block sizes ({why}); computing with numerics='exact'", stacklevel=_caller_level())
             return "exact"
     return resolved
 
