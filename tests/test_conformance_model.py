@@ -34,8 +34,12 @@ def rms_norm_bf16_accumulation(x, weight, eps):
 def test_legal_backend_passes_every_run_with_the_bf16_bound_stated():
     m = check_model(make_alt_backend(), "tiny", ("float32", "bfloat16"), steps=8)
     runs = _runs(m)
-    assert set(runs) == {"float32", "bfloat16", "float32-fp8"}
+    assert set(runs) == {"float32", "bfloat16", "bfloat16-official", "float32-fp8"}
     assert m["status"] == PASSED, m
+    off = runs["bfloat16-official"]
+    assert off["model"] == "tiny-official" and off["numerics"] == "official"
+    for p in off["per_prompt"]:          # the official numerics assembled alike: ~1x the reference's
+        assert p["error"] <= 1.2 * p["reference_error"], p
     bf = runs["bfloat16"]
     assert bf["bound_k"] == BF16_K and len(bf["per_prompt"]) == bf["prompts"] >= 3
     for p in bf["per_prompt"]:           # a legal backend sits at ~1x the reference's own error

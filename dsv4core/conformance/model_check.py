@@ -15,6 +15,11 @@ which can fail:
   compared with the float32 reference's (relative RMS error). Per prompt, ``e_b <= BF16_K * e_ref``.
   Top-1 agreement with the float32 greedy tokens along the same sequence must be at least the
   reference bfloat16's own minus BF16_AGREEMENT_SLACK (averaged over the prompts).
+* ``bfloat16-official`` (model ``tiny`` only, with ``bfloat16``) - the ``tiny-official`` model
+  (dims that carry the official numerics: W8A8 projections and experts, FP8 KV rows, the FP4
+  indexer) in official numerics, judged like ``bfloat16`` against its own float32 run. The
+  backend's kernels serve what they accept; the quantised calls they decline go to the reference
+  (counted as fallbacks).
 * ``float32-fp8`` (model ``tiny`` only) - the tiny model written as an official FP8 checkpoint
   (e4m3 weights, e8m0 128x128 block scales that differ from block to block) and loaded with
   ``quantized="keep"``, so the backend's ``linear`` / ``wo_a`` get FP8 weights and block scales;
@@ -203,10 +208,11 @@ def _bf16_run(m32, m16, model: str, table: OpTable, seed: int) -> dict[str, Any]
 
 
 def check_model(backend: Backend, model: str = "tiny", dtypes=("float32", "bfloat16"), device: str = "cpu",
-                seed: int = 0, steps: int = STEPS, fp8: bool = True) -> dict[str, Any]:
+                seed: int = 0, steps: int = STEPS, fp8: bool = True, official: bool = True) -> dict[str, Any]:
     """Run the model-level check; returns a JSON-able dict with ``status`` passed / failed /
     unavailable, one entry per run in ``runs``, and per-op ``calls`` / ``fallbacks`` counts.
-    ``fp8``: add the float32-fp8 run (model ``tiny`` only)."""
+    ``fp8``: add the float32-fp8 run (model ``tiny`` only); ``official``: add the
+    bfloat16-official run (model ``tiny`` with bfloat16 only)."""
     try:
         import dsv4core  # noqa: F401
         from dsv4core.model.api import load_model  # noqa: F401
@@ -217,15 +223,17 @@ def check_model(backend: Backend, model: str = "tiny", dtypes=("float32", "bfloa
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)     # tiny tensors: intra-op threads only add overhead (and stall a shared CPU)
     try:
-        return _check(backend, model, dtypes, device, seed, steps, fp8)
+        return _check(backend, model, dtypes, device, seed, steps, fp8, official)
     finally:
         torch.set_num_threads(threads)
 
 
-def _check(backend, model, dtypes, device, seed, steps, fp8) -> dict[str, Any]:
+def _check(backend, model, dtypes, device, seed, steps, fp8, official=True) -> dict[str, Any]:
     counter = _Counter()
     table = backend_table(backend, device, counter)
     plan = [d for d in dtypes if d in ("float32", "bfloat16")]
+    if official and model == "tiny" and "bfloat16" in plan:
+        plan.append("bfloat16-official")
     if fp8 and model == "tiny" and "float32" in plan:
         plan.append("float32-fp8")
     runs, models = [], {}
@@ -235,6 +243,9 @@ def _check(backend, model, dtypes, device, seed, steps, fp8) -> dict[str, Any]:
         try:
             if label == "float32-fp8":
                 m = _load_tiny_fp8(device)
+            elif label == "bfloat16-official":
+                m32 = _load("tiny-official", torch.float32, device)
+                m = _load("tiny-official", torch.bfloat16, device)
             else:
                 for dt_name in ("float32", label):
                     if dt_name not in models:
@@ -249,6 +260,8 @@ def _check(backend, model, dtypes, device, seed, steps, fp8) -> dict[str, Any]:
         before = dict(counter.fallbacks)
         try:
             run = (_bf16_run(models["float32"], m, model, table, seed) if label == "bfloat16"
+                   else dict(_bf16_run(m32, m, "tiny-official", table, seed), dtype="bfloat16-official",
+                             numerics="official") if label == "bfloat16-official"
                    else _exact_run(m, label, model if label == "float32" else f"{model} (FP8 weights kept)",
                                    table, seed, steps))
         except Exception as e:

@@ -42,6 +42,14 @@ TINY_CONFIG: dict[str, Any] = dict(
                      "beta_fast": 32, "beta_slow": 1},
     bos_token_id=0, eos_token_id=1,
 )
+#: "tiny-official": the tiny model with dims that carry the official numerics' blocks (hidden,
+#: q_lora, o_groups * o_lora and the expert width multiples of 128, 64 non-rope head channels, a
+#: power-of-two indexer head dim); loaded with numerics="official" unless asked otherwise.
+TINY_OFFICIAL_CONFIG: dict[str, Any] = dict(
+    TINY_CONFIG, hidden_size=128, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=64,
+    moe_intermediate_size=128, index_n_heads=4, index_head_dim=64)
+#: the built-in models by name: (config, the numerics "auto" means for it)
+BUILT_IN = {"tiny": (TINY_CONFIG, "exact"), "tiny-official": (TINY_OFFICIAL_CONFIG, "official")}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
@@ -102,7 +110,9 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
                device: torch.device | str | None = None, quantized: str = "auto",
                verify: float | str | None = None, tp: int = 1, ep: int = 1,
                numerics: str = "auto") -> DSV4ForCausalLM:
-    """Load a DSV4 model: a checkpoint directory (transformers or official format) or `"tiny"`.
+    """Load a DSV4 model: a checkpoint directory (transformers or official format), `"tiny"` (the
+    built-in tiny DSV4, exact numerics) or `"tiny-official"` (its variant whose dims carry the
+    official numerics, which it computes by default).
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
     priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
@@ -136,9 +146,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     fp8.check_mode(quantized)
     num.check(numerics)
     dev = torch.device(device if device is not None else "cpu")
-    if str(path_or_name) == "tiny":
-        model = build_model(TINY_CONFIG, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
-                            tp=tp, ep=ep, numerics=numerics)
+    if str(path_or_name) in BUILT_IN:
+        config, auto = BUILT_IN[str(path_or_name)]
+        model = build_model(config, dtype=dtype, device=dev, backend=backend, seed=TINY_SEED, verify=verify,
+                            tp=tp, ep=ep, numerics=auto if numerics == "auto" else numerics)
         model._quantization = fp8.report(model, quantized, [])
         _attach_tokenizer(model, None)
         return model
