@@ -236,10 +236,10 @@ def test_strict_false_ignores_unexpected(pair, tmp_path):
 def test_row_chunked_conversion_is_identical(pair, monkeypatch):
     """Large tensors are read and dequantised in row chunks; force tiny chunks (one FP8 block
     row) and check the result is bit-identical."""
-    from dsv4core.checkpoint import loader
+    from dsv4core.checkpoint import convert
 
     _, off, _, ref = pair
-    monkeypatch.setattr(loader, "_CHUNK_ROWS", 128)
+    monkeypatch.setattr(convert, "_CHUNK_ROWS", 128)
     m = _load(off)
     for k, v in m.state_dict().items():
         assert torch.equal(v, ref[k]), k
