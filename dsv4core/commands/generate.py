@@ -42,7 +42,8 @@ def add_parser(subparsers) -> None:
                                           "batched: one prefill, then one decode step per new token; greedy "
                                           "unless --temperature > 0.")
     p._negative_number_matcher = _NEGATIVE_IDS
-    p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' for the built-in tiny DSV4")
+    p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' / 'tiny-official' for the built-in tiny DSV4 (exact numerics) "
+                        "or its variant whose dims carry the official numerics")
     p.add_argument("--input-ids", action="append", default=[], type=_ids, metavar="1,2,3",
                    help="prompt token ids, comma-separated; repeat for a batch of prompts")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
