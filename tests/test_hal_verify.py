@@ -48,15 +48,88 @@ def test_off_is_the_plain_table():
         assert t.verify_summary() is None and "verify" not in t.report()[0]
 
 
-def test_fraction_is_deterministic_and_correct_ops_never_diverge():
-    t = bind("cpu", backend="reference", verify="25%")
+def test_fraction_is_reproducible_per_seed_and_correct_ops_never_diverge(monkeypatch):
+    # sampling is random per call (not every 4th call), so the count is that of the seeded draws
     x, w = torch.randn(3, 16), torch.rand(16) + 0.5
-    for _ in range(8):
-        t.rms_norm(x, w, 1e-6)
-    st = t.bindings["rms_norm"].verify
-    assert (st.calls, st.checked, st.divergences) == (8, 2, 0)
-    assert t.bindings["rms_norm"].call is not t.bindings["rms_norm"].impl.fn      # wrapped
-    assert t.verify_summary()["checked"] == 2 and not t.verify_summary()["diverged"]
+
+    def checked(**kw):
+        t = bind("cpu", backend="reference", verify="25%", **kw)
+        for _ in range(200):
+            t.rms_norm(x, w, 1e-6)
+        st = t.bindings["rms_norm"].verify
+        assert (st.calls, st.divergences) == (200, 0)
+        assert t.bindings["rms_norm"].call is not t.bindings["rms_norm"].impl.fn      # wrapped
+        s = t.verify_summary()
+        assert s["checked"] == st.checked and s["ops"]["rms_norm"] == {"calls": 200, "checked": st.checked}
+        assert not s["diverged"]
+        return st.checked, s["seed"]
+
+    monkeypatch.setenv("DSV4CORE_VERIFY_SEED", "7")
+    n7, seed = checked()
+    assert seed == 7 and checked() == (n7, 7) and checked(verify_seed=7) == (n7, 7)
+    # 200 draws at p = 0.25: mean 50, sd 6.1; a fixed seed, so this is one exact number
+    assert 25 <= n7 <= 75
+    counts = {checked(verify_seed=s)[0] for s in range(8)}
+    assert len(counts) > 1                     # the seed picks the calls
+    monkeypatch.delenv("DSV4CORE_VERIFY_SEED")
+    assert checked()[1] != checked()[1]         # no seed given: a fresh one per table, reported
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", True])
+def test_invalid_verify_seed_is_a_clear_error(monkeypatch, value):
+    with pytest.raises(HALError, match="verify_seed: expected a non-negative integer seed"):
+        bind("cpu", verify=0.5, verify_seed=value)
+    if isinstance(value, str):
+        monkeypatch.setenv("DSV4CORE_VERIFY_SEED", value)
+        with pytest.raises(HALError, match=f"DSV4CORE_VERIFY_SEED: expected a non-negative integer seed.*'{value}'"):
+            bind("cpu", verify=0.5)
+
+
+def _linear_sites(bad_shape):
+    """28 linear weights of different shapes (one step of a model) and a linear right for every
+    shape but ``bad_shape`` (where it drops the last input column: a wrong kernel tile edge)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4 + i, 8 + (i % 5)) for i in range(28)]
+    sites = [(torch.randn(2, k, generator=g), torch.randn(n, k, generator=g)) for n, k in shapes]
+    ref = catalogue()["linear"].reference
+
+    def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
+        if tuple(weight.shape) == bad_shape:
+            x = torch.cat([x[:, :-1], torch.zeros_like(x[:, -1:])], dim=1)
+        return ref(x, weight, weight_scale, out_dtype, act_block)
+
+    return shapes, sites, linear
+
+
+def test_a_bug_at_one_call_site_is_caught_at_5_percent():
+    """A fixed pattern of 28 linear calls a step: every call site is checked at the rate asked for.
+    (Checking every 20th call would only ever reach 7 of the 28 sites - never the first one.)"""
+    from dsv4core.hal.verify import VerifyStats, wrap
+
+    spec = catalogue()["linear"]
+    shapes, sites, linear = _linear_sites(bad_shape=(4, 8))           # the step's first call
+    assert sum(1 for s in shapes if s == (4, 8)) == 1
+
+    def run(seed):
+        stats = VerifyStats(0.05, seed)
+        verified = wrap(spec, linear, stats, False, "one-site-bug")
+        picked = []
+        for _ in range(200):
+            for i, (x, w) in enumerate(sites):
+                before = stats.checked
+                verified(x, w)
+                if stats.checked > before:
+                    picked.append(i)
+        return stats, picked
+
+    stats, picked = run(seed=12345)
+    assert stats.calls == 200 * 28
+    assert 0 < stats.divergences == picked.count(0)        # only the bad site diverges, and it was checked
+    assert set(picked) == set(range(28))                     # every call site was checked at least once
+    assert "weight[4, 8]" in stats.first
+    again, picked_again = run(seed=12345)
+    assert picked_again == picked and (again.checked, again.divergences) == (stats.checked, stats.divergences)
+    assert run(seed=54321)[1] != picked
 
 
 def test_planted_bug_is_caught_in_the_model_and_named(planted, caplog):

@@ -191,7 +191,7 @@ def run(args) -> int:
     if summary is not None:
         diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())
         print(f"verify: {summary['checked']} of {summary['calls']} op calls checked against the reference "
-              f"(fraction {summary['fraction']:g}), {summary['divergences']} diverged"
+              f"(fraction {summary['fraction']:g}, seed {summary['seed']}), {summary['divergences']} diverged"
               + (f" ({diverged})" if diverged else "") + ("; DSV4CORE_VERIFY_STRICT=1 makes the first one an error"
                                                            if summary["divergences"] else ""), file=sys.stderr)
     return 0

@@ -32,7 +32,7 @@ from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
 from .version import version_str
-from .verify import VerifyStats, parse_fraction, parse_strict
+from .verify import VerifyStats, parse_fraction, parse_seed, parse_strict
 from .verify import wrap as verify_wrap
 
 log = logging.getLogger("dsv4core.hal")
@@ -148,10 +148,13 @@ class OpTable:
         stats = {n: b.verify for n, b in self.bindings.items() if b.verify is not None}
         if not stats:
             return None
-        return {"fraction": next(iter(stats.values())).fraction,
+        first = next(iter(stats.values()))
+        return {"fraction": first.fraction, "seed": first.seed,
                 "calls": sum(v.calls for v in stats.values()), "checked": sum(v.checked for v in stats.values()),
                 "divergences": sum(v.divergences for v in stats.values()),
-                "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences}}
+                "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences},
+                # per op: how many calls there were and how many of them were checked
+                "ops": {n: {"calls": v.calls, "checked": v.checked} for n, v in stats.items() if v.calls}}
 
     def __repr__(self) -> str:
         served = {}
@@ -210,7 +213,8 @@ def _usable(name: str, statuses: dict[str, PluginStatus], device_type: str, why:
 
 def bind(device: str | torch.device = "cpu", backend: str | None = None, policy: str | None = None,
          ops: dict[str, str] | str | None = None, check: bool | None = None,
-         verify: float | str | None = None, verify_strict: bool | None = None) -> OpTable:
+         verify: float | str | None = None, verify_strict: bool | None = None,
+         verify_seed: int | str | None = None) -> OpTable:
     """Resolve every op for ``device`` and return the frozen :class:`OpTable`.
 
     backend: a backend name or ``"auto"``; default: env ``DSV4CORE_BACKEND``, else ``"auto"``.
@@ -220,8 +224,10 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
     check:   validate inputs on every call (default: on under ``strict`` or env ``DSV4CORE_CHECK=1``).
     verify:  fraction of op calls re-run on the reference and compared (0 = off, the default; env
              ``DSV4CORE_VERIFY``); ``verify_strict`` (env ``DSV4CORE_VERIFY_STRICT=1``) raises
-             VerifyError at the first divergence. See :mod:`dsv4core.hal.verify`. A table with
-             the verify mode on is built afresh (its counts are its own), never cached.
+             VerifyError at the first divergence; ``verify_seed`` (env ``DSV4CORE_VERIFY_SEED``,
+             else a fresh one) seeds the random choice of the calls checked. See
+             :mod:`dsv4core.hal.verify`. A table with the verify mode on is built afresh (its
+             counts are its own), never cached.
     """
     device_type = torch.device(device).type
     backend = backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
@@ -236,17 +242,18 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
     fraction = parse_fraction(os.environ.get("DSV4CORE_VERIFY") if verify is None else verify,
                               "DSV4CORE_VERIFY" if verify is None else "verify")
     strict = parse_strict(verify_strict)
+    seed = parse_seed(verify_seed)
     table = _bind_cached(device_type, backend, policy, tuple(sorted(overrides.items())), bool(check))
     if fraction == 0:
         return table
-    return _with_verify(table, fraction, strict)
+    return _with_verify(table, fraction, strict, seed)
 
 
-def _with_verify(table: OpTable, fraction: float, strict: bool) -> OpTable:
+def _with_verify(table: OpTable, fraction: float, strict: bool, seed: int) -> OpTable:
     specs = catalogue()
     bindings = {}
     for name, b in table.bindings.items():
-        stats = VerifyStats(fraction)
+        stats = VerifyStats(fraction, seed)
         nb = dataclasses.replace(b, verify=stats)
         nb.call = verify_wrap(specs[name], b.call, stats, strict, b.backend)
         bindings[name] = nb

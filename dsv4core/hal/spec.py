@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .errors import OpInputError
+from .errors import HALError, OpInputError
 from .version import HAL_API_VERSION, version_str
 
 #: Activation dtypes every op accepts for its "act" tensors.
@@ -44,8 +45,9 @@ class Tolerance:
     floor: float
     why: str
     metric: str = "max_rel"
-    #: Per-dtype floors (``{"bfloat16": 2**-10}``) overriding ``floor`` for cases of that dtype.
-    floors: dict = field(default_factory=dict, hash=False, compare=False)
+    #: Per-dtype floors (``{"bfloat16": 2**-10}``) overriding ``floor`` for cases of that dtype;
+    #: stored read-only (a ``MappingProxyType`` over a private copy of the dict given).
+    floors: Mapping[str, float] = field(default_factory=dict, hash=False, compare=False)
     #: Quantised calls (a case whose quantisation argument is set: ``act_block`` /
     #: ``nope_quant_block``, or an op that always quantises) may exceed the bound in 1 of every
     #: ``quantized_rows`` output rows (0: none), each such row in at most two values by at most
@@ -54,6 +56,9 @@ class Tolerance:
     #: fp32 rounding, which moves its code to the neighbouring one. ``why`` says the derivation.
     quantized_rows: int = 0
     quantized_step: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "floors", MappingProxyType(dict(self.floors)))
 
     def floor_for(self, dtype: torch.dtype) -> float:
         return float(self.floors.get(str(dtype).replace("torch.", ""), self.floor))
@@ -71,8 +76,21 @@ class Case:
 CaseGenerator = Callable[[str, torch.dtype, torch.device, torch.Generator], Iterable[Case]]
 
 
+class FrozenSpecError(HALError, AttributeError):
+    """An attribute of a declared op spec was assigned or deleted after the catalogue loaded."""
+
+
 class OpSpec:
-    """A HAL op: name, signature, reference implementation, input check, cases, tolerance."""
+    """A HAL op: name, signature, reference implementation, input check, cases, tolerance.
+
+    Once the built-in catalogue has loaded (:func:`catalogue`), every spec is frozen: assigning or
+    deleting any attribute raises :class:`FrozenSpecError` naming the op and the attribute, and
+    ``params_since`` becomes a read-only mapping (``Tolerance`` is a frozen dataclass whose
+    ``floors`` are read-only too). The reference, the tolerances, the input check and the cases a
+    backend is judged by cannot be changed by code that runs later, a plugin included.
+    """
+
+    _frozen = False
 
     def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int],
                  writes: tuple[str, ...] = (), capturable: bool = True,
@@ -101,6 +119,25 @@ class OpSpec:
         self._check: Callable | None = None
         self._cases: CaseGenerator | None = None
 
+    def __setattr__(self, name: str, value) -> None:
+        if self._frozen:
+            raise FrozenSpecError(f"op {self.name!r}: cannot set {name!r}: the op specs are frozen once the "
+                                  f"catalogue has loaded (the reference, tolerances, checks and cases a backend is "
+                                  f"judged by are not changeable at run time)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._frozen:
+            raise FrozenSpecError(f"op {self.name!r}: cannot delete {name!r}: the op specs are frozen once the "
+                                  f"catalogue has loaded")
+        object.__delattr__(self, name)
+
+    def _freeze(self) -> None:
+        """Make the spec immutable (called by :func:`catalogue` once every op module has loaded)."""
+        if not self._frozen:
+            self.params_since = MappingProxyType(dict(self.params_since))
+            object.__setattr__(self, "_frozen", True)
+
     # -- versioned contract ------------------------------------------------------------------
     def signature_for(self, api_version: tuple[int, int]) -> inspect.Signature:
         """The signature a backend declaring ``api_version`` implements: the parameters whose
@@ -124,7 +161,7 @@ class OpSpec:
     def check(self, fn: Callable) -> Callable:
         """Register the input check; it takes the op's exact parameters and raises OpInputError."""
         _require_same_signature(self, fn, "check")
-        self._check = fn
+        self._check = fn   # FrozenSpecError once the catalogue has loaded
         return fn
 
     def cases(self, fn: CaseGenerator) -> CaseGenerator:
@@ -188,9 +225,12 @@ def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), wr
 
 
 def catalogue() -> dict[str, OpSpec]:
-    """All declared ops by name, in declaration order."""
+    """All declared ops by name, in declaration order: a new dict on every call (changing it changes
+    nothing), of specs frozen once the op modules have loaded (see :class:`OpSpec`)."""
     from . import ops  # noqa: F401  (importing the op modules fills the catalogue)
 
+    for spec in _CATALOGUE.values():
+        spec._freeze()
     return dict(_CATALOGUE)
 
 

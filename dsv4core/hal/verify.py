@@ -5,8 +5,12 @@ every op of the bound table check that fraction of its calls: the inputs are cop
 call, the reference math is run on the copies (in the call's dtype and in float64 - on the same
 device, or on the CPU where the device has no float64) and the output is judged exactly as the
 conformance suite judges a case (the op's Tolerance: ``k x`` the reference's own error + floor;
-index sets and routes as sets). Sampling is deterministic: the n-th call of an op is checked when
-``floor(n * fraction)`` increases (fraction 0.01: calls 100, 200, ...; 1: every call).
+index sets and routes as sets). Sampling is random and independent per call: each op has its own
+``random.Random`` seeded from the run's seed and the op's name, and every call of the op is checked
+with probability ``fraction`` (1: every call), so every call site of an op - whatever the model's
+fixed pattern of calls - is checked at the requested rate. The seed is ``DSV4CORE_VERIFY_SEED``
+(an integer) when set, else drawn afresh from the OS for each bound table; it is reported in
+``verify_summary()["seed"]`` so that a run's sampling can be reproduced exactly.
 
 A divergence is counted per op; the first of each op is logged as a warning naming the op, the
 argument shapes and the err/bound. With ``DSV4CORE_VERIFY_STRICT=1`` (``verify_strict=True``) the
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,7 +35,7 @@ import torch
 from .errors import HALError
 
 log = logging.getLogger("dsv4core.hal")
-ENV, ENV_STRICT = "DSV4CORE_VERIFY", "DSV4CORE_VERIFY_STRICT"
+ENV, ENV_STRICT, ENV_SEED = "DSV4CORE_VERIFY", "DSV4CORE_VERIFY_STRICT", "DSV4CORE_VERIFY_SEED"
 
 
 class VerifyError(HALError):
@@ -66,11 +71,34 @@ def parse_strict(value: bool | str | None) -> bool:
     raise HALError(f"{ENV_STRICT}: expected 1 or 0, got {value!r}")
 
 
+def parse_seed(value: int | str | None = None) -> int:
+    """The sampling seed: ``value``, else ``DSV4CORE_VERIFY_SEED``, else a fresh one from the OS.
+    A non-negative integer (decimal text is accepted); anything else is a HALError naming it."""
+    where = "verify_seed"
+    if value is None:
+        value, where = os.environ.get(ENV_SEED, ""), ENV_SEED
+        if not value.strip():
+            return int.from_bytes(os.urandom(8), "little")
+    try:
+        seed = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value).strip(), 10)
+    except ValueError:
+        seed = -1
+    if isinstance(value, bool) or seed < 0:
+        raise HALError(f"{where}: expected a non-negative integer seed for the verify sampling, got {value!r}")
+    return seed
+
+
+def sampler(seed: int, op: str) -> random.Random:
+    """The per-op random stream the verify mode draws from (one ``random()`` per call)."""
+    return random.Random(f"dsv4core-verify:{seed}:{op}")
+
+
 @dataclass
 class VerifyStats:
     """Per-op verify counts (in the op's binding)."""
 
     fraction: float
+    seed: int = 0                   # the run's sampling seed (see :func:`sampler`)
     calls: int = 0
     checked: int = 0
     divergences: int = 0
@@ -78,7 +106,7 @@ class VerifyStats:
     first: str = ""                 # the first divergence, as logged
 
     def as_dict(self) -> dict[str, Any]:
-        return {"fraction": self.fraction, "calls": self.calls, "checked": self.checked,
+        return {"fraction": self.fraction, "seed": self.seed, "calls": self.calls, "checked": self.checked,
                 "divergences": self.divergences,
                 "worst_ratio": self.worst_ratio if math.isfinite(self.worst_ratio) else None,
                 "first_divergence": self.first or None}
@@ -101,15 +129,17 @@ def _call_dtype(kw: dict) -> torch.dtype:
 
 
 def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -> Callable:
-    """``call`` with the verify mode: every call counted, a ``stats.fraction`` of them judged."""
+    """``call`` with the verify mode: every call counted, each judged with probability
+    ``stats.fraction`` (draws from :func:`sampler` of ``stats.seed`` and the op's name)."""
     from . import compare
 
     sig = spec.signature
     fraction = stats.fraction
+    draw = sampler(stats.seed, spec.name).random
 
     def verified(*args, **kwargs):
         stats.calls += 1
-        if math.floor(stats.calls * fraction) == math.floor((stats.calls - 1) * fraction):
+        if not draw() < fraction:      # random() is in [0, 1): fraction 1 checks every call
             return call(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
