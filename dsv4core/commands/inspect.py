@@ -43,13 +43,13 @@ def _compact_schedule(sched: list[dict]) -> str:
 def _numerics(ckpt) -> str:
     """What ``load_model(path)`` (numerics="auto") computes with, and why."""
     from dsv4core.model.config import DSV4Config
-    from dsv4core.model.numerics import _dims_problem, resolve
+    from dsv4core.model.numerics import dims_problem, resolve
 
     if not ckpt.config_dict:
         return "unknown (no config.json)"
     picked = resolve("auto", ckpt.format, ckpt.config_dict)
     if picked == "official":
-        why = _dims_problem(DSV4Config.from_dict(ckpt.config_dict))
+        why = dims_problem(DSV4Config.from_dict(ckpt.config_dict))
         return f"exact (quantised, but {why})" if why else "official"
     return "exact"
 

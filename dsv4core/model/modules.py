@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4core.hal.ops.projections import ACT_BLOCKS
+from dsv4core.hal.ops.rope import NOPE_QUANT_BLOCKS
 from dsv4core.hal.util import cdiv
 
 from . import indexing as ix
@@ -43,8 +45,8 @@ class OpsRef:
         return self.numerics == "official"
 
 
-#: the official numerics' block sizes: W8A8 activations, FP8 KV rows (non-rope channels)
-ACT_BLOCK, KV_QUANT_BLOCK = 128, 64
+#: the official numerics' block sizes (the HAL's): W8A8 activations, FP8 KV rows (non-rope channels)
+ACT_BLOCK, KV_QUANT_BLOCK = ACT_BLOCKS[0], NOPE_QUANT_BLOCKS[0]
 
 
 def _param(shape, dtype) -> nn.Parameter:

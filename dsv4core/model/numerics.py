@@ -73,7 +73,7 @@ def resolve(numerics: str, checkpoint_format: str | None = None, config: dict | 
     return "exact"
 
 
-def _dims_problem(cfg) -> str:
+def dims_problem(cfg) -> str:
     """Why this config's dims cannot run the official numerics ("" when they can)."""
     from .modules import ACT_BLOCK, KV_QUANT_BLOCK
 
@@ -104,7 +104,7 @@ def auto_or(requested: str, resolved: str, model) -> str:
     official block sizes (test-sized checkpoints), "exact" with a warning naming the dims (an
     explicit numerics="official" is an error instead, in ``apply``)."""
     if requested == "auto" and resolved == "official":
-        why = _dims_problem(model.config)
+        why = dims_problem(model.config)
         if why:
             warnings.warn(f"numerics='auto': the checkpoint is quantised, but its dims cannot carry the official "
                           f"block sizes ({why}); computing with numerics='exact'", stacklevel=_caller_level())
@@ -119,7 +119,7 @@ def apply(model, numerics: str) -> None:
     if numerics not in ("exact", "official"):
         raise ValueError(f"numerics must be 'exact' or 'official' here (resolve 'auto' first), got {numerics!r}")
     if numerics == "official":
-        why = _dims_problem(model.config)
+        why = dims_problem(model.config)
         if why:
             raise ValueError(f"numerics='official' needs the official block sizes to divide the model's dims: {why}")
     block = ACT_BLOCK if numerics == "official" else None
