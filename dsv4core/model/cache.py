@@ -2,14 +2,16 @@
 
 One `KVCache` owns every request's state (DESIGN.md section 4.1, ENGINES.md section 4). Per layer:
 
-    rows[i]       [Rw + Rc_i, d]  act dtype   the row store `sparse_mqa_attention` reads:
+    rows[i]       [Rw + Rc_i, d]  act dtype   the row store `sparse_mqa_attention` reads
+                  (kv_dtype="fp8": uint8 [Rw + Rc_i, row_bytes("fp8", d)], the FP8 KV row):
                                               rows [0, Rw): sliding-window rows, paged in
                                               `window_block`-token blocks (window block table);
                                               rows [Rw, Rw + Rc_i): compressed entries (CSA, HCA),
                                               paged in `block_tokens`-token blocks of
                                               block_tokens / m entries (compressed block table)
     keys[i]       [Rc_i, d_I]     act dtype   the lightning indexer's keys (CSA), same rows as the
-                                              layer's compressed entries
+                                              layer's compressed entries (kv_dtype="fp8": uint8
+                                              [Rc_i, row_bytes("fp4", d_I)], the FP4 key)
     ring_kv[i], ring_score[i]   [S * cap_i, c*d]  fp32   per-request compressor rings: the raw
                                               projections `kv` and `score + ape[pos % m]` of the
                                               last cap_i positions, row `slot * cap_i + pos % cap_i`
@@ -27,8 +29,10 @@ is prepared on host metadata only (`prepare`): allocations and copy-on-write are
 undone if the step fails; the step's own writes land only in rows no committed state reads,
 except the compressor rings, which the model writes last (see DSV4ForCausalLM.forward_batch).
 
-The row format is described as data (`components()`): an FP8 row format (e4m3 + scales) changes
-a row's width and dtype, not the addressing.
+The row format is described as data (`components()`, `Component.format`): the FP8 format
+(`CacheConfig(kv_dtype="fp8")`, `dsv4core.hal.rowformats`) changes a row's width and dtype, not
+the addressing. It stores exactly the values the official numerics produce (lossless), so it is
+refused for a model that does not compute them (see `check_numerics`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from dsv4core.hal.rowformats import ROPE_DIM, format_problem, row_bytes
 
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .staging import Uploads
@@ -52,6 +58,28 @@ class PoolFullError(CacheError):
     """No free block or request slot is left."""
 
 
+#: the storage choices of `CacheConfig.kv_dtype`
+KV_DTYPES = (None, "bf16", "fp8")
+
+
+def kv_formats(config: DSV4Config, kv_dtype: str | None) -> tuple[str | None, str | None]:
+    """The HAL row formats (`hal.rowformats`) of the KV rows and of the indexer keys that
+    `kv_dtype` stores; (None, None) for rows in the activation dtype. Raises ValueError naming the
+    dimension when the config's rows cannot take the format."""
+    if kv_dtype != "fp8":
+        return None, None
+    bad = []
+    if config.qk_rope_head_dim != ROPE_DIM:
+        bad.append(f"qk_rope_head_dim = {config.qk_rope_head_dim} (the FP8 row keeps {ROPE_DIM} bf16 rope channels)")
+    if format_problem("fp8", config.head_dim):
+        bad.append(f"head_dim = {config.head_dim}: {format_problem('fp8', config.head_dim)}")
+    if CSA in config.layer_types and format_problem("fp4", config.index_head_dim):
+        bad.append(f"index_head_dim = {config.index_head_dim}: {format_problem('fp4', config.index_head_dim)}")
+    if bad:
+        raise ValueError("CacheConfig(kv_dtype='fp8') cannot store this model's rows: " + "; ".join(bad))
+    return "fp8", "fp4"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Capacities of a `KVCache`. `max_tokens`: tokens of all live requests together (sizes the
@@ -60,7 +88,14 @@ class CacheConfig:
     `block_tokens`: tokens per compressed block (default: the smallest multiple of every
     compression rate that is >= 256); `window_block`: tokens per sliding-window block;
     `max_rollback`: how many tokens `truncate` can always take back; `max_step_tokens`: the most
-    new tokens one step may hold (sizes the window blocks in flight)."""
+    new tokens one step may hold (sizes the window blocks in flight).
+
+    `kv_dtype`: how window rows, compressed entries and indexer keys are stored. None: rows in the
+    model's activation dtype; "bf16": the same, stated (a bfloat16 model only); "fp8": DeepSeek-V4's
+    FP8 rows (`hal.rowformats`: 448 e4m3 + 64 bf16 rope values + 7 UE8M0 scales + 1 pad byte = 584
+    B at head_dim 512, against 1,024 B in bf16) and FP4 indexer keys (68 B at index_head_dim 128,
+    against 256 B). "fp8" is lossless, and accepted only, for a bfloat16 model computing the
+    official numerics."""
 
     max_requests: int = 64
     max_tokens: int = 131072
@@ -69,8 +104,12 @@ class CacheConfig:
     window_block: int = 64
     max_rollback: int = 16
     max_step_tokens: int = 8192
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"CacheConfig.kv_dtype must be one of {', '.join(map(repr, KV_DTYPES))}; "
+                             f"got {self.kv_dtype!r}")
         for name in ("max_requests", "max_tokens", "window_block", "max_step_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -92,9 +131,10 @@ class Component:
     kind: str            # "window+entries", "indexer_keys", "ring"
     block_tokens: int    # tokens a block (or ring) covers
     rows_per_block: int
-    row_width: int
+    row_width: int       # elements of `dtype` a row (bytes for a stored format)
     dtype: torch.dtype
     nbytes: int
+    format: str | None = None   # the `hal.rowformats` format of a row (None: values in `dtype`)
 
 
 class _Blocks:
@@ -231,27 +271,32 @@ def state_bytes(config: DSV4Config, tokens: int, cache_config: CacheConfig | Non
     """Computed (not allocated) upper bound of the pool memory one request of `tokens` tokens holds
     in a `KVCache` built with `cache_config`: window blocks (W-1 + max_rollback rows behind the
     length, block-rounded, plus one partial block), compressed blocks (ceil(tokens / block_tokens)
-    blocks of entries and indexer keys), and its compressor-ring slot (fixed size, fp32)."""
+    blocks of entries and indexer keys), and its compressor-ring slot (fixed size, fp32). Rows are
+    `act_bytes` a value, or stored in `cache_config.kv_dtype`'s format ("fp8": 584 B a KV row and
+    68 B an indexer key at the Flash dims)."""
     cc = cache_config or CacheConfig()
+    kv_fmt, key_fmt = kv_formats(config, cc.kv_dtype)
     Bc = cc.block_tokens or default_block_tokens(config)
     Bw = cc.window_block
     d, dI, W = config.head_dim, config.index_head_dim, config.sliding_window
     held = min(tokens, max(W - 1, 0) + cc.max_rollback)
     win_blocks = min(-(-tokens // Bw), -(-held // Bw) + 1)
     comp_blocks = -(-tokens // Bc)
+    row = row_bytes(kv_fmt, d) if kv_fmt else d * act_bytes
+    key = row_bytes(key_fmt, dI) if key_fmt else dI * act_bytes
     out = {"window_rows": 0, "compressed_entries": 0, "indexer_keys": 0, "compressor_rings": 0}
     for i, t in enumerate(config.layer_types):
-        out["window_rows"] += win_blocks * Bw * d * act_bytes
+        out["window_rows"] += win_blocks * Bw * row
         if t == SLIDING:
             continue
         m = config.compress_ratio(i)
         overlap = t == CSA
         c = 2 if overlap else 1
         cap = ring_capacity(m, overlap, cc.max_rollback)
-        out["compressed_entries"] += comp_blocks * (Bc // m) * d * act_bytes
+        out["compressed_entries"] += comp_blocks * (Bc // m) * row
         out["compressor_rings"] += cap * 2 * c * d * 4
         if overlap:
-            out["indexer_keys"] += comp_blocks * (Bc // m) * dI * act_bytes
+            out["indexer_keys"] += comp_blocks * (Bc // m) * key
             out["compressor_rings"] += cap * 2 * 2 * dI * 4
     out["total"] = sum(out.values())
     return out
@@ -267,6 +312,21 @@ class KVCache:
         cfg = config
         d, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
         self.W = W
+        if cc.kv_dtype == "bf16" and dtype != torch.bfloat16:
+            raise ValueError(f"CacheConfig(kv_dtype='bf16') stores the rows of a bfloat16 model; this model computes "
+                             f"in {dtype} (leave kv_dtype unset to store rows in the activation dtype)")
+        if cc.kv_dtype == "fp8" and dtype != torch.bfloat16:
+            raise ValueError(f"CacheConfig(kv_dtype='fp8') stores the official rows of a bfloat16 model (its rope "
+                             f"channels are bf16); this model computes in {dtype}")
+        #: the HAL row formats of the KV rows / indexer keys (None: values in the activation dtype)
+        self.kv_format, self.key_format = kv_formats(cfg, cc.kv_dtype)
+        #: the format arguments of the ops that write / read the pools (empty: the plain rows)
+        self.row_store = {"row_format": self.kv_format} if self.kv_format else {}
+        self.key_store = {"row_format": self.key_format} if self.key_format else {}
+        self.row_read = {"kv_format": self.kv_format} if self.kv_format else {}
+        self.key_read = {"k_format": self.key_format} if self.key_format else {}
+        row_w, row_dt = (row_bytes(self.kv_format, d), torch.uint8) if self.kv_format else (d, dtype)
+        key_w, key_dt = (row_bytes(self.key_format, dI), torch.uint8) if self.key_format else (dI, dtype)
         ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
         self.ratios = ratios
         if cc.block_tokens is not None:
@@ -306,7 +366,7 @@ class KVCache:
             m = cfg.compress_ratio(i)
             epb = Bc // m if m else 0
             self.epb.append(epb)
-            self.rows.append(torch.zeros(self.Rw + self.comp_pool.n * epb, d, dtype=dtype, **f))
+            self.rows.append(torch.zeros(self.Rw + self.comp_pool.n * epb, row_w, dtype=row_dt, **f))
             if t == SLIDING:
                 self.keys.append(None)
                 self.rings.append(None)
@@ -323,7 +383,7 @@ class KVCache:
             r = {"kv": both[:, :c * d], "score": both[:, c * d:]}
             self.ring_pairs.append({"kv": both})
             if overlap:
-                self.keys.append(torch.zeros(self.comp_pool.n * epb, dI, dtype=dtype, **f))
+                self.keys.append(torch.zeros(self.comp_pool.n * epb, key_w, dtype=key_dt, **f))
                 iboth = torch.zeros(S * cap, 4 * dI, dtype=torch.float32, **f)
                 r["ikv"], r["iscore"] = iboth[:, :2 * dI], iboth[:, 2 * dI:]
                 self.ring_pairs[-1]["ikv"] = iboth
@@ -345,6 +405,14 @@ class KVCache:
         self.free_slots = list(range(S - 1, -1, -1))
         self.live: dict[int, weakref.ref] = {}
 
+    def check_numerics(self, numerics: str) -> None:
+        """Raise ValueError unless a model computing `numerics` can use this cache: the "fp8" rows
+        hold exactly what the official numerics write; other values would be quantised on store."""
+        if self.kv_format and numerics != "official":
+            raise ValueError(f"CacheConfig(kv_dtype={self.cc.kv_dtype!r}) stores the official numerics' FP8 / FP4 rows "
+                             f"losslessly; a model computing {numerics!r} numerics would lose precision in its state. "
+                             f"Use numerics='official', or leave kv_dtype unset")
+
     # ------------------------------------------------------------------ description
     def ring_fill(self, width: int) -> torch.Tensor:
         """float32 [2 * width]: what a compressor window slot before position 0 holds in a ring
@@ -357,11 +425,12 @@ class KVCache:
         Bc, Bw = self.block_tokens, self.window_block
         for i, t in enumerate(self.layer_kind):
             r = self.rows[i]
-            out.append(Component("rows", i, "window+entries", Bw, Bw, r.shape[1], r.dtype, r.numel() * r.element_size()))
+            out.append(Component("rows", i, "window+entries", Bw, Bw, r.shape[1], r.dtype, r.numel() * r.element_size(),
+                                 self.kv_format))
             if self.keys[i] is not None:
                 k = self.keys[i]
                 out.append(Component("keys", i, "indexer_keys", Bc, self.epb[i], k.shape[1], k.dtype,
-                                     k.numel() * k.element_size()))
+                                     k.numel() * k.element_size(), self.key_format))
             for name, ring in (self.rings[i] or {}).items():
                 out.append(Component(f"ring_{name}", i, "ring", self.ring_cap[i], self.ring_cap[i], ring.shape[1],
                                      ring.dtype, ring.numel() * ring.element_size()))

@@ -129,7 +129,9 @@ class DSV4ForCausalLM(nn.Module):
             raise CacheError(f"configure_cache: {len(self._cache.live)} request(s) still live in the current cache; "
                              f"release them first")
         cc = cache_config if cache_config is not None else CacheConfig(**kwargs)
-        self._cache = KVCache(self.config, self.act_dtype, self.device, cc)
+        cache = KVCache(self.config, self.act_dtype, self.device, cc)
+        cache.check_numerics(self.numerics)
+        self._cache = cache
         self._graphs = None
         return self._cache
 

@@ -227,7 +227,8 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
         else:
             ent = ops.kv_norm_rope(pooled.to(x.dtype), comp.kv_norm.weight, step.entry_starts(ratio, per_block),
                                    step.inv_freq["compress"], comp.kv_norm.eps, nope_quant_block=KV_QUANT_BLOCK)
-        ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent)
+        c = step.cache
+        ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent, **(c.key_store if indexer else c.row_store))
     if step.ring_tok.numel():
         step.deferred.append((ring, step.ring_rows(cap), ix.take(both, step.ring_tok)))
     return out[:, 2 * w:] if extra is not None else None
@@ -294,7 +295,7 @@ class Indexer(nn.Module):
             q = ops.indexer_rotate_quant(q)
         w = hw * (self.n_heads ** -0.5)
         rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
-        scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5)
+        scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5, **c.key_read)
         picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk)      # int32, -1 = unused
         if not rows.shape[1]:                                             # no entry yet: every pick -1
             return picks
@@ -401,7 +402,7 @@ class Attention(nn.Module):
                                   nope_quant_block=KV_QUANT_BLOCK)
         else:
             kv = ops.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, inv_freq, self.eps)
-        ops.cache_store(pool, step.window_writes(), kv)       # rows at positions >= start: unread until committed
+        ops.cache_store(pool, step.window_writes(), kv, **c.row_store)   # rows >= start: unread until committed
         if self.compressor is not None:
             self.compressor(x, step)
         if self.layer_type == CSA:                            # the window, then the indexer's picks
@@ -409,7 +410,7 @@ class Attention(nn.Module):
             index[:, c.W:] = self.compressor.indexer.select(x, q_latent, step, base=c.Rw)
         else:                                                 # the window (+ HCA: every visible entry)
             index = step.attention_rows(self.ratio, c.epb[self.layer])
-        o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5)
+        o = ops.sparse_mqa_attention(q, pool, index, self.sinks, self.d ** -0.5, **c.row_read)
         o = ops.rope(o, pos, inv_freq, inverse=True)
         g = self.o_a_proj(o.reshape(T, self.o_a_proj.groups, self.h * self.d // self.o_a_proj.groups))
         out = self.o_b_proj(g.reshape(T, g.shape[1] * g.shape[2]))

@@ -16,7 +16,8 @@
 ``"auto"`` picks ``"official"`` for a checkpoint in the official DeepSeek format or one whose
 config declares FP8 / FP4 quantisation, else ``"exact"`` (and ``"exact"``, with a warning, for
 a quantised checkpoint whose dims cannot carry the official block sizes: test-sized ones). The quantisation points are op
-arguments (HAL 1.2); under ``"exact"`` the model never passes them.
+arguments (HAL 1.2); under ``"exact"`` the model never passes them. The FP8 state format
+(``CacheConfig(kv_dtype="fp8")``) stores the official rows losslessly and is refused under ``"exact"``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def apply(model, numerics: str) -> None:
         why = dims_problem(model.config)
         if why:
             raise ValueError(f"numerics='official' needs the official block sizes to divide the model's dims: {why}")
+    if model._cache is not None:
+        model._cache.check_numerics(numerics)       # FP8 rows hold only what the official numerics write
     block = ACT_BLOCK if numerics == "official" else None
     for _, lin in w8a8_projections(model):
         lin.act_block = block

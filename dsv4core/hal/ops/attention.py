@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, op
+from ..rowformats import check_row_format, pack, row_bytes, unpack
+from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
 
 #: Rows gathered per chunk of queries (bounds the reference's memory: T * K * d floats at once).
 _GATHER_BUDGET = 1 << 24
 
 
-@op(family="attention", tolerance=Tolerance(
+@op(family="attention", params_since={"kv_format": (1, 3)}, tolerance=Tolerance(
     k=4.0, floor=1e-6,
     why="a length-d dot product per logit, a softmax over up to K rows and a weighted sum of K "
         "rows: three reductions whose order a kernel is free to choose (online softmax, split K)"))
 def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, kv_format: str | None = None) -> torch.Tensor:
     """Attention of q [T, h, d] over the rows ``kv[indices[t]]`` (K = V), -1 entries ignored.
 
     ``o_h = sum_u exp(l_u) kv_u / (sum_u exp(l_u) + exp(sink_h))`` with ``l_u = scale * q_h . kv_u``.
     The sink is a raw logit (not scaled, no value). An empty row list gives 0. fp32 math.
+
+    ``kv_format`` (HAL 1.3; None = kv holds [N, d] rows in q's dtype): ``"fp8"``, the FP8 KV row of
+    ``hal.rowformats``; kv is uint8 [N, row_bytes("fp8", d)] and ``kv_u`` is
+    ``rowformats.unpack("fp8", kv[u], d)`` rounded to q's dtype (for the official rows, exactly the
+    values a plain pool would hold).
     """
     T, h, d = q.shape
     ct = compute_dtype(q)
@@ -33,7 +39,8 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     for s in range(0, T, chunk):
         idx = indices[s:s + chunk].long()
         valid = idx >= 0
-        rows = kv[idx.clamp_min(0)].to(ct)                                  # [t, K, d]
+        rows = kv[idx.clamp_min(0)]
+        rows = (rows if kv_format is None else unpack(kv_format, rows, d, q.dtype)).to(ct)   # [t, K, d]
         logits = torch.einsum("thd,tkd->thk", q[s:s + chunk].to(ct), rows) * scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         m = torch.maximum(logits.amax(-1), sink_c[None, :])                 # sink joins the max
@@ -44,9 +51,17 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 @sparse_mqa_attention.check
-def _(q, kv, indices, sink, scale):
+def _(q, kv, indices, sink, scale, kv_format=None):
     d = Dims("sparse_mqa_attention").tensor("q", q, ("T", "h", "d"), ACT_DTYPES + (torch.float64,))
-    d.tensor("kv", kv, ("N", "d"), (q.dtype,))
+    if kv_format is None:
+        d.tensor("kv", kv, ("N", "d"), (q.dtype,))
+    else:
+        check_row_format("sparse_mqa_attention", "kv_format", kv_format, q.shape[-1], ("fp8",))
+        expect("sparse_mqa_attention", "q", q.dtype in ACT_DTYPES, f"one of {ACT_DTYPES} with kv_format", q.dtype)
+        d.tensor("kv", kv, ("N", "W"), (torch.uint8,))
+        W = row_bytes(kv_format, q.shape[-1])
+        expect("sparse_mqa_attention", "kv", kv.shape[1] == W,
+               f"{W} bytes a row ({kv_format!r} rows of d = {q.shape[-1]})", kv.shape[1])
     d.tensor("indices", indices, ("T", "K"), (torch.int32, torch.int64))
     d.tensor("sink", sink, ("h",), F32)
     if indices.numel():
@@ -114,3 +129,14 @@ def _(shapes, dtype, device, gen):
         yield Case(label, dict(q=randn((4, h, d), gen, dtype, device), kv=randn((N, d), gen, dtype, device),
                                indices=_window_indices(4, N, K, gen, device),
                                sink=randn((h,), gen, torch.float32, device), scale=sc), ("scale",))
+    # the FP8 KV row (HAL 1.3): a uint8 pool of official rows whose 64-channel groups differ by
+    # powers of two (a kernel that ignores the scales, or applies one group's scale to another, or
+    # reads the rope channels as e4m3, fails), decode and prefill token counts
+    if d > 64 and (d - 64) % 64 == 0:
+        levels = 2.0 ** (torch.arange(d) // 64 % 4 - 1).to(torch.float32)
+        for T in (1, 7):
+            rows = randn((N, d), gen, torch.float32, "cpu") * levels
+            yield Case(f"fp8-T{T}", dict(q=randn((T, h, d), gen, dtype, device), kv=pack("fp8", rows).to(device),
+                                         indices=_window_indices(T, N, K, gen, device, empty_rows=min(T - 1, 1)),
+                                         sink=randn((h,), gen, torch.float32, device), scale=scale, kv_format="fp8"),
+                       ("format",))

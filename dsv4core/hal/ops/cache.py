@@ -11,17 +11,23 @@ import torch
 
 from ..errors import OpInputError
 from ..spec import ACT_DTYPES, INT_DTYPES, Case, Dims, Tolerance, expect, op
+from ..rowformats import FORMATS, check_row_format, pack, row_bytes
 from ._cases import dims, noncontig, randn
 
 
-@op(family="cache", since=(1, 1), writes=("pool",), tolerance=Tolerance(
+@op(family="cache", since=(1, 1), writes=("pool",), params_since={"row_format": (1, 3)}, tolerance=Tolerance(
     k=0.0, floor=0.0, metric="bitwise",
     why="a store: each written row is rows[i] cast once to the pool dtype (round to nearest even), "
-        "every other row of the pool keeps its bits"))
-def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        "or encoded once with the exact rule of its row format; every other row of the pool keeps "
+        "its bits"))
+def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, row_format: str | None = None) -> None:
     """``pool[index[i]] = rows[i]`` (cast to pool.dtype) for every ``index[i] >= 0``; ``-1`` skips
     row i. pool [R, D] (any row stride), index [E] int, rows [E, D]. The valid destinations are
-    distinct. Writes in place; returns None. Capturable: no host synchronisation, fixed shapes."""
+    distinct. Writes in place; returns None. Capturable: no host synchronisation, fixed shapes.
+
+    ``row_format`` (HAL 1.3; None = rows as they are): ``"fp8"`` (the FP8 KV row) or ``"fp4"`` (the
+    FP4 indexer key) of ``hal.rowformats``: pool is uint8 [R, row_bytes(row_format, D)] and row i
+    is stored as ``rowformats.pack(row_format, rows[i])``."""
     E = index.shape[0]
     if E == 0 or pool.shape[0] == 0:
         return None
@@ -33,7 +39,7 @@ def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
     # tensors throughout: indexing with a 0-dim tensor would read it back to the host.
     first = torch.argmax(valid.to(torch.int8)).reshape(1)
     any_valid = valid.index_select(0, first)                                   # [1]
-    src = rows.to(pool.dtype)
+    src = rows.to(pool.dtype) if row_format is None else pack(row_format, rows)
     fallback_idx = torch.where(any_valid, idx.index_select(0, first), torch.zeros_like(first))
     fallback_row = torch.where(any_valid[:, None], src.index_select(0, first), pool[:1])
     tgt = torch.where(valid, idx, fallback_idx)
@@ -43,10 +49,19 @@ def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> 
 
 
 @cache_store.check
-def _(pool, index, rows):
-    d = Dims("cache_store").tensor("pool", pool, ("R", "D"), ACT_DTYPES + (torch.float64,))
+def _(pool, index, rows, row_format=None):
+    d = Dims("cache_store")
+    if row_format is None:
+        d.tensor("pool", pool, ("R", "D"), ACT_DTYPES + (torch.float64,))
+        d.tensor("rows", rows, ("E", "D"), ACT_DTYPES + (torch.float64,))
+    else:
+        check_row_format("cache_store", "row_format", row_format, rows.shape[-1], FORMATS)
+        d.tensor("rows", rows, ("E", "D"), ACT_DTYPES)
+        d.tensor("pool", pool, ("R", "W"), (torch.uint8,))
+        expect("cache_store", "pool", pool.shape[1] == row_bytes(row_format, rows.shape[1]),
+               f"{row_bytes(row_format, rows.shape[1])} bytes a row ({row_format!r} rows of {rows.shape[1]} values)",
+               f"{pool.shape[1]}")
     d.tensor("index", index, ("E",), INT_DTYPES)
-    d.tensor("rows", rows, ("E", "D"), ACT_DTYPES + (torch.float64,))
     if index.numel():
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or hi >= pool.shape[0]:
@@ -87,3 +102,16 @@ def _(shapes, dtype, device, gen):
     yield Case("cast-into-pool", dict(pool=randn((16, d), gen, torch.float32, device),
                                       index=_distinct(6, 16, gen, 0.0).to(device),
                                       rows=randn((6, d), gen, dtype, device)))
+    # the stored row formats (HAL 1.3): the FP8 KV row and the FP4 indexer key. Groups scaled by
+    # different powers of two (a kernel applying one group's scale to another fails), a zero group
+    # (the amax clamp), skipped rows, int32 indices, and a pool whose other rows hold random bytes
+    # that must keep their bits.
+    for fmt, width, group in (("fp8", D["d"], 64), ("fp4", D["dI"], 32)):
+        R, E = 32, 9
+        pool = torch.randint(0, 256, (R, row_bytes(fmt, width)), generator=gen, dtype=torch.uint8).to(device)
+        rows = randn((E, width), gen, torch.float32, device, 3.0)
+        levels = 2.0 ** (torch.arange(width, device=device) // group % 5 - 2).to(torch.float32)
+        rows = rows * levels
+        rows[1, :group] = 0.0
+        yield Case(f"{fmt}-E{E}", dict(pool=pool, index=_distinct(E, R, gen, 0.2).to(device, torch.int32),
+                                       rows=rows.to(dtype), row_format=fmt), ("format",))

@@ -7,6 +7,7 @@ import torch
 
 from ..errors import OpInputError
 from ..quant import FP4_GROUP, OFFICIAL_ACT_DTYPE, fake_quant, hadamard, hadamard_matrix
+from ..rowformats import check_row_format, pack, row_bytes, unpack
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
 
@@ -228,15 +229,20 @@ def _(shapes, dtype, device, gen):
                                    k_lengths=torch.tensor([12, 10, 5, 9], device=device), scale=0.3), ("scale",))
 
 
-@op(family="compression", since=(1, 1), tolerance=Tolerance(
+@op(family="compression", since=(1, 1), params_since={"k_format": (1, 3)}, tolerance=Tolerance(
     k=4.0, floor=1e-5,
     why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
         "reductions in fp32; the floor absorbs cancellation when the weighted sum is near zero"))
 def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_format: str | None = None) -> torch.Tensor:
     """``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])`` for
     ``rows[t, w] >= 0``, ``-inf`` where ``rows[t, w] = -1``. q [T, nI, dI]; k [N, dI] (a key pool:
-    any rows, any order); rows [T, L] int. Returns [T, L] f32. Fixed output shape (capturable)."""
+    any rows, any order); rows [T, L] int. Returns [T, L] f32. Fixed output shape (capturable).
+
+    ``k_format`` (HAL 1.3; None = k holds [N, dI] keys in q's dtype): ``"fp4"``, the FP4 key of
+    ``hal.rowformats``; k is uint8 [N, row_bytes("fp4", dI)] and key u is
+    ``rowformats.unpack("fp4", k[u], dI)`` rounded to q's dtype (for the official keys, exactly
+    the values a plain pool would hold)."""
     T, L = rows.shape
     ct = compute_dtype(q)
     out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32), device=q.device)
@@ -246,7 +252,8 @@ def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     for s in range(0, T, chunk):
         r = rows[s:s + chunk].long()
         valid = r >= 0
-        keys = k[r.clamp_min(0)].to(ct)                                        # [t, L, dI]
+        keys = k[r.clamp_min(0)]
+        keys = (keys if k_format is None else unpack(k_format, keys, q.shape[2], q.dtype)).to(ct)   # [t, L, dI]
         dots = torch.relu(torch.einsum("thd,tld->thl", q[s:s + chunk].to(ct), keys))
         sc = torch.einsum("th,thl->tl", weights[s:s + chunk].to(ct), dots) * scale
         out[s:s + chunk] = sc.masked_fill(~valid, float("-inf"))
@@ -254,9 +261,17 @@ def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
 
 @indexer_scores_rows.check
-def _(q, k, weights, rows, scale):
+def _(q, k, weights, rows, scale, k_format=None):
     d = Dims("indexer_scores_rows").tensor("q", q, ("T", "nI", "dI"), ACT_DTYPES + (torch.float64,))
-    d.tensor("k", k, ("N", "dI"), (q.dtype,))
+    if k_format is None:
+        d.tensor("k", k, ("N", "dI"), (q.dtype,))
+    else:
+        check_row_format("indexer_scores_rows", "k_format", k_format, q.shape[-1], ("fp4",))
+        expect("indexer_scores_rows", "q", q.dtype in ACT_DTYPES, f"one of {ACT_DTYPES} with k_format", q.dtype)
+        d.tensor("k", k, ("N", "W"), (torch.uint8,))
+        W = row_bytes(k_format, q.shape[-1])
+        expect("indexer_scores_rows", "k", k.shape[1] == W, f"{W} bytes a key ({k_format!r} keys of dI = {q.shape[-1]})",
+               k.shape[1])
     d.tensor("weights", weights, ("T", "nI"), F32)
     d.tensor("rows", rows, ("T", "L"), INT_DTYPES)
     if rows.numel():
@@ -294,6 +309,19 @@ def _(shapes, dtype, device, gen):
                                   weights=randn((3, nI), gen, torch.float32, device),
                                   rows=torch.full((3, 5), -1, dtype=torch.int64, device=device), scale=dI ** -0.5),
                ("masked",))
+    # the FP4 key (HAL 1.3): a uint8 pool of official keys (Hadamard-rotated and FP4-simulated)
+    # whose 32-value groups differ by powers of two (ignoring the scales, one group's scale for
+    # another, or the nibbles swapped fails), -1 entries, a query with no keys
+    levels = 2.0 ** (torch.arange(dI) // 32 % 4 - 1).to(torch.float32)
+    for T in (1, 5):
+        L = 24 if shapes == "small" else 256
+        keys = hadamard(randn((N, dI), gen, torch.float32, "cpu")) * levels
+        rows = torch.stack([torch.randperm(N, generator=gen)[:L] for _ in range(T)]).long()
+        rows[:, L // 2:] = -1 if T == 1 else rows[:, L // 2:]
+        rows[-1, 3] = -1
+        yield Case(f"fp4-T{T}-L{L}", dict(q=randn((T, nI, dI), gen, dtype, device), k=pack("fp4", keys).to(device),
+                                          weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
+                                          rows=rows.to(device), scale=dI ** -0.5, k_format="fp4"), ("format",))
 
 
 @op(family="compression", tolerance=Tolerance(

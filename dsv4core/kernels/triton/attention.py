@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import no_quant as _no_quant
 from ._util import c, cdiv, interp, rne, target_programs, to_out
 from .launch import Tune
 
@@ -195,7 +196,8 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 
-def sparse_mqa_attention(q, kv, indices, sink, scale):
+def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
+    _no_quant("sparse_mqa_attention", kv_format=kv_format)
     T, NH, D = q.shape
     o = torch.empty((T, NH, D), dtype=q.dtype, device=q.device)
     if T == 0 or NH == 0:

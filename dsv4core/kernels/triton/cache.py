@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._util import no_quant as _no_quant
 from ._util import cdiv, np2, rne, to_out
 from .launch import Tune
 
@@ -35,7 +36,8 @@ def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r,
     tl.store(pool_ptr + dst_off, to_out(x, pool_ptr, RNE), mask=m)
 
 
-def cache_store(pool, index, rows):
+def cache_store(pool, index, rows, row_format=None):
+    _no_quant("cache_store", row_format=row_format)
     E, D = rows.shape
     if E == 0 or D == 0 or pool.shape[0] == 0:
         return None

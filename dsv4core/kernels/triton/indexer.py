@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import no_quant as _no_quant
 from ._util import cdiv, interpreting, np2
 from .launch import Tune
 
@@ -52,7 +53,8 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
     tl.store(out_ptr + t * L + slot, tl.where(valid, s, float("-inf")), mask=sm)
 
 
-def indexer_scores_rows(q, k, weights, rows, scale):
+def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
+    _no_quant("indexer_scores_rows", k_format=k_format)
     T, NI, DI = q.shape
     L = rows.shape[1]
     out = torch.empty((T, L), dtype=torch.float32, device=q.device)

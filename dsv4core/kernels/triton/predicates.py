@@ -98,7 +98,9 @@ def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps, nope_quant_block
 
 
 # ---- attention.py
-def sparse_mqa_attention_supports(q, kv, indices, sink, scale) -> bool:
+def sparse_mqa_attention_supports(q, kv, indices, sink, scale, kv_format=None) -> bool:
+    if kv_format is not None:             # stored row formats: not in these kernels yet (reference)
+        return False
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or sink.dim() != 1:
         return False
     T, NH, D = q.shape
@@ -145,7 +147,9 @@ def compress_windows_supports(kv, score, overlap) -> bool:
 
 
 # ---- cache.py
-def cache_store_supports(pool, index, rows) -> bool:
+def cache_store_supports(pool, index, rows, row_format=None) -> bool:
+    if row_format is not None:            # stored row formats: not in these kernels yet (reference)
+        return False
     if pool.dim() != 2 or index.dim() != 1 or rows.dim() != 2:
         return False
     if pool.dtype not in ACT_DTYPES or rows.dtype not in ACT_DTYPES or index.dtype not in (torch.int32, torch.int64):
@@ -154,7 +158,9 @@ def cache_store_supports(pool, index, rows) -> bool:
 
 
 # ---- indexer.py
-def indexer_scores_rows_supports(q, k, weights, rows, scale) -> bool:
+def indexer_scores_rows_supports(q, k, weights, rows, scale, k_format=None) -> bool:
+    if k_format is not None:              # stored row formats: not in these kernels yet (reference)
+        return False
     if q.dim() != 3 or k.dim() != 2 or weights.dim() != 2 or rows.dim() != 2:
         return False
     T, nI, dI = q.shape
