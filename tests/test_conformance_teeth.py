@@ -122,6 +122,7 @@ def test_official_numerics_mistakes_are_caught(kind):
     assert _statuses(report)[op] == FAILED, f"{kind}: {op} was not caught"
     failed = {c.case for c in report.failures()}
     quant_cases = {c.name for c in catalogue()[op].sample_cases("small", torch.float32)
-                   if any(c.kwargs.get(a) is not None for a in ("act_block", "nope_quant_block"))
+                   if any(c.kwargs.get(a) is not None
+                          for a in ("act_block", "nope_quant_block", "row_format", "kv_format", "k_format"))
                    or op == "indexer_rotate_quant"}
     assert failed and failed <= quant_cases, (kind, failed - quant_cases)
