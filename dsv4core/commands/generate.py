@@ -49,6 +49,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a text prompt, encoded with the model's tokenizer (tokenizer.json; the tiny model's "
                         "is one token per byte); repeat for a batch; combines with --input-ids")
+    p.add_argument("--chat", action="store_true",
+                   help="treat each --prompt as a user message: render it with the checkpoint's chat template "
+                        "(chat_template.jinja, else tokenizer_config.json's chat_template; the tiny model's is "
+                        "'User: TEXT<newline>Assistant:') and stop at its eos_token")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the new text as it is generated (one prompt; default: on when stdout is a "
+                        "terminal, there is one prompt and no --json)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy, the argmax (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
@@ -81,6 +89,52 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
+
+
+#: control characters other than newline and tab: the stream writes them escaped (``\\x1b``), so
+#: a model's output cannot drive the terminal
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class _TextStream:
+    """`on_token` for one prompt: writes its new text to `stream` as the tokens arrive (the token
+    ids, comma-separated, when the model has no tokenizer). The text so far is decoded whole each
+    time and only its new tail written; a tail ending in U+FFFD (a UTF-8 sequence not complete
+    yet) waits for the next token. Control characters but newline and tab are written escaped.
+    `close()` writes what is left and a newline."""
+
+    def __init__(self, tok, stream) -> None:
+        self.tok, self.stream, self.ids, self.shown = tok, stream, [], ""
+
+    def _write(self, final: bool) -> None:
+        if self.tok is None:
+            return
+        text = self.tok.decode(self.ids)
+        if (final or not text.endswith("\ufffd")) and text.startswith(self.shown):
+            self.stream.write(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text[len(self.shown):]))
+            self.shown = text
+
+    def __call__(self, i: int, token: int) -> None:
+        self.ids.append(token)
+        if self.tok is None:
+            self.stream.write(("," if len(self.ids) > 1 else "") + str(token))
+        self._write(False)
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._write(True)
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _chat_prompts(model, texts: list[str], system: str | None) -> tuple[list[str], int | None]:
+    """The --prompt texts rendered as one-turn conversations with the model's chat template, and
+    the eos id generation stops at (None when the tokenizer names none)."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"--chat needs the model's tokenizer: {getattr(model, 'tokenizer_why', '') or 'none'}")
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [tok.apply_chat_template(head + [{"role": "user", "content": t}]) for t in texts], tok.eos_token_id
 
 
 class _Progress:
@@ -131,7 +185,17 @@ def run(args) -> int:
     from dsv4core.model.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)   # a bad value: exit 2 before loading
+    if args.chat and args.input_ids:
+        raise ValueError("--chat takes text prompts (--prompt TEXT), not --input-ids")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat message: give it with --chat")
     prompts = list(args.input_ids) + list(args.prompt)
+    if args.stream and args.json:
+        raise ValueError("--stream writes text as it comes; --json writes one object at the end: choose one")
+    if args.stream and len(prompts) > 1:
+        raise ValueError(f"--stream shows one prompt's text as it is generated; got {len(prompts)} prompts")
+    stream = args.stream if args.stream is not None else (
+        not args.json and len(prompts) == 1 and sys.stdout.isatty())
     if args.threads:
         import torch
 
@@ -150,11 +214,18 @@ def run(args) -> int:
         model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
                                     numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
         t_load = time.perf_counter() - t0
-        progress = _Progress(not args.no_progress and rank == 0)
+        eos, chat_texts = None, None
+        if args.chat:
+            chat_texts, eos = _chat_prompts(model, prompts, args.system)
+        streamer = _TextStream(getattr(model, "tokenizer", None), sys.stdout) if stream and rank == 0 else None
+        progress = _Progress(not args.no_progress and rank == 0 and streamer is None)
         t1 = time.perf_counter()
-        out = model.generate(prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+        out = model.generate(chat_texts or prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
                              progress=progress, temperature=args.temperature, top_p=args.top_p,
-                             top_k=args.top_k, seed=args.seed)
+                             top_k=args.top_k, seed=args.seed, eos_token_id=eos,
+                             on_token=(lambda i, t: streamer(i, t)) if streamer is not None else None)
+        if streamer is not None:
+            streamer.close()
         t_gen = time.perf_counter() - t1
     finally:
         if parallel:
@@ -170,15 +241,17 @@ def run(args) -> int:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
                     "tp": args.tp, "ep": args.ep,
-                    "prompts": prompts, "new_tokens": out, "new_text": texts,
+                    "prompts": prompts, "chat": args.chat, "chat_prompts": chat_texts, "eos_token_id": eos,
+                    "new_tokens": out, "new_text": texts,
                     "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                  "seed": args.seed}, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})
     else:
-        for i, (p, o) in enumerate(zip(prompts, out)):
+        for i, (p, o) in enumerate(zip(prompts, out) if streamer is None else ()):   # streamed: shown already
             if isinstance(p, str):
-                print(f"[{i}] prompt (text): {json.dumps(p, ensure_ascii=False)}")
+                kind = "chat, user message" if args.chat else "text"
+                print(f"[{i}] prompt ({kind}): {json.dumps(p, ensure_ascii=False)}")
             else:
                 print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
             print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
