@@ -80,7 +80,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
+                   help="torch CPU threads (default on the CPU: 1 for the built-in tiny models, measured faster "
+                        "than torch's choice; torch's choice, or OMP_NUM_THREADS, for a checkpoint)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (attention heads, shared expert, vocabulary); run under "
                         "torchrun --nproc-per-node tp*ep (default: 1)")
@@ -171,6 +172,22 @@ class _Progress:
         self.stream.flush()
 
 
+def _threads(args) -> int | None:
+    """The torch thread count to set, or None to leave torch's: --threads when given; else, on
+    the CPU without OMP_NUM_THREADS set, 1 for the built-in tiny models (their steps are too small
+    to split: measured by benchmarks/generate_threads.py, the figures under
+    benchmarks/results/cpu/, README "Command line")."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        return args.threads
+    from dsv4core.model.api import BUILT_IN
+
+    if args.device == "cpu" and str(args.model) in BUILT_IN and not os.environ.get("OMP_NUM_THREADS"):
+        return 1
+    return None
+
+
 def run(args) -> int:
     import dsv4core
     from dsv4core.commands._util import print_json
@@ -196,10 +213,11 @@ def run(args) -> int:
         raise ValueError(f"--stream shows one prompt's text as it is generated; got {len(prompts)} prompts")
     stream = args.stream if args.stream is not None else (
         not args.json and len(prompts) == 1 and sys.stdout.isatty())
-    if args.threads:
-        import torch
+    threads = _threads(args)
+    import torch
 
-        torch.set_num_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     parallel = args.tp * args.ep > 1
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")
     if world > 1 and not parallel:   # each process would run (and print) the whole model
@@ -240,7 +258,7 @@ def run(args) -> int:
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
-                    "tp": args.tp, "ep": args.ep,
+                    "tp": args.tp, "ep": args.ep, "threads": torch.get_num_threads(),
                     "prompts": prompts, "chat": args.chat, "chat_prompts": chat_texts, "eos_token_id": eos,
                     "new_tokens": out, "new_text": texts,
                     "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -259,7 +277,8 @@ def run(args) -> int:
                 print(f"[{i}] new text: {json.dumps(texts[i], ensure_ascii=False)}")
         n = sum(len(o) for o in out)
         mib = model.cache.bytes_report()["total"] / 2**20
-        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)
+        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB; "
+              f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''})", file=sys.stderr)
     summary = model.ops.verify_summary() if hasattr(model.ops, "verify_summary") else None
     if summary is not None:
         diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())
