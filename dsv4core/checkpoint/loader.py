@@ -9,6 +9,8 @@ one chunk being converted.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 from collections import defaultdict
@@ -31,6 +33,22 @@ log = logging.getLogger("dsv4core.checkpoint")
 
 INDEX_NAME = "model.safetensors.index.json"
 FORMATS = ("transformers", "official")
+
+#: the callback `load_progress` installs for the `load_into` calls inside its block
+_LOAD_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("dsv4core_checkpoint_load_progress", default=None)
+
+
+@contextlib.contextmanager
+def load_progress(callback):
+    """Within the block, every `Checkpoint.load_into` (also the one inside `load_model`) reports
+    its progress: `callback(done_bytes, total_bytes, shard_name)` after each tensor read, the
+    bytes counted as stored in the checkpoint (weight and scale) for the tensors this module
+    takes."""
+    token = _LOAD_PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _LOAD_PROGRESS.reset(token)
 
 
 
@@ -216,7 +234,8 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ loading
     def load_into(self, module: nn.Module, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, strict: bool = True, cut=None) -> nn.Module:
+                  device: torch.device | str | None = None, strict: bool = True, cut=None,
+                  progress=None) -> nn.Module:
         """Fill ``module`` (built on the meta device or on the target device) from this checkpoint.
 
         * Every parameter and persistent buffer of ``module.state_dict()`` is filled by its
@@ -234,6 +253,8 @@ class Checkpoint:
           Missing tensors always raise. ``mtp.*`` tensors are skipped with one log line.
         * ``cut``: the module holds one rank's slices (tensor / expert parallelism); only those
           regions are read (see :mod:`dsv4core.checkpoint.cuts`).
+        * ``progress``: ``progress(done_bytes, total_bytes, shard_name)`` after each tensor
+          (default: the callback of an enclosing `load_progress` block, if any).
         Returns ``module``.
         """
         device = torch.device(device) if device is not None else None
@@ -285,6 +306,10 @@ class Checkpoint:
             for pc in ps:
                 by_file[pc.weight.file].append(pc)
         remaining = {t: len(ps) for t, ps in pieces.items()}
+        progress = progress if progress is not None else _LOAD_PROGRESS.get()
+        size = {id(pc): pc.weight.nbytes + (pc.scale.nbytes if pc.scale is not None else 0)
+                for ps in pieces.values() for pc in ps}
+        total_bytes, done_bytes = sum(size.values()), 0
         partial: dict[str, torch.Tensor] = {}
         partial_scale: dict[str, torch.Tensor] = {}
         from safetensors import safe_open
@@ -343,6 +368,9 @@ class Checkpoint:
                     if dst is None:
                         _assign(slots, pc.target, val)
                 remaining[pc.target] -= 1
+                done_bytes += size[id(pc)]
+                if progress is not None:
+                    progress(done_bytes, total_bytes, f.name)
                 if remaining[pc.target] == 0 and pc.target in partial:
                     _assign(slots, pc.target, partial.pop(pc.target))
                     if scale_name in partial_scale:

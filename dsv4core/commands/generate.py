@@ -229,8 +229,18 @@ def run(args) -> int:
         device = f"{device}:{int(os.environ.get('LOCAL_RANK', '0'))}"
     t0 = time.perf_counter()
     try:
-        model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
-                                    numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
+        from dsv4core._progress import StatusLine
+        from dsv4core.checkpoint import load_progress
+
+        status = StatusLine(not args.no_progress and rank == 0, lines=True, every=10.0, delay=1.0)
+
+        def loading(done: int, total: int, shard: str) -> None:
+            status.update(f"load: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB read ({shard})", final=done >= total)
+
+        with load_progress(loading):
+            model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
+                                        numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
+        status.close()
         t_load = time.perf_counter() - t0
         eos, chat_texts = None, None
         if args.chat:
