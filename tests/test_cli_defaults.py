@@ -137,3 +137,19 @@ def test_bench_rows_go_to_stderr_the_table_once_to_stdout(monkeypatch, capsys):
     assert err.count("rms_norm               T=1") == 1
     assert main(argv) == 0                              # not a terminal, no flag: no progress lines
     assert "bench: case" not in capsys.readouterr().err
+
+
+def test_the_ops_table_names_every_column_and_its_header_lines_up(capsys):
+    from dsv4core.cli import main
+
+    assert main(["ops"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rule = lines[0], lines[1]
+    starts = [i for i in range(len(rule)) if rule[i] == "-" and (i == 0 or rule[i - 1] == " ")]
+    names = [header[a:b].strip() for a, b in zip(starts, starts[1:] + [len(header) + 1])]
+    assert names == ["op", "family", "served by", "notes", "declined / limits / deprecation"]
+    assert all(header[i] != " " and (i == 0 or header[i - 1] == " ") for i in starts)
+    flagged = [ln for ln in lines[2:] if "deprecated: " in ln]
+    assert flagged, "the catalogue has deprecated ops: their reason is shown"
+    notes = slice(starts[3], starts[4])
+    assert all(ln[notes].strip() in ("", "fallback", "deprecated", "fallback, deprecated") for ln in lines[2:])
