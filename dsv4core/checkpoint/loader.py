@@ -31,6 +31,9 @@ from .safetensors_io import TensorInfo, read_header
 
 log = logging.getLogger("dsv4core.checkpoint")
 
+#: config.json dtype names (`dtype` / `torch_dtype`) of floating weights
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 INDEX_NAME = "model.safetensors.index.json"
 FORMATS = ("transformers", "official")
 
@@ -150,6 +153,27 @@ class Checkpoint:
 
     def infos(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
+
+    def weights_dtype(self) -> tuple[torch.dtype | None, str]:
+        """(the floating dtype this checkpoint's weights are in, where that was read): config.json's
+        `dtype` / `torch_dtype` when it names a floating dtype; otherwise (absent, or a
+        quantisation tag such as "fp8") the dtype the token embedding is stored in
+        (`model.embed_tokens.weight` / `embed.weight`): the embedding is never quantised and is
+        stored in the model's dtype, unlike the fp32 norms / mHC / sinks. (None, why) when neither
+        says."""
+        names = {"dtype", "torch_dtype"}
+        for key in ("dtype", "torch_dtype"):
+            v = self.config_dict.get(key)
+            if isinstance(v, str) and v.removeprefix("torch.") in _FLOAT_DTYPES:
+                return _FLOAT_DTYPES[v.removeprefix("torch.")], f"config.json {key}={v!r}"
+        given = ", ".join(f"{k}={self.config_dict[k]!r}" for k in sorted(names) if k in self.config_dict)
+        where = f"config.json ({given or 'no dtype / torch_dtype'})"
+        for name in ("model.embed_tokens.weight", "embed.weight"):
+            info = self._infos.get(name)
+            if info is not None and info.torch_dtype is not None and info.torch_dtype.is_floating_point \
+                    and info.torch_dtype.itemsize >= 2:
+                return info.torch_dtype, f"{where}; the stored {name} ({info.dtype}, {info.file.name})"
+        return None, f"{where}; no floating token embedding stored"
 
     @property
     def total_bytes(self) -> int:
