@@ -150,3 +150,22 @@ def test_chat_without_a_tokenizer_says_why():
 
     with pytest.raises(ValueError, match="/ckpt has no tokenizer.json"):
         _chat_prompts(M(), ["x"], None)
+
+
+def test_chat_alone_is_a_conversation_read_from_stdin(tiny, monkeypatch, capsys):
+    from dsv4core.commands.generate import _CONTROL
+
+    def shown(ids):
+        return _CONTROL.sub(lambda m: repr(m.group())[1:-1], tiny.tokenizer.decode(ids))
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n\nHow are you?\n"))
+    assert main(["generate", "--model", "tiny", "--backend", "reference", "--chat", "--system", "Be brief.",
+                 "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (r1,) = tiny.generate([tiny.tokenizer.apply_chat_template(msgs)], 5)
+    msgs += [{"role": "assistant", "content": tiny.tokenizer.decode(r1)}, {"role": "user", "content": "How are you?"}]
+    (r2,) = tiny.generate([tiny.tokenizer.apply_chat_template(msgs)], 5)
+    assert out == shown(r1) + "\n" + shown(r2) + "\n"
+    assert main(["generate", "--model", "tiny", "--chat", "--json"]) == 2
+    assert "takes no --json" in capsys.readouterr().err

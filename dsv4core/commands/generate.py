@@ -138,6 +138,40 @@ def _chat_prompts(model, texts: list[str], system: str | None) -> tuple[list[str
     return [tok.apply_chat_template(head + [{"role": "user", "content": t}]) for t in texts], tok.eos_token_id
 
 
+def _converse(model, args, stdin, stdout) -> int:
+    """`--chat` without `--prompt`: a conversation. Each line read from `stdin` is a user message
+    (blank lines are skipped; end of input ends it); the whole conversation so far, rendered with
+    the chat template, is the prompt, and the reply is streamed to `stdout`, then kept (its text,
+    without the eos token) as the assistant's message of the next turn. On a terminal "you> " on
+    stderr asks for each line."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"--chat needs the model's tokenizer: {getattr(model, 'tokenizer_why', '') or 'none'}")
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    ask = stdin.isatty()
+    while True:
+        if ask:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = stdin.readline()
+        if not line:
+            if ask:
+                sys.stderr.write("\n")
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt = tok.apply_chat_template(messages)
+        streamer = _TextStream(tok, stdout)
+        eos = tok.eos_token_id
+        (new,) = model.generate([prompt], args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                eos_token_id=eos, on_token=streamer)
+        streamer.close()
+        messages.append({"role": "assistant", "content": tok.decode(new[:-1] if new and new[-1] == eos else new)})
+
+
 class _Progress:
     """Progress on stderr once a run takes more than a second: on a terminal one line rewritten in
     place (``\\r``); otherwise (a log, a pipe) a plain line every `every` seconds and a last one,
@@ -197,8 +231,13 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
     check_device(args.device)
-    if not args.input_ids and not args.prompt:
-        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT")
+    conversation = args.chat and not args.input_ids and not args.prompt
+    if not args.input_ids and not args.prompt and not conversation:
+        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT (or --chat alone: a "
+                         "conversation read from stdin)")
+    if conversation and (args.json or args.stream is False or args.tp * args.ep > 1):
+        raise ValueError("--chat without --prompt is a conversation streamed to stdout in one process: "
+                         "it takes no --json, --no-stream, --tp or --ep")
     from dsv4core.model.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)   # a bad value: exit 2 before loading
@@ -243,6 +282,8 @@ def run(args) -> int:
         status.close()
         t_load = time.perf_counter() - t0
         eos, chat_texts = None, None
+        if conversation:
+            return _converse(model, args, sys.stdin, sys.stdout)
         if args.chat:
             chat_texts, eos = _chat_prompts(model, prompts, args.system)
         streamer = _TextStream(getattr(model, "tokenizer", None), sys.stdout) if stream and rank == 0 else None
