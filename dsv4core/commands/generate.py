@@ -276,10 +276,13 @@ def run(args) -> int:
         def loading(done: int, total: int, shard: str) -> None:
             status.update(f"load: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB read ({shard})", final=done >= total)
 
-        with load_progress(loading):
-            model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
-                                        numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
-        status.close()
+        try:
+            with load_progress(loading):
+                model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
+                                            numerics=args.numerics, quantized=args.quantized, tp=args.tp,
+                                            ep=args.ep)
+        finally:   # the status line off the terminal before any error message
+            status.close()
         t_load = time.perf_counter() - t0
         eos, chat_texts = None, None
         if conversation:
