@@ -369,7 +369,10 @@ def _time_peers(peers: dict, case: BenchCase, t_ours: float, want, timer: Timer,
 
 # ------------------------------------------------------------------------------------------------ run
 def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096), device=None,
-              compile_ref=True, reps=20, log=print, partial_json=None, compare="auto", flush="write") -> dict:
+              compile_ref=True, reps=20, log=print, partial_json=None, compare="auto", flush="write",
+              progress=None) -> dict:
+    """Time `ops` x `tokens` (rows, see `markdown`); `log(line)` gets each row as it is measured,
+    `progress(i, n, op, T)` is called before case i of n."""
     from dsv4core.hal import catalogue
 
     b = get_backend(backend)
@@ -384,8 +387,12 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
     specs = catalogue()
     rows = []
     compiled = {}
+    n_cases, i_case = len(ops) * len(tokens), 0
     for label in ops:
         for T in tokens:
+            i_case += 1
+            if progress is not None:
+                progress(i_case, n_cases, label, T)
             try:
                 case = make_case(label, shapes, T, device)
             except KeyError as e:
@@ -519,6 +526,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="auto",
                    help="peers timed beside the backend: auto (every other available backend serving the "
                         "device, e.g. cuda-flashinfer beside cuda), none, or a comma list of backend names")
+    p.add_argument("--progress", action="store_true",
+                   help="progress lines on stderr also when it is not a terminal (a log: one line every 10 s); "
+                        "on a terminal a status line is shown by default")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--flush", default="write", choices=("write", "read"),
                    help="how L2 is made cold before each timed call: write (zero 256 MiB; leaves ~50 MB of "
                         "dirty lines that the timed call pays to write back) or read (sum it: clean lines)")
@@ -531,9 +542,19 @@ def run_args(args) -> int:
         check_device(args.device)
     ops = [o for o in args.ops.split(",") if o]
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
-                    reps=args.reps, partial_json=(args.json + ".partial") if args.json else None,
-                    compare=args.compare, flush=args.flush)
+    from dsv4core._progress import StatusLine
+
+    status = StatusLine(not args.no_progress, lines=args.progress, every=10.0)
+
+    def progress(i, n, op, T):
+        status.update(f"bench: case {i}/{n}: {op} T={T} ({status.elapsed():.0f} s)", final=i == n)
+
+    try:     # the rows as they are measured go to stderr; stdout gets the table once, at the end
+        res = run_bench(args.backend, ops, args.shapes, tokens, device=args.device, compile_ref=not args.no_compile,
+                        reps=args.reps, partial_json=(args.json + ".partial") if args.json else None,
+                        compare=args.compare, flush=args.flush, log=status.log, progress=progress)
+    finally:
+        status.close()
     md = markdown(res)
     print(md)
     if args.json:

@@ -60,3 +60,14 @@ def test_the_wheel_holds_the_packages_data_entry_points_and_license(tmp_path):
                  "triton-interpret = dsv4core.kernels.triton.interpret_plugin",
                  "dsv4core_conformance = dsv4core.conformance.pytest_plugin"):
         assert line in entry, line
+
+
+def test_ci_runs_the_fresh_environment_install_check():
+    """`.ci/run` ends with `.ci/install_check`, which installs the source tree into a new venv and
+    runs the console script from outside the tree (about 6 s, so it runs in CI, not here)."""
+    run = (ROOT / ".ci" / "run").read_text()
+    check = (ROOT / ".ci" / "install_check").read_text()
+    assert "bash .ci/install_check" in run.splitlines()[-1]
+    for part in ("--system-site-packages", "--no-deps --no-build-isolation", "unset PYTHONPATH",
+                 "dsv4core\" --help", "generate --model tiny"):
+        assert part in check, part

@@ -9,6 +9,8 @@ one chunk being converted.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 from collections import defaultdict
@@ -29,8 +31,27 @@ from .safetensors_io import TensorInfo, read_header
 
 log = logging.getLogger("dsv4core.checkpoint")
 
+#: config.json dtype names (`dtype` / `torch_dtype`) of floating weights
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 INDEX_NAME = "model.safetensors.index.json"
 FORMATS = ("transformers", "official")
+
+#: the callback `load_progress` installs for the `load_into` calls inside its block
+_LOAD_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("dsv4core_checkpoint_load_progress", default=None)
+
+
+@contextlib.contextmanager
+def load_progress(callback):
+    """Within the block, every `Checkpoint.load_into` (also the one inside `load_model`) reports
+    its progress: `callback(done_bytes, total_bytes, shard_name)` after each tensor read, the
+    bytes counted as stored in the checkpoint (weight and scale) for the tensors this module
+    takes."""
+    token = _LOAD_PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _LOAD_PROGRESS.reset(token)
 
 
 
@@ -133,6 +154,27 @@ class Checkpoint:
     def infos(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
 
+    def weights_dtype(self) -> tuple[torch.dtype | None, str]:
+        """(the floating dtype this checkpoint's weights are in, where that was read): config.json's
+        `dtype` / `torch_dtype` when it names a floating dtype; otherwise (absent, or a
+        quantisation tag such as "fp8") the dtype the token embedding is stored in
+        (`model.embed_tokens.weight` / `embed.weight`): the embedding is never quantised and is
+        stored in the model's dtype, unlike the fp32 norms / mHC / sinks. (None, why) when neither
+        says."""
+        names = {"dtype", "torch_dtype"}
+        for key in ("dtype", "torch_dtype"):
+            v = self.config_dict.get(key)
+            if isinstance(v, str) and v.removeprefix("torch.") in _FLOAT_DTYPES:
+                return _FLOAT_DTYPES[v.removeprefix("torch.")], f"config.json {key}={v!r}"
+        given = ", ".join(f"{k}={self.config_dict[k]!r}" for k in sorted(names) if k in self.config_dict)
+        where = f"config.json ({given or 'no dtype / torch_dtype'})"
+        for name in ("model.embed_tokens.weight", "embed.weight"):
+            info = self._infos.get(name)
+            if info is not None and info.torch_dtype is not None and info.torch_dtype.is_floating_point \
+                    and info.torch_dtype.itemsize >= 2:
+                return info.torch_dtype, f"{where}; the stored {name} ({info.dtype}, {info.file.name})"
+        return None, f"{where}; no floating token embedding stored"
+
     @property
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
@@ -216,7 +258,8 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ loading
     def load_into(self, module: nn.Module, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, strict: bool = True, cut=None) -> nn.Module:
+                  device: torch.device | str | None = None, strict: bool = True, cut=None,
+                  progress=None) -> nn.Module:
         """Fill ``module`` (built on the meta device or on the target device) from this checkpoint.
 
         * Every parameter and persistent buffer of ``module.state_dict()`` is filled by its
@@ -234,6 +277,8 @@ class Checkpoint:
           Missing tensors always raise. ``mtp.*`` tensors are skipped with one log line.
         * ``cut``: the module holds one rank's slices (tensor / expert parallelism); only those
           regions are read (see :mod:`dsv4core.checkpoint.cuts`).
+        * ``progress``: ``progress(done_bytes, total_bytes, shard_name)`` after each tensor
+          (default: the callback of an enclosing `load_progress` block, if any).
         Returns ``module``.
         """
         device = torch.device(device) if device is not None else None
@@ -285,6 +330,10 @@ class Checkpoint:
             for pc in ps:
                 by_file[pc.weight.file].append(pc)
         remaining = {t: len(ps) for t, ps in pieces.items()}
+        progress = progress if progress is not None else _LOAD_PROGRESS.get()
+        size = {id(pc): pc.weight.nbytes + (pc.scale.nbytes if pc.scale is not None else 0)
+                for ps in pieces.values() for pc in ps}
+        total_bytes, done_bytes = sum(size.values()), 0
         partial: dict[str, torch.Tensor] = {}
         partial_scale: dict[str, torch.Tensor] = {}
         from safetensors import safe_open
@@ -343,6 +392,9 @@ class Checkpoint:
                     if dst is None:
                         _assign(slots, pc.target, val)
                 remaining[pc.target] -= 1
+                done_bytes += size[id(pc)]
+                if progress is not None:
+                    progress(done_bytes, total_bytes, f.name)
                 if remaining[pc.target] == 0 and pc.target in partial:
                     _assign(slots, pc.target, partial.pop(pc.target))
                     if scale_name in partial_scale:

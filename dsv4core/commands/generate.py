@@ -49,6 +49,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a text prompt, encoded with the model's tokenizer (tokenizer.json; the tiny model's "
                         "is one token per byte); repeat for a batch; combines with --input-ids")
+    p.add_argument("--chat", action="store_true",
+                   help="treat each --prompt as a user message: render it with the checkpoint's chat template "
+                        "(chat_template.jinja, else tokenizer_config.json's chat_template; the tiny model's is "
+                        "'User: TEXT<newline>Assistant:') and stop at its eos_token")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each prompt")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the new text as it is generated (one prompt; default: on when stdout is a "
+                        "terminal, there is one prompt and no --json)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy, the argmax (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
@@ -72,7 +80,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; small models are often fastest with 1)")
+                   help="torch CPU threads (default on the CPU: 1 for the built-in tiny models, measured faster "
+                        "than torch's choice; torch's choice, or OMP_NUM_THREADS, for a checkpoint)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (attention heads, shared expert, vocabulary); run under "
                         "torchrun --nproc-per-node tp*ep (default: 1)")
@@ -81,6 +90,86 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
+
+
+#: control characters other than newline and tab: the stream writes them escaped (``\\x1b``), so
+#: a model's output cannot drive the terminal
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class _TextStream:
+    """`on_token` for one prompt: writes its new text to `stream` as the tokens arrive (the token
+    ids, comma-separated, when the model has no tokenizer). The text so far is decoded whole each
+    time and only its new tail written; a tail ending in U+FFFD (a UTF-8 sequence not complete
+    yet) waits for the next token. Control characters but newline and tab are written escaped.
+    `close()` writes what is left and a newline."""
+
+    def __init__(self, tok, stream) -> None:
+        self.tok, self.stream, self.ids, self.shown = tok, stream, [], ""
+
+    def _write(self, final: bool) -> None:
+        if self.tok is None:
+            return
+        text = self.tok.decode(self.ids)
+        if (final or not text.endswith("\ufffd")) and text.startswith(self.shown):
+            self.stream.write(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text[len(self.shown):]))
+            self.shown = text
+
+    def __call__(self, i: int, token: int) -> None:
+        self.ids.append(token)
+        if self.tok is None:
+            self.stream.write(("," if len(self.ids) > 1 else "") + str(token))
+        self._write(False)
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._write(True)
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _chat_prompts(model, texts: list[str], system: str | None) -> tuple[list[str], int | None]:
+    """The --prompt texts rendered as one-turn conversations with the model's chat template, and
+    the eos id generation stops at (None when the tokenizer names none)."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"--chat needs the model's tokenizer: {getattr(model, 'tokenizer_why', '') or 'none'}")
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [tok.apply_chat_template(head + [{"role": "user", "content": t}]) for t in texts], tok.eos_token_id
+
+
+def _converse(model, args, stdin, stdout) -> int:
+    """`--chat` without `--prompt`: a conversation. Each line read from `stdin` is a user message
+    (blank lines are skipped; end of input ends it); the whole conversation so far, rendered with
+    the chat template, is the prompt, and the reply is streamed to `stdout`, then kept (its text,
+    without the eos token) as the assistant's message of the next turn. On a terminal "you> " on
+    stderr asks for each line."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"--chat needs the model's tokenizer: {getattr(model, 'tokenizer_why', '') or 'none'}")
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    ask = stdin.isatty()
+    while True:
+        if ask:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = stdin.readline()
+        if not line:
+            if ask:
+                sys.stderr.write("\n")
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt = tok.apply_chat_template(messages)
+        streamer = _TextStream(tok, stdout)
+        eos = tok.eos_token_id
+        (new,) = model.generate([prompt], args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                eos_token_id=eos, on_token=streamer)
+        streamer.close()
+        messages.append({"role": "assistant", "content": tok.decode(new[:-1] if new and new[-1] == eos else new)})
 
 
 class _Progress:
@@ -117,6 +206,22 @@ class _Progress:
         self.stream.flush()
 
 
+def _threads(args) -> int | None:
+    """The torch thread count to set, or None to leave torch's: --threads when given; else, on
+    the CPU without OMP_NUM_THREADS set, 1 for the built-in tiny models (their steps are too small
+    to split: measured by benchmarks/generate_threads.py, the figures under
+    benchmarks/results/cpu/, README "Command line")."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        return args.threads
+    from dsv4core.model.api import BUILT_IN
+
+    if args.device == "cpu" and str(args.model) in BUILT_IN and not os.environ.get("OMP_NUM_THREADS"):
+        return 1
+    return None
+
+
 def run(args) -> int:
     import dsv4core
     from dsv4core.commands._util import print_json
@@ -126,16 +231,32 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError("--max-new-tokens must be >= 0")
     check_device(args.device)
-    if not args.input_ids and not args.prompt:
-        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT")
+    conversation = args.chat and not args.input_ids and not args.prompt
+    if not args.input_ids and not args.prompt and not conversation:
+        raise ValueError("give at least one prompt: --input-ids 1,2,3 or --prompt TEXT (or --chat alone: a "
+                         "conversation read from stdin)")
+    if conversation and (args.json or args.stream is False or args.tp * args.ep > 1):
+        raise ValueError("--chat without --prompt is a conversation streamed to stdout in one process: "
+                         "it takes no --json, --no-stream, --tp or --ep")
     from dsv4core.model.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)   # a bad value: exit 2 before loading
+    if args.chat and args.input_ids:
+        raise ValueError("--chat takes text prompts (--prompt TEXT), not --input-ids")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat message: give it with --chat")
     prompts = list(args.input_ids) + list(args.prompt)
-    if args.threads:
-        import torch
+    if args.stream and args.json:
+        raise ValueError("--stream writes text as it comes; --json writes one object at the end: choose one")
+    if args.stream and len(prompts) > 1:
+        raise ValueError(f"--stream shows one prompt's text as it is generated; got {len(prompts)} prompts")
+    stream = args.stream if args.stream is not None else (
+        not args.json and len(prompts) == 1 and sys.stdout.isatty())
+    threads = _threads(args)
+    import torch
 
-        torch.set_num_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     parallel = args.tp * args.ep > 1
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")
     if world > 1 and not parallel:   # each process would run (and print) the whole model
@@ -147,14 +268,36 @@ def run(args) -> int:
         device = f"{device}:{int(os.environ.get('LOCAL_RANK', '0'))}"
     t0 = time.perf_counter()
     try:
-        model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
-                                    numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
+        from dsv4core._progress import StatusLine
+        from dsv4core.checkpoint import load_progress
+
+        status = StatusLine(not args.no_progress and rank == 0, lines=True, every=10.0, delay=1.0)
+
+        def loading(done: int, total: int, shard: str) -> None:
+            status.update(f"load: {done / 2**20:,.0f} / {total / 2**20:,.0f} MiB read ({shard})", final=done >= total)
+
+        try:
+            with load_progress(loading):
+                model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
+                                            numerics=args.numerics, quantized=args.quantized, tp=args.tp,
+                                            ep=args.ep)
+        finally:   # the status line off the terminal before any error message
+            status.close()
         t_load = time.perf_counter() - t0
-        progress = _Progress(not args.no_progress and rank == 0)
+        eos, chat_texts = None, None
+        if conversation:
+            return _converse(model, args, sys.stdin, sys.stdout)
+        if args.chat:
+            chat_texts, eos = _chat_prompts(model, prompts, args.system)
+        streamer = _TextStream(getattr(model, "tokenizer", None), sys.stdout) if stream and rank == 0 else None
+        progress = _Progress(not args.no_progress and rank == 0 and streamer is None)
         t1 = time.perf_counter()
-        out = model.generate(prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
+        out = model.generate(chat_texts or prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
                              progress=progress, temperature=args.temperature, top_p=args.top_p,
-                             top_k=args.top_k, seed=args.seed)
+                             top_k=args.top_k, seed=args.seed, eos_token_id=eos,
+                             on_token=(lambda i, t: streamer(i, t)) if streamer is not None else None)
+        if streamer is not None:
+            streamer.close()
         t_gen = time.perf_counter() - t1
     finally:
         if parallel:
@@ -169,16 +312,18 @@ def run(args) -> int:
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
         print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
-                    "tp": args.tp, "ep": args.ep,
-                    "prompts": prompts, "new_tokens": out, "new_text": texts,
+                    "tp": args.tp, "ep": args.ep, "threads": torch.get_num_threads(),
+                    "prompts": prompts, "chat": args.chat, "chat_prompts": chat_texts, "eos_token_id": eos,
+                    "new_tokens": out, "new_text": texts,
                     "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                  "seed": args.seed}, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
                     "graphs": model.graph_status() or "on"})
     else:
-        for i, (p, o) in enumerate(zip(prompts, out)):
+        for i, (p, o) in enumerate(zip(prompts, out) if streamer is None else ()):   # streamed: shown already
             if isinstance(p, str):
-                print(f"[{i}] prompt (text): {json.dumps(p, ensure_ascii=False)}")
+                kind = "chat, user message" if args.chat else "text"
+                print(f"[{i}] prompt ({kind}): {json.dumps(p, ensure_ascii=False)}")
             else:
                 print(f"[{i}] prompt ({len(p)} tokens): {','.join(map(str, p))}")
             print(f"[{i}] new tokens ({len(o)}): {','.join(map(str, o))}")
@@ -186,7 +331,8 @@ def run(args) -> int:
                 print(f"[{i}] new text: {json.dumps(texts[i], ensure_ascii=False)}")
         n = sum(len(o) for o in out)
         mib = model.cache.bytes_report()["total"] / 2**20
-        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB)", file=sys.stderr)
+        print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB; "
+              f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''})", file=sys.stderr)
     summary = model.ops.verify_summary() if hasattr(model.ops, "verify_summary") else None
     if summary is not None:
         diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())

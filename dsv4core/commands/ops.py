@@ -40,9 +40,11 @@ def run(args) -> int:
     for r in report:
         why = "; ".join([f"{b}: {reason}" for b, reason in r["declined"].items()]
                         + [f"{b}: {note}" for b, note in r.get("limits", {}).items()]
-                        + [f"{b}: {msg}" for b, msg in r.get("problems", {}).items()])
+                        + [f"{b}: {msg}" for b, msg in r.get("problems", {}).items()]
+                        + ([f"deprecated: {r['deprecated']}"] if r["deprecated"] else []))
+        # short flags in their own named column; the deprecation's sentence with the other details
         notes = ", ".join(n for n in ("fallback" if r["fallback"] else "",
-                                      f"deprecated: {r['deprecated']}" if r["deprecated"] else "") if n)
+                                      "deprecated" if r["deprecated"] else "") if n)
         rows.append((r["op"], r["family"], r["backend"], notes, why))
-    print_table(("op", "family", "served by", "", "declined / limits"), rows)
+    print_table(("op", "family", "served by", "notes", "declined / limits / deprecation"), rows)
     return 0

@@ -116,7 +116,9 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
     priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
-    name; default float32 for "tiny", the checkpoint's dtype otherwise). device: default "cpu".
+    name; default float32 for "tiny"; for a checkpoint the dtype its weights are in:
+    config.json's `dtype` / `torch_dtype`, else the stored token embedding's dtype, and an error
+    asking for dtype= when that is neither float32 nor bfloat16). device: default "cpu".
     Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
     quantized: what to do with FP8 block-scaled checkpoint weights (see `dsv4core.model.fp8`):
     "auto" keeps a projection FP8 (+ float32 `weight_scale_inv`) when the non-reference backend
@@ -160,9 +162,11 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     if not ckpt.config_dict:
         raise ValueError(f"{path_or_name}: no config.json next to the weights")
     cfg = DSV4Config.from_dict(ckpt.config_dict)
-    file_dtype = ckpt.config_dict.get("dtype") or ckpt.config_dict.get("torch_dtype")
-    default = torch.float32 if file_dtype in ("float32", "torch.float32") else torch.bfloat16
-    dt = resolve_dtype(dtype, default)
+    stored, where = ckpt.weights_dtype()   # never narrowed silently: another dtype must be asked for
+    if dtype is None and stored not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{path_or_name}: the weights' dtype is {str(stored).removeprefix('torch.') if stored else 'unknown'} "
+                         f"({where}); activations are float32 or bfloat16: give dtype= (--dtype)")
+    dt = resolve_dtype(dtype, stored)
     ops = _bind(dev, backend, verify)
     par = _setup_parallel(cfg, tp, ep, ops=ops, device=dev)
     with torch.device("meta"):

@@ -400,7 +400,8 @@ class DSV4ForCausalLM(nn.Module):
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int, *,
                  eos_token_id: int | None = None, prefill_chunk: int | None = None,
                  progress: Callable[[int, int], None] | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> list[list[int]]:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """Generation with continuous batching: every step is one forward over the decode
         tokens of the running requests plus prefill chunks (at most `prefill_chunk` tokens of a
         prompt per step; default the cache's max_step_tokens) of newly admitted ones. Requests are
@@ -409,7 +410,9 @@ class DSV4ForCausalLM(nn.Module):
         reused. Returns only the new tokens of each prompt. `progress(done, total)` counts tokens.
         A prompt is token ids or a str (encoded with `self.tokenizer`). The next token is the argmax
         (temperature 0, the default) or drawn with temperature / top_k / top_p from a generator
-        seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits)."""
+        seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits).
+        `on_token(i, token)` is called for each new token of prompt i as the host reads it (in
+        order per prompt): streaming."""
         from .sampling import SamplingParams, make_generator
 
         try:
@@ -443,7 +446,7 @@ class DSV4ForCausalLM(nn.Module):
 
         sched = Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
                            min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress,
-                           sampling, make_generator(sampling, self.device))
+                           sampling, make_generator(sampling, self.device), on_token)
         try:
             sched.run(out)
         finally:

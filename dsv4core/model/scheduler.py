@@ -16,9 +16,10 @@ from .inputs import DeviceTokens, InputError
 class Scheduler:
     """Continuous batching for `generate` (host-side bookkeeping only)."""
 
-    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None) -> None:
+    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None,
+                 on_token=None) -> None:
         self.model, self.cache, self.prompts, self.max_new, self.eos = model, cache, prompts, max_new, eos
-        self.chunk, self.progress = chunk, progress
+        self.chunk, self.progress, self.on_token = chunk, progress, on_token
         self.sampling, self.generator = sampling, generator
         self.waiting = deque(range(len(prompts)))
         self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
@@ -148,6 +149,8 @@ class Scheduler:
                 continue
             out[i].append(tok)
             self.done += 1
+            if self.on_token is not None:
+                self.on_token(i, tok)
             if len(out[i]) >= self.max_new or tok == self.eos:
                 self.done += self.max_new - len(out[i])
                 st, _ = self.running.pop(i)
