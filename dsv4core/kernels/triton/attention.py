@@ -14,6 +14,11 @@ one [splits, CB] tile (an earlier combine, one program per head block reading th
 after another, made S dependent round trips on 4 SMs at T = 1: 22.9 µs against 15.2 on the H200,
 benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json). No atomics: results are bitwise repeatable for a given launch plan.
 
+``kv_format="fp8"`` (the FP8 KV row of ``hal.rowformats``): the gather reads the row's bytes and
+decodes them in registers (e4m3 x its group's UE8M0 scale for the non-rope channels, bf16 for the
+rope channels) into the same [BK, D] tile; the decoded values are exact in q's dtype, so the rest
+of the kernel, and its result, are those of a plain pool holding the same values.
+
 ``S`` = 1 (the plan's choice once T x head blocks fill the GPU, or for one row block) is the
 single launch: no partials, no combine.
 
@@ -34,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import no_quant as _no_quant
+from dsv4core.hal.rowformats import ROPE_DIM
+
 from ._util import c, cdiv, interp, rne, target_programs, to_out
 from .launch import Tune
 
@@ -54,10 +60,29 @@ def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
 
 
 @triton.jit
+def _fp8_kv_rows(kv_ptr, rows, valid, W, D: tl.constexpr, NOPE: tl.constexpr):
+    """fp32 [BK, D]: FP8 KV rows ``rows`` of a uint8 pool of W-byte rows (hal.rowformats "fp8"):
+    bytes [0, NOPE) e4m3, [NOPE, NOPE + 2 (D - NOPE)) bf16 rope channels, then one UE8M0 byte per
+    64 non-rope channels (2^(b - 127), built from its bits: b >= 1, as every stored scale is)."""
+    dc = tl.arange(0, D)
+    base = rows[:, None] * W
+    nope = (dc < NOPE)[None, :]
+    m = valid[:, None] & nope
+    b = tl.load(kv_ptr + base + dc[None, :], mask=m, other=0)
+    e = tl.load(kv_ptr + base + (NOPE + 2 * (D - NOPE)) + (dc // 64)[None, :], mask=m, other=127)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    rope_ptr = (kv_ptr + base + NOPE).to(tl.pointer_type(tl.bfloat16))
+    r = tl.load(rope_ptr + (dc - NOPE)[None, :], mask=valid[:, None] & (dc >= NOPE)[None, :], other=0.0)
+    return tl.where(nope, v, r.to(tl.float32))
+
+
+@triton.jit
 def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr,
-                 T, NH, N, K, KPS, S, scale,
+                 T, NH, N, K, KPS, S, scale, W,
                  D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr,
-                 F32: tl.constexpr, FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr):
+                 F32: tl.constexpr, FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr,
+                 FP8: tl.constexpr, NOPE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -78,7 +103,10 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
     for k0 in range(k_lo, k_hi, BK):
         if PIPE == 0:
             rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK)
-        kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
+        if FP8:
+            kv = _fp8_kv_rows(kv_ptr, rows, valid, W, D, NOPE).to(q.dtype)
+        else:
+            kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
         if PIPE == 1:
             rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK)
         if F32:
@@ -197,7 +225,6 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
 
 
 def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
-    _no_quant("sparse_mqa_attention", kv_format=kv_format)
     T, NH, D = q.shape
     o = torch.empty((T, NH, D), dtype=q.dtype, device=q.device)
     if T == 0 or NH == 0:
@@ -211,18 +238,20 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
     p = plan(T, NH, D, K, f32, q.device)
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb)
+    fp8 = kv_format == "fp8"
     common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
+                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D,
                   num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                 float(scale), FINAL=True, **common)
+                                 float(scale), kv.shape[1], FINAL=True, **common)
         return o
     # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(*grid, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                             float(scale), FINAL=False, **common)
+                             float(scale), kv.shape[1], FINAL=False, **common)
     CB = p["CB"]
     _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
                                                 RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())

@@ -7,6 +7,10 @@ chunks of BD channels (fp32 accumulate; fp32 inputs with ieee products, never tf
 ReLU and the weighted sum over heads in registers. The grid is fixed by the shapes (T, L): no host
 read of device data, capturable. Every tensor is read through its strides (a key pool may be a
 region of a larger buffer).
+
+``k_format="fp4"`` (the FP4 key of ``hal.rowformats``): the gather reads each key's bytes and
+decodes them in registers (e2m1 code x its group's UE8M0 scale) into the same [BL, BD] tile; the
+decoded values are exact in q's dtype, so the result is that of a plain pool holding them.
 """
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import no_quant as _no_quant
 from ._util import cdiv, interpreting, np2
 from .launch import Tune
 
@@ -23,10 +26,24 @@ TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages"))
 
 
 @triton.jit
+def _fp4_keys(k_ptr, r, dc, m, sk_n, DI):
+    """fp32 [BL, BD]: channels ``dc`` of the FP4 keys in rows ``r`` of a uint8 pool (row stride
+    sk_n): e2m1 codes two a byte (even channel in the low nibble), then one UE8M0 byte per 32."""
+    b = tl.load(k_ptr + r[:, None] * sk_n + (dc // 2)[None, :], mask=m, other=0).to(tl.int32)
+    code = (b >> ((dc % 2) * 4).to(tl.int32)[None, :]) & 0xF
+    i = code & 7                                           # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
+    pow2 = (((i >> 1) + 126) << 23).to(tl.float32, bitcast=True)          # 2^((i >> 1) - 1)
+    mag = tl.where(i < 2, i.to(tl.float32) * 0.5, pow2 * (1.0 + 0.5 * (i & 1).to(tl.float32)))
+    v = tl.where((code & 8) != 0, -mag, mag)
+    e = tl.load(k_ptr + r[:, None] * sk_n + DI // 2 + (dc // 32)[None, :], mask=m, other=127).to(tl.int32)
+    return v * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, L, scale,
                                 sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l,
                                 NIP: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                                F32: tl.constexpr, INTERP: tl.constexpr):
+                                F32: tl.constexpr, INTERP: tl.constexpr, FP4: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = (tl.program_id(1) * BL + tl.arange(0, BL)).to(tl.int64)
     sm = slot < L
@@ -41,7 +58,10 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
         dm = dc < DI
         q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + dc[None, :] * sq_d,
                     mask=hm[:, None] & dm[None, :], other=0.0)
-        k = tl.load(k_ptr + r[:, None] * sk_n + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
+        if FP4:
+            k = _fp4_keys(k_ptr, r, dc, valid[:, None] & dm[None, :], sk_n, DI).to(q.dtype)
+        else:
+            k = tl.load(k_ptr + r[:, None] * sk_n + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
         if F32:
             acc += tl.dot(q, tl.trans(k), input_precision="ieee")
         elif INTERP:   # the interpreter's bf16 dot is unreliable; bf16 products are exact in fp32
@@ -54,7 +74,6 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
 
 
 def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
-    _no_quant("indexer_scores_rows", k_format=k_format)
     T, NI, DI = q.shape
     L = rows.shape[1]
     out = torch.empty((T, L), dtype=torch.float32, device=q.device)
@@ -69,6 +88,6 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
     BL = TUNE.get("BL", 32 if f32 else 64)
     _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
         q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride(), *weights.stride(),
-        *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q),
+        *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
