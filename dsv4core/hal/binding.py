@@ -31,6 +31,7 @@ from .backend import Impl
 from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
+from .typed_ops import TypedOps
 from .version import version_str
 from .verify import VerifyStats, parse_fraction, parse_seed, parse_strict
 from .verify import wrap as verify_wrap
@@ -73,8 +74,13 @@ class OpBinding:
         return d
 
 
-class OpTable:
-    """A frozen op -> callable table for one device type. ``table.rms_norm(x, w, eps)``."""
+class OpTable(TypedOps):
+    """A frozen op -> callable table for one device type. ``table.rms_norm(x, w, eps)``.
+
+    Each op is an instance attribute holding its bound callable (``bindings[op].call``: the serving
+    implementation itself, or the chain built by :func:`_dispatch_chain`). Its type, for editors and
+    type checkers, comes from :class:`~dsv4core.hal.typed_ops.TypedOps` (generated from the catalogue:
+    one method per op with the op's signature)."""
 
     def __init__(self, device_type: str, policy: str, bindings: dict[str, OpBinding]):
         object.__setattr__(self, "device_type", device_type)

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from ._util import cdiv, np2, rne, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
 TUNE = Tune(__name__, ("BD", "BR", "num_warps"))
@@ -35,6 +37,7 @@ def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r,
     tl.store(pool_ptr + dst_off, to_out(x, pool_ptr, RNE), mask=m)
 
 
+@implements("cache_store", supports=predicates.cache_store_supports)
 def cache_store(pool, index, rows):
     E, D = rows.shape
     if E == 0 or D == 0 or pool.shape[0] == 0:
