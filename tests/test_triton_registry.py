@@ -76,3 +76,18 @@ def test_implements_refuses_declarations_the_registration_would_not_follow():
 def test_kernel_names_the_op_it_does_not_know():
     with pytest.raises(KeyError, match="no Triton kernel for op 'all_reduce'"):
         registry.kernel("all_reduce")
+
+
+def test_registration_declines_tensors_of_another_device_type_or_device():
+    b = Backend(name="t-meta", device_types=("meta",))
+    registry.register_ops(b, "meta", ops={"rms_norm"})
+    sup = b.impls["rms_norm"].supports
+    x, w = torch.randn(2, 8, device="meta"), torch.ones(8, device="meta")
+    assert sup(x, w, 1e-6) is True
+    assert sup(x, torch.ones(8), 1e-6) is False               # mixed devices
+    assert sup(torch.randn(2, 8), torch.ones(8), 1e-6) is False  # another device type
+    c = Backend(name="t-cpu", device_types=("cpu",))
+    registry.register_ops(c, "cpu", ops={"rms_norm"})
+    assert c.impls["rms_norm"].supports(torch.randn(2, 8), None, 1e-6) is True
+    assert c.impls["rms_norm"].supports(x, None, 1e-6) is False
+    assert c.impls["rms_norm"].supports(x=torch.randn(2, 8), weight=w, eps=1e-6) is False   # by keyword

@@ -139,17 +139,29 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
 
 
 def _on_device(pred, device_type: str):
-    """pred plus: every tensor argument lives on ONE device of ``device_type``; any exception declines."""
+    """pred plus: every tensor argument lives on ONE device of ``device_type``; any exception declines.
+
+    Per call, host cost: a tensor's device type is read from its ``is_<type>`` flag and its device
+    index from ``get_device()`` (no ``torch.device`` object is built: ``t.device.type`` alone costs
+    more than the rest of a typical predicate)."""
     sig = inspect.signature(pred)
+    flag = f"is_{device_type}" if hasattr(torch.Tensor, f"is_{device_type}") else None   # else t.device.type
+
+    def on_type(v) -> bool:
+        return getattr(v, flag) if flag is not None else v.device.type == device_type
 
     def supports(*args, **kwargs):
         try:
-            dev = None
-            for v in (*args, *kwargs.values()):
+            index = None
+            for v in (args if not kwargs else (*args, *kwargs.values())):
                 if isinstance(v, torch.Tensor):
-                    if v.device.type != device_type or (dev is not None and v.device != dev):
+                    if not on_type(v):
                         return False
-                    dev = v.device
+                    i = v.get_device()
+                    if index is None:
+                        index = i
+                    elif i != index:
+                        return False
             return bool(pred(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a predicate declines, it never raises
             return False
