@@ -330,16 +330,19 @@ def _make_call(spec, chain: list[Impl], policy: str, binding: OpBinding, check: 
     if not check:
         return call
     validate = spec.validate
-    passed: dict = {}        # argument keys whose check passed and reads no tensor data
+    #: argument key -> True: the check passed on these keys and reads no tensor data (skipped from
+    #: now on); False: it passed, but reads tensor values (run on every call, the probe not again)
+    seen: dict = {}
 
     def checked(*args, **kwargs):
         key = _arg_key(args, kwargs)
-        if key is None or key not in passed:
+        known = seen.get(key) if key is not None else False
+        if known is not True:
             validate(*args, **kwargs)           # raises OpInputError: nothing is remembered
-            if key is not None and _metadata_only(validate, args, kwargs):
-                if len(passed) >= _MAX_KEYS:
-                    passed.clear()
-                passed[key] = True
+            if known is None:
+                if len(seen) >= _MAX_KEYS:
+                    seen.clear()
+                seen[key] = _metadata_only(validate, args, kwargs)
         return call(*args, **kwargs)
 
     checked.__name__ = spec.name
