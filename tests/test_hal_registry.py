@@ -1,6 +1,7 @@
 """HAL machinery: discovery of a real installed plugin distribution, broken plugins, selection,
 per-op overrides, fallback policies, registration checks, the bound hot path, input errors."""
 
+import inspect
 import json
 import logging
 import re
@@ -303,6 +304,39 @@ def test_generated_op_reference_is_up_to_date():
 
     page = Path(__file__).resolve().parents[1] / "docs" / "ops.md"
     assert page.read_text() == render(), "docs/ops.md is stale: run `python -m dsv4core.hal.docs > docs/ops.md`"
+
+
+def test_typed_op_table_is_generated_from_the_catalogue():
+    from pathlib import Path
+
+    from dsv4core.hal.docs import render_typed
+
+    path = Path(__file__).resolve().parents[1] / "dsv4core" / "hal" / "typed_ops.py"
+    src = path.read_text()
+    assert src == render_typed(), ("dsv4core/hal/typed_ops.py is stale: run "
+                                   "`python -m dsv4core.hal.docs typed > dsv4core/hal/typed_ops.py`")
+    # what a type checker sees: one method per op, with the op's parameters and defaults
+    ns: dict = {}
+    exec(compile(src.replace("from typing import TYPE_CHECKING", "TYPE_CHECKING = True"), str(path), "exec"), ns)
+    typed = ns["TypedOps"]
+    specs = catalogue()
+    assert sorted(n for n in vars(typed) if not n.startswith("_")) == sorted(specs)
+    for name, spec in specs.items():
+        params = list(inspect.signature(getattr(typed, name)).parameters.values())[1:]
+        assert [(p.name, p.default, p.kind) for p in params] == \
+            [(p.name, p.default, p.kind) for p in spec.signature.parameters.values()], name
+
+
+def test_op_table_attributes_are_the_bound_callables():
+    from dsv4core.hal.typed_ops import TypedOps
+
+    assert not [n for n in vars(TypedOps) if not n.startswith("_")]   # nothing at run time
+    table = bind("cpu", backend="reference", policy="allow")
+    assert isinstance(table, TypedOps)
+    for name, b in table.bindings.items():
+        assert getattr(table, name) is b.call
+    with pytest.raises(AttributeError, match="no HAL op named 'rms_nrom'"):
+        table.rms_nrom
 
 
 def _fake_plugins(monkeypatch, backends):

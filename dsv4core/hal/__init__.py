@@ -9,6 +9,9 @@ Typical use::
 Plugins: see :mod:`dsv4core.hal.hookspecs` and :class:`Backend`.
 """
 
+# The op modules first: declaring the ops fills the catalogue (hal.spec) before any other module of
+# the HAL, or of a caller, can ask for it.
+from . import ops  # noqa: F401  (isort: skip)
 from .backend import HAL_API_VERSION, Backend, Impl
 from .binding import POLICIES, OpBinding, OpTable, bind, parse_ops_override
 from .discovery import ENTRY_POINT_GROUP, PluginStatus, discover

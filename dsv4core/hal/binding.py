@@ -31,6 +31,7 @@ from .backend import Impl
 from .discovery import PluginStatus, discover
 from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
+from .typed_ops import TypedOps
 from .version import version_str
 from .verify import VerifyStats, parse_fraction, parse_seed, parse_strict
 from .verify import wrap as verify_wrap
@@ -73,8 +74,13 @@ class OpBinding:
         return d
 
 
-class OpTable:
-    """A frozen op -> callable table for one device type. ``table.rms_norm(x, w, eps)``."""
+class OpTable(TypedOps):
+    """A frozen op -> callable table for one device type. ``table.rms_norm(x, w, eps)``.
+
+    Each op is an instance attribute holding its bound callable (``bindings[op].call``: the serving
+    implementation itself, or the chain built by :func:`_dispatch_chain`). Its type, for editors and
+    type checkers, comes from :class:`~dsv4core.hal.typed_ops.TypedOps` (generated from the catalogue:
+    one method per op with the op's signature)."""
 
     def __init__(self, device_type: str, policy: str, bindings: dict[str, OpBinding]):
         object.__setattr__(self, "device_type", device_type)
@@ -324,13 +330,69 @@ def _make_call(spec, chain: list[Impl], policy: str, binding: OpBinding, check: 
     if not check:
         return call
     validate = spec.validate
+    #: argument key -> True: the check passed on these keys and reads no tensor data (skipped from
+    #: now on); False: it passed, but reads tensor values (run on every call, the probe not again)
+    seen: dict = {}
 
     def checked(*args, **kwargs):
-        validate(*args, **kwargs)
+        key = _arg_key(args, kwargs)
+        known = seen.get(key) if key is not None else False
+        if known is not True:
+            validate(*args, **kwargs)           # raises OpInputError: nothing is remembered
+            if known is None:
+                if len(seen) >= _MAX_KEYS:
+                    seen.clear()
+                seen[key] = _metadata_only(validate, args, kwargs)
         return call(*args, **kwargs)
 
     checked.__name__ = spec.name
     return checked
+
+
+#: distinct argument keys remembered per op (then forgotten all at once)
+_MAX_KEYS = 4096
+
+
+def _arg_key(args, kwargs):
+    """What an op's input check can see of its arguments without reading tensor data: per tensor
+    its type, shape, strides, dtype and device; other values as they are (None: an argument that
+    cannot be a dict key, e.g. a list of tensors, so the call is checked every time)."""
+    try:
+        key = tuple(_value_key(v) for v in args)
+        if kwargs:
+            key += tuple((k, _value_key(v)) for k, v in kwargs.items())
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _value_key(v):
+    if isinstance(v, torch.Tensor):
+        return (type(v), v.shape, v.stride(), v.dtype, v.device)
+    if isinstance(v, (list, tuple)):
+        return (type(v),) + tuple(_value_key(x) for x in v)
+    if isinstance(v, float) and v != v:
+        raise TypeError("nan")                  # nan != nan: never found again
+    return (type(v), v)
+
+
+def _metadata_only(validate, args, kwargs) -> bool:
+    """Whether the check's verdict on these arguments follows from their keys alone: it passes
+    again on ``meta`` tensors of the same shapes, strides and dtypes, which hold no data (a check
+    that reads values, e.g. an index range, fails there and is run on every call)."""
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        return v
+
+    try:
+        validate(*(meta(v) for v in args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - any failure: not decidable from the key
+        return False
+    return True
 
 
 def _dispatch_chain(op_name: str, chain: list[Impl], policy: str, binding: OpBinding) -> Callable:

@@ -1,10 +1,13 @@
-"""Generate the op reference (docs/ops.md) from the op specs: ``python -m dsv4core.hal.docs``.
+"""Generate from the op specs: the op reference (docs/ops.md, ``python -m dsv4core.hal.docs``)
+and the typed attributes of the op table (``dsv4core/hal/typed_ops.py``,
+``python -m dsv4core.hal.docs typed``).
 
-The specs are the single source of truth; tests check that the committed page is up to date.
+The specs are the single source of truth; tests check that the committed files are up to date.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 from .backend import HAL_API_VERSION
@@ -45,5 +48,65 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _param(p: inspect.Parameter) -> str:
+    text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+    if p.default is not inspect.Parameter.empty:
+        text += f" = {p.default!r}" if p.annotation is not inspect.Parameter.empty else f"={p.default!r}"
+    return text
+
+
+def render_typed() -> str:
+    """The source of ``dsv4core/hal/typed_ops.py``: a class with one method per op, of the op's
+    signature, seen by type checkers and editors only (its body is under ``TYPE_CHECKING``)."""
+    specs = catalogue()
+    lines = [
+        '"""The op table\'s attributes, typed: one method per HAL op with the op\'s signature, so that',
+        "editors and type checkers follow ``ops.rms_norm(...)`` to the op and its spec.",
+        "",
+        "Generated from the op specs in ``dsv4core/hal/ops/`` by ``python -m dsv4core.hal.docs typed > dsv4core/hal/typed_ops.py``.",
+        "Do not edit by hand (a test checks it is current). At run time the class is empty: a bound",
+        ":class:`~dsv4core.hal.OpTable` holds each op's bound callable as an instance attribute.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from typing import TYPE_CHECKING",
+        "",
+        "if TYPE_CHECKING:",
+        "    import torch",
+        "",
+        "",
+        "class TypedOps:",
+        '    """One attribute per HAL op (see the module docstring)."""',
+        "",
+        "    __slots__ = ()",
+        "",
+        "    if TYPE_CHECKING:",
+    ]
+    for i, s in enumerate(specs.values()):
+        sig = s.signature
+        params = ["self"] + [_param(p) for p in sig.parameters.values()]
+        ret = "" if sig.return_annotation is inspect.Signature.empty else f" -> {sig.return_annotation}"
+        if i:
+            lines.append("")
+        head = f"        def {s.name}({', '.join(params)}){ret}:"
+        if len(head) <= 110:
+            lines.append(head)
+        else:
+            lines += [f"        def {s.name}("] + [f"            {p}," for p in params] + [f"        ){ret}:"]
+        doc = f"Spec and reference math: :func:`{s.reference.__module__}.{s.name}`."
+        if s.deprecated:
+            lines += [f'            """{doc}', f"            Deprecated: {s.deprecated}.", '            """']
+        else:
+            lines += [f'            """{doc}"""']
+        lines += ["            ..."]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if sys.argv[1:] == ["typed"]:
+        sys.stdout.write(render_typed())
+    elif sys.argv[1:]:
+        sys.exit(f"usage: python -m dsv4core.hal.docs [typed]  (got {' '.join(sys.argv[1:])!r})")
+    else:
+        sys.stdout.write(render())

@@ -226,9 +226,12 @@ def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), wr
 
 def catalogue() -> dict[str, OpSpec]:
     """All declared ops by name, in declaration order: a new dict on every call (changing it changes
-    nothing), of specs frozen once the op modules have loaded (see :class:`OpSpec`)."""
-    from . import ops  # noqa: F401  (importing the op modules fills the catalogue)
+    nothing), of specs frozen once the op modules have loaded (see :class:`OpSpec`).
 
+    The op modules (``dsv4core.hal.ops``) fill it as they import; the package ``dsv4core.hal``
+    imports them before anything else, and importing this module imports that package first, so
+    the catalogue is complete whenever this can be called (and this module imports no op module:
+    the op modules import it)."""
     for spec in _CATALOGUE.values():
         spec._freeze()
     return dict(_CATALOGUE)

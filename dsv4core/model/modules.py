@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv4core.hal.binding import OpTable
 from dsv4core.hal.ops.projections import ACT_BLOCKS
 from dsv4core.hal.ops.rope import NOPE_QUANT_BLOCKS
 from dsv4core.hal.util import cdiv
@@ -35,8 +36,10 @@ class OpsRef:
     numerics the model calls it with (`"exact"` or `"official"`: `dsv4core.model.numerics`)."""
 
     __slots__ = ("t", "numerics")
+    t: OpTable     # ``self._ops.t.rms_norm(...)``: the op's typed attribute (dsv4core.hal.typed_ops)
+    numerics: str
 
-    def __init__(self, table=None, numerics: str = "exact") -> None:
+    def __init__(self, table: OpTable | None = None, numerics: str = "exact") -> None:
         self.t = table
         self.numerics = numerics
 

@@ -11,6 +11,7 @@ be set before triton is imported.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from launch_recorder import Recorder
 pytest.importorskip("triton")
 
 _SCRIPT = r"""
+import json, sys
 import torch
 from dsv4core.kernels.triton import moe
 
@@ -36,22 +38,22 @@ moe._route_torch = counted          # _route looks it up at call time: counts wh
 
 g = torch.Generator().manual_seed(0)
 NAMES = ("starts", "tcum", "tok", "inv")
+records = []
 
-def check(ids, E, BM, label):
+def check(ids, E, BM, label, grid=False):
     P = ids.numel()
     before = calls["torch"]
     got = moe._route(ids, E, BM)
-    kernel = calls["torch"] == before
-    assert kernel == (P <= moe.ALIGN_MAX_PAIRS and E + 1 <= moe.ALIGN_MAX_BINS), (label, P, E, "kernel" if kernel else "torch")
+    rec = {"label": label, "P": P, "E": E, "grid": grid, "kernel": calls["torch"] == before, "outputs": {}}
     want = _torch_path(ids, E, BM)
     for name, a, b in zip(NAMES, got, want):
-        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (label, name, a.dtype, a.shape, b.shape)
-        assert torch.equal(a, b), (label, name, a.tolist()[:40], b.tolist()[:40])
+        rec["outputs"][name] = {"dtypes": [str(a.dtype), str(b.dtype)], "shapes": [list(a.shape), list(b.shape)],
+                                "equal": bool(a.shape == b.shape and torch.equal(a, b))}
     starts, tcum, tok, inv = got
     # the outputs also agree with each other: a permutation, each token's pairs where inv says
-    assert torch.equal(torch.sort(inv).values, torch.arange(P, dtype=torch.int32)), label
-    assert torch.equal(tok[inv.long()], torch.arange(P, dtype=torch.int32) // ids.shape[1]), label
-    return kernel
+    rec["inv_is_permutation"] = bool(torch.equal(torch.sort(inv).values, torch.arange(P, dtype=torch.int32)))
+    rec["tok_matches_inv"] = bool(torch.equal(tok[inv.long()], torch.arange(P, dtype=torch.int32) // ids.shape[1]))
+    records.append(rec)
 
 def ids_with_drops(T, K, E, dtype):
     ids = torch.randint(-1, E + 1, (T, K), generator=g)              # -1 and E: dropped
@@ -67,7 +69,7 @@ for E in (1, 8, 256, 384):
                 continue                # 2.5 s each in the interpreter; E = 8 and 384 keep the shape
             dt = (torch.int64, torch.int32)[n % 2]
             BM = (16, 64)[n % 2]
-            check(ids_with_drops(T, K, E, dt), E, BM, f"E={E} K={K} T={T} {dt}")
+            check(ids_with_drops(T, K, E, dt), E, BM, f"E={E} K={K} T={T} {dt}", grid=True)
             n += 1
 # adversarial: one expert takes every pair (stability is all that orders them), nothing kept,
 # ids descending, a non-contiguous view, int64 ids beyond int32
@@ -78,25 +80,42 @@ check(torch.randint(-1, 257, (6, 20), generator=g).t(), 256, 16, "transposed vie
 check(torch.tensor([[2 ** 40, 5], [-(2 ** 40), 0]]), 8, 16, "int64 beyond int32")
 # around the bound: below / at use the kernel, above the torch path (chosen by shape only)
 B = moe.ALIGN_MAX_PAIRS
-assert check(ids_with_drops(B - 1, 1, 384, torch.int64), 384, 64, "P = bound - 1")
-assert check(ids_with_drops(B // 2, 2, 384, torch.int32), 384, 64, "P = bound")
-assert not check(ids_with_drops(B + 1, 1, 384, torch.int64), 384, 64, "P = bound + 1")
-assert not check(ids_with_drops((B + 6) // 6, 6, 256, torch.int64), 256, 128, "P > bound, K = 6")
+check(ids_with_drops(B - 1, 1, 384, torch.int64), 384, 64, "P = bound - 1")
+check(ids_with_drops(B // 2, 2, 384, torch.int32), 384, 64, "P = bound")
+check(ids_with_drops(B + 1, 1, 384, torch.int64), 384, 64, "P = bound + 1")
+check(ids_with_drops((B + 6) // 6, 6, 256, torch.int64), 256, 128, "P > bound, K = 6")
 # experts: up to ALIGN_MAX_BINS - 1 the kernel, more the torch path
 NB = moe.ALIGN_MAX_BINS
-assert check(ids_with_drops(4, 6, NB - 1, torch.int64), NB - 1, 16, "E = bins - 1")
-assert not check(ids_with_drops(4, 6, NB, torch.int64), NB, 16, "E = bins")
-print("ok", n)
+check(ids_with_drops(4, 6, NB - 1, torch.int64), NB - 1, 16, "E = bins - 1")
+check(ids_with_drops(4, 6, NB, torch.int64), NB, 16, "E = bins")
+json.dump({"max_pairs": B, "max_bins": NB, "records": records}, open(sys.argv[1], "w"))
 """
+
+#: which path the cases around the bounds must take (True: the kernel)
+BOUND_CASES = {"P = bound - 1": True, "P = bound": True, "P = bound + 1": False, "P > bound, K = 6": False,
+               "E = bins - 1": True, "E = bins": False}
 
 
 def test_align_kernel_matches_the_torch_routing_bitwise(tmp_path):
     script = tmp_path / "align.py"
     script.write_text(_SCRIPT)
+    out = tmp_path / "align.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.stdout + proc.stderr)[-4000:]
-    assert int(proc.stdout.split()[1]) == 46
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-4000:]
+    rep = json.loads(out.read_text())
+    records = rep["records"]
+    assert sum(r["grid"] for r in records) == 46
+    for r in records:
+        # the path is chosen by shape only: the kernel within both bounds, the torch ops beyond
+        assert r["kernel"] == (r["P"] <= rep["max_pairs"] and r["E"] + 1 <= rep["max_bins"]), r
+        for name, o in r["outputs"].items():
+            assert o["dtypes"] == ["torch.int32", "torch.int32"], (r["label"], name, o)
+            assert o["shapes"][0] == o["shapes"][1] and o["equal"], (r["label"], name, o)
+        assert r["inv_is_permutation"] and r["tok_matches_inv"], r["label"]
+    by_label = {r["label"]: r["kernel"] for r in records}
+    assert {k: by_label[k] for k in BOUND_CASES} == BOUND_CASES
 
 
 def test_align_launch_reads_no_device_data(monkeypatch):

@@ -1,12 +1,18 @@
 """Portable Triton kernels (written once; reused by the cuda, rocm and xpu plugins and the
 interpreter-mode CPU backend, each with its own launch table: ``launch``).
 
-Importing this package is cheap: it imports neither triton nor any kernel module. ``registry``
-registers lazy wrappers (the kernel module, and triton with it, is imported on the first call) and
-pure-torch ``supports`` predicates (``predicates``).
+How an op reaches its kernel (three files): a plugin calls :func:`registry.register_ops`, which
+adds, per op listed in :data:`OPS`, a wrapper guarded by the op's predicate
+(``predicates.SUPPORTS``); at the op's first call the wrapper imports the kernel module, where the
+kernel function is marked ``@implements("<op>", supports=<predicate>)`` (e.g. ``norm.rms_norm``).
+
+Importing this package is cheap: it imports neither triton nor any kernel module (the kernel
+module, and triton with it, is imported on the op's first call).
 """
 
-#: op name -> kernel module (dsv4core.kernels.triton.<module>) holding a function of the same name
+#: op name -> the kernel module (dsv4core.kernels.triton.<module>) whose function carries
+#: ``@implements(op, ...)``. The index the registration reads without importing the kernels;
+#: ``registry.implements`` refuses a kernel declared in another module.
 OPS = {
     "rms_norm": "norm",
     "hc_post": "mhc",

@@ -43,6 +43,8 @@ from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import c, cdiv, interp, rne, target_programs, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 _CPU_PROGRAMS = 264  # under the interpreter; on a GPU: 2 per SM of the device
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
@@ -224,6 +226,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 
+@implements("sparse_mqa_attention", supports=predicates.sparse_mqa_attention_supports)
 def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
     T, NH, D = q.shape
     o = torch.empty((T, NH, D), dtype=q.dtype, device=q.device)

@@ -24,6 +24,8 @@ from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import cdiv, np2, rne, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
 TUNE = Tune(__name__, ("BD", "BR", "num_warps"))
@@ -138,6 +140,7 @@ def _store_format(pool, index, rows, row_format):
     return None
 
 
+@implements("cache_store", supports=predicates.cache_store_supports)
 def cache_store(pool, index, rows, row_format=None):
     if row_format is not None:
         return _store_format(pool, index, rows, row_format)

@@ -17,6 +17,8 @@ import triton.language as tl
 
 from ._util import c, np2, cdiv, rne, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
 TUNE = Tune(__name__, ("BD", "num_warps", "windows_BD", "windows_num_warps"))
@@ -76,6 +78,7 @@ def _compress_pool_kernel(kv_ptr, sc_ptr, ape_ptr, pkv_ptr, psc_ptr, out_ptr, DP
     tl.store(out_ptr + w * DP + ch, to_out(num / den, out_ptr, RNE), mask=cm)
 
 
+@implements("compress_pool", supports=predicates.compress_pool_supports)
 def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
     Wn, m, CW = kv.shape
     cc = 2 if overlap else 1
@@ -116,6 +119,7 @@ def _compress_windows_kernel(kv_ptr, sc_ptr, out_ptr, S, M, DP, skv_e, skv_s, sk
     tl.store(out_ptr + e * DP + ch, out, mask=ch < DP)
 
 
+@implements("compress_windows", supports=predicates.compress_windows_supports)
 def compress_windows(kv, score, overlap):
     """One program per (entry, block of BD channels): the S slots of each channel in registers,
     one max / exp / sum pass (fp32 in, fp32 out). Inputs are read through their strides."""

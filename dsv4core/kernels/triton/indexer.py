@@ -20,6 +20,8 @@ import triton.language as tl
 
 from ._util import cdiv, interpreting, np2
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
 TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages"))
@@ -73,6 +75,7 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
     tl.store(out_ptr + t * L + slot, tl.where(valid, s, float("-inf")), mask=sm)
 
 
+@implements("indexer_scores_rows", supports=predicates.indexer_scores_rows_supports)
 def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
     T, NI, DI = q.shape
     L = rows.shape[1]

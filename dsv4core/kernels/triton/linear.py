@@ -27,6 +27,8 @@ import triton.language as tl
 from ._util import BIG_TILE_SHARED, interp, np2, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
 from .predicates import _E8M0, cdiv
+from . import predicates
+from .registry import implements
 
 #: the keys of grouped_gemm's launches (linear's and wo_a's TUNE; see _config)
 GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
@@ -262,6 +264,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     return out
 
 
+@implements("linear", supports=predicates.linear_supports)
 def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
     _no_quant("linear", act_block=act_block)
     K = x.shape[-1]

@@ -35,6 +35,8 @@ import triton.language as tl
 
 from ._util import BIG_TILE_SHARED, c, np2, cdiv, interp, rne, shared_bytes, target_programs, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: programs wanted under the interpreter (CPU); on a GPU: 2 per SM of the device
 _CPU_PROGRAMS = 264
@@ -65,6 +67,7 @@ def _hc_post_kernel(o_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, H,
     tl.store(out_ptr + (t * N + k[:, None]) * H + cols[None, :], to_out(acc, out_ptr, RNE), mask=m)
 
 
+@implements("hc_post", supports=predicates.hc_post_supports)
 def hc_post(o, residual, post, comb):
     T, n, H = residual.shape
     out = torch.empty((T, n, H), dtype=residual.dtype, device=residual.device)
@@ -230,6 +233,7 @@ def _epi_block(T, H, device):
     return BH, HCH, cdiv(H, HCH)
 
 
+@implements("hc_pre", supports=predicates.hc_pre_supports)
 def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
     T, n, H = x.shape
     dev = x.device
@@ -271,6 +275,7 @@ def _hc_head_epi_kernel(x_ptr, zp_ptr, ssp_ptr, scale_ptr, base_ptr, y_ptr,
     _collapse(x_ptr, y_ptr, pre, t, K, H, i, im, hb, HCH, BH, RNE)
 
 
+@implements("hc_head", supports=predicates.hc_head_supports)
 def hc_head(x, fn, scale, base, rms_eps, hc_eps):
     T, n, H = x.shape
     y = torch.empty((T, H), dtype=x.dtype, device=x.device)

@@ -35,6 +35,8 @@ from ._util import BIG_TILE_SHARED, c, cdiv, interp, np2, rne, shared_bytes, tar
 from .launch import Tune
 from .linear import FP8_PATHS
 from .predicates import _E8M0, _FP8
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
@@ -618,6 +620,7 @@ def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
     return out[0], out[1]
 
 
+@implements("moe_experts", supports=predicates.moe_experts_supports)
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
     _no_quant("moe_experts", act_block=act_block)
     T, H = x.shape

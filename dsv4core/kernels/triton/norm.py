@@ -7,6 +7,8 @@ import triton.language as tl
 
 from ._util import c, np2, cdiv, rne, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 _SINGLE_MAX = 8192  # rows up to this width stay in registers (one HBM read)
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
@@ -53,6 +55,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, R, D, eps,
             tl.store(y_ptr + base + cc[None, :], to_out(y, y_ptr, RNE), mask=m)
 
 
+@implements("rms_norm", supports=predicates.rms_norm_supports)
 def rms_norm(x, weight, eps):
     D = x.shape[-1]
     x2 = c(x)

@@ -294,3 +294,27 @@ def linear_supports(x, weight, weight_scale=None, out_dtype=None, act_block=None
     if out_dtype is not None and out_dtype not in ACT_DTYPES:
         return False
     return _block_scale_ok(weight, weight_scale, ())
+
+
+#: op -> its predicate: what :func:`registry.register_ops` guards each kernel with. The kernel
+#: function names the same predicate in its ``@implements(op, supports=...)`` (checked when the
+#: kernel module imports).
+SUPPORTS = {
+    "rms_norm": rms_norm_supports,
+    "hc_post": hc_post_supports,
+    "hc_pre": hc_pre_supports,
+    "hc_head": hc_head_supports,
+    "rope": rope_supports,
+    "q_norm_rope": q_norm_rope_supports,
+    "kv_norm_rope": kv_norm_rope_supports,
+    "sparse_mqa_attention": sparse_mqa_attention_supports,
+    "compress_pool": compress_pool_supports,
+    "compress_windows": compress_windows_supports,
+    "cache_store": cache_store_supports,
+    "indexer_scores_rows": indexer_scores_rows_supports,
+    "indexer_topk": indexer_topk_supports,
+    "linear": linear_supports,
+    "wo_a": wo_a_supports,
+    "moe_route": moe_route_supports,
+    "moe_experts": moe_experts_supports,
+}

@@ -1,8 +1,19 @@
-"""Register the Triton kernels on a HAL Backend for one device type (no triton import here)."""
+"""Register the Triton kernels on a HAL Backend for one device type (no triton import here).
+
+A kernel function declares the op it implements where it is defined::
+
+    @implements("rms_norm", supports=rms_norm_supports)
+    def rms_norm(x, weight, eps): ...
+
+:func:`register_ops` adds, for each op of the index :data:`~dsv4core.kernels.triton.OPS`, a wrapper
+with the op's signature, guarded by the op's predicate (:data:`.predicates.SUPPORTS`); the first
+call imports the kernel module (running its ``@implements``) and then calls the declared function.
+"""
 from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Callable
 
 import torch
 
@@ -10,6 +21,49 @@ from . import OPS, predicates
 from .launch import _ACTIVE
 
 _mods: dict = {}
+
+#: op -> the kernel function declared for it by :func:`implements` (filled as kernel modules import)
+KERNELS: dict[str, Callable] = {}
+
+
+def implements(op: str, *, supports: Callable) -> Callable[[Callable], Callable]:
+    """Mark the decorated function as the Triton implementation of HAL op ``op``, guarded by
+    ``supports`` (the op's predicate in :mod:`.predicates`). Returns the function unchanged.
+
+    Raises ValueError when the declaration disagrees with what the lazy registration reads: ``op``
+    not in the index :data:`OPS`, declared in another module than the index names, declared twice,
+    or ``supports`` not the predicate :data:`.predicates.SUPPORTS` holds for ``op``."""
+
+    def mark(fn: Callable) -> Callable:
+        where = f"@implements({op!r}) on {fn.__module__}.{fn.__qualname__}"
+        if op not in OPS:
+            raise ValueError(f"{where}: {op!r} is not in the kernel index OPS "
+                             f"(dsv4core/kernels/triton/__init__.py); known: {', '.join(OPS)}")
+        module = f"{__package__}.{OPS[op]}"
+        if fn.__module__ != module:
+            raise ValueError(f"{where}: the index OPS places {op!r} in {module}, not {fn.__module__}")
+        want = predicates.SUPPORTS.get(op)
+        if supports is not want:
+            raise ValueError(f"{where}: supports={getattr(supports, '__name__', supports)!r}, but the "
+                             f"registration guards {op!r} with predicates.SUPPORTS[{op!r}] = "
+                             f"{getattr(want, '__name__', want)!r}")
+        if op in KERNELS and KERNELS[op] is not fn:
+            raise ValueError(f"{where}: {op!r} is already implemented by {KERNELS[op].__qualname__}")
+        KERNELS[op] = fn
+        return fn
+
+    return mark
+
+
+def kernel(op: str) -> Callable:
+    """The kernel function declared for ``op`` (imports its module: triton with it)."""
+    if op not in OPS:
+        raise KeyError(f"no Triton kernel for op {op!r} (known: {', '.join(OPS)})")
+    _module(OPS[op])
+    fn = KERNELS.get(op)
+    if fn is None:
+        raise LookupError(f"kernel module {__package__}.{OPS[op]} declares no @implements({op!r}, ...)")
+    return fn
 
 def _module(name: str):
     mod = _mods.get(name)
@@ -51,7 +105,7 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
     def impl(*args, **kwargs):
         if not target:
             mod = _module(modname)
-            fn, table = getattr(mod, op), (launch() if callable(launch) else launch)
+            fn, table = kernel(op), (launch() if callable(launch) else launch)
             entry = (table or {}).get(modname)
             tune = getattr(mod, "TUNE", None)
             if entry is not None and tune is None:
@@ -85,17 +139,29 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
 
 
 def _on_device(pred, device_type: str):
-    """pred plus: every tensor argument lives on ONE device of ``device_type``; any exception declines."""
+    """pred plus: every tensor argument lives on ONE device of ``device_type``; any exception declines.
+
+    Per call, host cost: a tensor's device type is read from its ``is_<type>`` flag and its device
+    index from ``get_device()`` (no ``torch.device`` object is built: ``t.device.type`` alone costs
+    more than the rest of a typical predicate)."""
     sig = inspect.signature(pred)
+    flag = f"is_{device_type}" if hasattr(torch.Tensor, f"is_{device_type}") else None   # else t.device.type
+
+    def on_type(v) -> bool:
+        return getattr(v, flag) if flag is not None else v.device.type == device_type
 
     def supports(*args, **kwargs):
         try:
-            dev = None
-            for v in (*args, *kwargs.values()):
+            index = None
+            for v in (args if not kwargs else (*args, *kwargs.values())):
                 if isinstance(v, torch.Tensor):
-                    if v.device.type != device_type or (dev is not None and v.device != dev):
+                    if not on_type(v):
                         return False
-                    dev = v.device
+                    i = v.get_device()
+                    if index is None:
+                        index = i
+                    elif i != index:
+                        return False
             return bool(pred(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a predicate declines, it never raises
             return False
@@ -135,7 +201,7 @@ def register_ops(backend, device_type: str, ops=None, launch=None, supports=None
     for op, modname in OPS.items():
         if ops is not None and op not in ops:
             continue
-        pred = getattr(predicates, f"{op}_supports")
+        pred = predicates.SUPPORTS[op]
         extra = (supports or {}).get(op)
         backend.add(op, _lazy(op, modname, inspect.signature(pred), device_type, launch),
                     supports=_on_device(_both(pred, extra) if extra else pred, device_type),

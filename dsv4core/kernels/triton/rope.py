@@ -11,6 +11,8 @@ from triton.language.extra import libdevice
 
 from ._util import accurate, c, np2, cdiv, rne, to_out
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
 TUNE = Tune(__name__, ("HB", "num_warps", "rowpos_below"))
@@ -100,14 +102,17 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
     return y
 
 
+@implements("rope", supports=predicates.rope_supports)
 def rope(x, positions, inv_freq, inverse=False):
     return _launch(x, None, positions, inv_freq, 0.0, False, inverse)
 
 
+@implements("q_norm_rope", supports=predicates.q_norm_rope_supports)
 def q_norm_rope(q, positions, inv_freq, eps):
     return _launch(q, None, positions, inv_freq, eps, True, False)
 
 
+@implements("kv_norm_rope", supports=predicates.kv_norm_rope_supports)
 def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
     _no_quant("kv_norm_rope", nope_quant_block=nope_quant_block)
     return _launch(kv, weight, positions, inv_freq, eps, True, False)

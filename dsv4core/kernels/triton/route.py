@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 from ._util import c, np2
+from . import predicates
+from .registry import implements
 
 # exp(x) = 2^n * exp(r), r = x - n ln2 with ln2 split Cody-Waite style: LN2_HI has 9 significant
 # bits, so n * LN2_HI is exact for |n| < 2^15 and x - n * LN2_HI is exact (Sterbenz)
@@ -101,6 +103,7 @@ def _route_kernel(lg_ptr, bias_ptr, hid_ptr, w_ptr, id_ptr, E, scaling,
     tl.store(id_ptr + t * K + kc, ids.to(tl.int32), mask=km)
 
 
+@implements("moe_route", supports=predicates.moe_route_supports)
 def moe_route(logits, topk, scaling, correction_bias=None, hash_ids=None):
     T, E = logits.shape
     k = int(topk)

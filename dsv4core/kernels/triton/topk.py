@@ -21,6 +21,8 @@ import triton.language as tl
 
 from ._util import c, np2
 from .launch import Tune
+from . import predicates
+from .registry import implements
 
 TUNE = Tune(__name__, ("BLOCK", "TB", "num_warps"))
 
@@ -85,6 +87,7 @@ def _topk_kernel(s_ptr, len_ptr, out_ptr, L, topk, BLOCK: tl.constexpr, TB: tl.c
         tl.store(out_ptr + t * topk + j, tl.full([TB], -1, tl.int32), mask=(j >= n) & (j < topk))
 
 
+@implements("indexer_topk", supports=predicates.indexer_topk_supports)
 def indexer_topk(scores, k_lengths, topk):
     T, L = scores.shape
     k = int(topk)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from .launch import Tune
 from .linear import GEMM_KEYS, grouped_gemm
+from . import predicates
+from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
 #: linear's (linear.GEMM_KEYS)
@@ -28,5 +30,6 @@ def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
     return "dot", 128, 128, 128 if scaled else 64, 8, 3
 
 
+@implements("wo_a", supports=predicates.wo_a_supports)
 def wo_a(o, weight, weight_scale=None):
     return grouped_gemm(o, weight, weight_scale, o.dtype, tune=TUNE, tiles=wo_a_tiles, op="wo_a")
