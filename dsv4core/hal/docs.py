@@ -63,7 +63,7 @@ def render_typed() -> str:
         '"""The op table\'s attributes, typed: one method per HAL op with the op\'s signature, so that',
         "editors and type checkers follow ``ops.rms_norm(...)`` to the op and its spec.",
         "",
-        "Generated from the op specs in ``dsv4core/hal/ops/`` by ``python -m dsv4core.hal.docs typed > dsv4core/hal/typed_ops.py``.",
+        "Generated from the op specs in ``dsv4core/hal/ops/`` by ``python -m dsv4core.hal.docs typed``.",
         "Do not edit by hand (a test checks it is current). At run time the class is empty: a bound",
         ":class:`~dsv4core.hal.OpTable` holds each op's bound callable as an instance attribute.",
         '"""',
