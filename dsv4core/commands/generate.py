@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator: the same seed "
                    "gives the same tokens (default: a fresh one each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
-    p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
+    p.add_argument("--backend", default=None, help="HAL backend name or 'auto' (default: $DSV4CORE_BACKEND or auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--quantized", default="auto", choices=["auto", "keep", "dequantize"],
                    help="quantised checkpoint weights (FP8 projections, packed FP4 / FP8 routed experts): "
@@ -168,7 +168,7 @@ def run(args) -> int:
     texts = [tok.decode(o) for o in out] if tok is not None else None
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
-        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
+        print_json({"model": str(args.model), "backend": model.backend, "dtype": dtype, "numerics": model.numerics,
                     "tp": args.tp, "ep": args.ep,
                     "prompts": prompts, "new_tokens": out, "new_text": texts,
                     "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,

@@ -73,8 +73,14 @@ def _bind(device: torch.device, backend: str | None, verify=None):
     return bind(device, backend=backend, verify=verify)
 
 
+def _requested(backend: str | None) -> str:
+    from dsv4core.hal import backend_request
+
+    return backend_request(backend)
+
+
 def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
-                device: torch.device | str | None = None, backend: str | None = "auto",
+                device: torch.device | str | None = None, backend: str | None = None,
                 seed: int | None = None, ops=None, verify: float | str | None = None, tp: int = 1,
                 ep: int = 1, numerics: str = "auto") -> DSV4ForCausalLM:
     """A model for `config` with deterministic random weights (seed) or empty weights (seed=None).
@@ -100,13 +106,13 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
         del full
     elif seed is not None:
         randomize_weights_(model, cfg, seed=seed)
-    model.backend = backend
+    model.backend = _requested(backend)
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, None, config if isinstance(config, dict) else None),
                                  model))
     return model.eval()
 
 
-def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
+def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, quantized: str = "auto",
                verify: float | str | None = None, tp: int = 1, ep: int = 1,
                numerics: str = "auto") -> DSV4ForCausalLM:
@@ -115,7 +121,9 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     official numerics, which it computes by default).
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
-    priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
+    priority, falling back per op to the reference); default (None): env DSV4CORE_BACKEND, else
+    "auto". Per-op overrides come from env DSV4CORE_OPS. One precedence rule everywhere: an
+    explicit argument > the environment > "auto" (`dsv4core.hal.backend_request`). dtype: activation dtype (torch dtype or its
     name; default float32 for "tiny", the checkpoint's dtype otherwise). device: default "cpu".
     Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
     quantized: what to do with FP8 block-scaled checkpoint weights (see `dsv4core.model.fp8`):
@@ -175,7 +183,7 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     decisions = decisions + expert_decisions
     ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
     model._quantization = fp8.report(model, quantized, decisions)
-    model.backend = backend
+    model.backend = _requested(backend)
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, ckpt.format, ckpt.config_dict), model))
     p = Path(path_or_name)
     _attach_tokenizer(model, p if p.is_dir() else p.parent)
