@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 
 def load_model(path_or_name, *, backend=None, dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1,
-               numerics="auto"):
+               numerics="auto", allow_nonfinite=False):
     """Load a DSV4 model (a checkpoint directory or ``"tiny"``); ``backend``: a name or "auto"
     (default: env ``DSV4CORE_BACKEND``, else "auto"); ``tp`` / ``ep``: tensor- and
     expert-parallel sizes (run under torchrun); ``numerics``: "auto", "exact" or "official"
@@ -17,7 +17,7 @@ def load_model(path_or_name, *, backend=None, dtype=None, device=None, quantized
     from .model.api import load_model as _load
 
     return _load(path_or_name, backend=backend, dtype=dtype, device=device, quantized=quantized, verify=verify,
-                 tp=tp, ep=ep, numerics=numerics)
+                 tp=tp, ep=ep, numerics=numerics, allow_nonfinite=allow_nonfinite)
 
 
 __all__ = ["__version__", "load_model"]

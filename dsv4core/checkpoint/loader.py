@@ -269,7 +269,9 @@ class Checkpoint:
 
     # ------------------------------------------------------------------ loading
     def load_into(self, module: nn.Module, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, strict: bool = True, cut=None) -> nn.Module:
+                  device: torch.device | str | None = None, strict: bool = True, cut=None,
+                  allow_nonfinite: bool = False, value_ranges: dict[str, tuple[int, int]] | None = None
+                  ) -> nn.Module:
         """Fill ``module`` (built on the meta device or on the target device) from this checkpoint.
 
         * Every parameter and persistent buffer of ``module.state_dict()`` is filled by its
@@ -287,6 +289,9 @@ class Checkpoint:
           Missing tensors always raise. ``mtp.*`` tensors are skipped with one log line.
         * ``cut``: the module holds one rank's slices (tensor / expert parallelism); only those
           regions are read (see :mod:`dsv4core.checkpoint.cuts`).
+        * Values are checked as they are read: a NaN / Inf in a floating tensor is an error naming
+          it (``allow_nonfinite=True`` keeps them, for debugging); ``value_ranges`` maps the last
+          component of an integer tensor's name (e.g. ``"tid2eid"``) to its legal [lo, hi).
         Returns ``module``.
         """
         device = torch.device(device) if device is not None else None
@@ -392,7 +397,8 @@ class Checkpoint:
                         _assign(slots, scale_name, sval)
                         _assign(slots, pc.target, val)
                 else:
-                    val = _convert(handle, pc, slot, tdtype[pc.target], dev, dst, self.format)
+                    val = _convert(handle, pc, slot, tdtype[pc.target], dev, dst, self.format, allow_nonfinite,
+                                   (value_ranges or {}).get(pc.target.rpartition(".")[2]))
                     if dst is None:
                         _assign(slots, pc.target, val)
                 remaining[pc.target] -= 1

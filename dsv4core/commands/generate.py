@@ -78,6 +78,8 @@ def add_parser(subparsers) -> None:
                         "torchrun --nproc-per-node tp*ep (default: 1)")
     p.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert-parallel ranks (routed experts split over them; default: 1)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN / Inf instead of refusing them (debugging)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -148,7 +150,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
-                                    numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep)
+                                    numerics=args.numerics, quantized=args.quantized, tp=args.tp, ep=args.ep,
+                                    allow_nonfinite=args.allow_nonfinite)
         t_load = time.perf_counter() - t0
         progress = _Progress(not args.no_progress and rank == 0)
         t1 = time.perf_counter()

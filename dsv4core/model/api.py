@@ -115,7 +115,7 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
 def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, quantized: str = "auto",
                verify: float | str | None = None, tp: int = 1, ep: int = 1,
-               numerics: str = "auto") -> DSV4ForCausalLM:
+               numerics: str = "auto", allow_nonfinite: bool = False) -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format), `"tiny"` (the
     built-in tiny DSV4, exact numerics) or `"tiny-official"` (its variant whose dims carry the
     official numerics, which it computes by default).
@@ -147,6 +147,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: t
     `torchrun --nproc-per-node tp*ep` (or inside an initialised process group of that size);
     each rank reads only its slices of the checkpoint (`dsv4core.checkpoint.cuts`) and every
     rank returns the same logits.
+    Checks before anything is allocated: the config's fields against their types and bounds
+    (`dsv4core.model.config.SIZE_LIMITS`, `max_position_embeddings`); while loading: every
+    weight finite (a NaN / Inf is a CheckpointError naming the tensor; `allow_nonfinite=True`
+    keeps them, for debugging) and the hash-routing tables (`tid2eid`) within the expert count.
     """
     from . import experts_quant, fp8
     from . import numerics as num
@@ -181,7 +185,8 @@ def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: t
     expert_decisions = experts_quant.plan(model, ops, quantized, formats, dt, dev, ckpt.format == "official")
     experts_quant.apply(model, expert_decisions, formats)  # kept experts: packed bytes + scales, filled raw
     decisions = decisions + expert_decisions
-    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
+    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None,
+                   allow_nonfinite=allow_nonfinite, value_ranges={"tid2eid": (0, cfg.n_routed_experts)})
     model._quantization = fp8.report(model, quantized, decisions)
     model.backend = _requested(backend)
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, ckpt.format, ckpt.config_dict), model))
