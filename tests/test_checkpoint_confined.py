@@ -127,3 +127,16 @@ def test_deeply_nested_json_is_a_checkpoint_error(ckpt, fname):
     (ckpt / fname).write_text("[" * 200_000 + "]" * 200_000)
     with pytest.raises(CheckpointError, match=fname.replace(".", r"\.") + "|shard index"):
         open_checkpoint(ckpt)
+
+
+def test_tokenizer_symlinked_outside_is_refused(tmp_path):
+    """load_model reads tokenizer.json / chat template files only from inside the checkpoint."""
+    from dsv4core.checkpoint import save
+    from dsv4core.model.api import load_model
+
+    d = tmp_path / "tiny"
+    save(load_model("tiny", backend="reference"), d, format="transformers")
+    (tmp_path / "tok.json").write_text("{}")
+    os.symlink(tmp_path / "tok.json", d / "tokenizer.json")
+    with pytest.raises(CheckpointError, match="tokenizer.json.*outside the checkpoint directory"):
+        load_model(d, backend="reference")

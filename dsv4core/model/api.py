@@ -202,6 +202,12 @@ def _attach_tokenizer(model: DSV4ForCausalLM, directory: Path | None) -> None:
     from . import tokenizer as tk
 
     model.tokenizer, model.tokenizer_why = None, ""
+    if directory is not None:     # the tokenizer's files are the checkpoint's: confined to its directory
+        from dsv4core.checkpoint.loader import confined
+
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (directory / name).exists():
+                confined(directory, name, name)
     try:
         model.tokenizer = tk.byte_tokenizer() if directory is None else tk.from_directory(directory)
     except tk.TokenizerUnavailable as e:
