@@ -8,15 +8,16 @@ binding) -> backends (the built-in ``reference`` and plugins in entry-point grou
 __version__ = "0.1.0"
 
 
-def load_model(path_or_name, *, backend="auto", dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1,
-               numerics="auto"):
-    """Load a DSV4 model (a checkpoint directory or ``"tiny"``); ``tp`` / ``ep``: tensor- and
+def load_model(path_or_name, *, backend=None, dtype=None, device=None, quantized="auto", verify=None, tp=1, ep=1,
+               numerics="auto", allow_nonfinite=False):
+    """Load a DSV4 model (a checkpoint directory or ``"tiny"``); ``backend``: a name or "auto"
+    (default: env ``DSV4CORE_BACKEND``, else "auto"); ``tp`` / ``ep``: tensor- and
     expert-parallel sizes (run under torchrun); ``numerics``: "auto", "exact" or "official"
     (:mod:`dsv4core.model.numerics`). See :mod:`dsv4core.model.api`."""
     from .model.api import load_model as _load
 
     return _load(path_or_name, backend=backend, dtype=dtype, device=device, quantized=quantized, verify=verify,
-                 tp=tp, ep=ep, numerics=numerics)
+                 tp=tp, ep=ep, numerics=numerics, allow_nonfinite=allow_nonfinite)
 
 
 __all__ = ["__version__", "load_model"]

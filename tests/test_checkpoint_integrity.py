@@ -271,3 +271,40 @@ def test_corrupt_fp8_kept_quantised_is_an_error(off, what):
     with pytest.raises(CheckpointError, match="non-finite") as ei:
         dsv4core.load_model(off, backend="reference", quantized="keep")
     assert ei.value.file == str(f)
+
+
+@pytest.mark.parametrize("name, value", [("layers.2.attn.q_norm.weight", float("nan")),
+                                         ("layers.1.ffn.gate.weight", float("inf")),
+                                         ("layers.0.attn.attn_sink", float("-inf"))])
+def test_nonfinite_weight_is_refused_unless_allowed(off, name, value):
+    def poison(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[3] = value
+
+    f = edit(off, poison, name)
+    e = expect(off, "non-finite values", name, f)
+    assert ("1 NaN" if value != value else "1 Inf") in str(e)
+    m = tiny_model(meta=True)
+    open_checkpoint(off).load_into(m, allow_nonfinite=True)       # the debugging opt-out keeps them
+    bad = [n for n, t in m.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    assert len(bad) == 1
+
+
+@pytest.mark.parametrize("bad", [4, 1000, -1])
+def test_hash_table_out_of_range_is_refused(off, bad):
+    from dsv4core.model.api import load_model
+
+    n = "layers.0.ffn.gate.tid2eid"
+
+    def poison(t):
+        t[n] = t[n].clone()
+        t[n][7, 1] = bad
+
+    f = edit(off, poison, n)
+    e = expect(off, r"integer values out of range \[0, 4\)", n, f,
+               loader=lambda d: open_checkpoint(d).load_into(tiny_model(meta=True), value_ranges={"tid2eid": (0, 4)}))
+    assert str(bad) in str(e)
+    if bad == 1000:       # load_model checks it (the tables' range is the config's expert count)
+        with pytest.raises(CheckpointError, match=r"out of range \[0, 4\)") as ei:
+            load_model(off, backend="reference", dtype="float32")
+        assert ei.value.tensor == n

@@ -174,3 +174,50 @@ def test_a_legal_backend_never_diverges_in_the_model():
             assert s["checked"] == s["calls"] > 100 and s["divergences"] == 0, s["diverged"]
     finally:
         reset()
+
+
+def test_the_frame_a_backend_sees_is_the_same_on_checked_and_unchecked_calls():
+    """A backend inspecting its caller (the verify wrapper) finds the same local names, and the
+    same objects but for the call's own arguments, whether or not the call is judged: the draw
+    and every copy come after it returns. So it cannot be right only when checked."""
+    import sys
+
+    from dsv4core.hal.verify import VerifyStats, wrap
+
+    spec = catalogue()["rms_norm"]
+    frames = []
+
+    def spy(*args, **kwargs):
+        loc = sys._getframe(1).f_locals
+        frames.append({n: (type(v), None if n in ("args", "kwargs") else id(v)) for n, v in loc.items()})
+        return spec.reference(*args, **kwargs)
+
+    stats = VerifyStats(0.5, seed=7)
+    f = wrap(spec, spy, stats, True, "spy")
+    x, w = torch.randn(3, 16), torch.rand(16) + 0.5
+    for _ in range(40):
+        f(x, w, 1e-6)
+    assert 0 < stats.checked < stats.calls == 40 and stats.divergences == 0
+    assert all(fr == frames[0] for fr in frames), [sorted(set(fr) ^ set(frames[0])) for fr in frames]
+
+
+@pytest.mark.parametrize("bug", ["wrong-row", "wrong-value", "none"])
+def test_a_pool_store_is_judged_on_what_it_left(bug):
+    from dsv4core.hal.verify import VerifyStats, wrap
+
+    spec = catalogue()["cache_store"]
+
+    def store(pool, index, rows):
+        if bug == "wrong-row":
+            index = torch.where(index >= 0, (index + 1) % pool.shape[0], index)
+        elif bug == "wrong-value":
+            rows = rows + 1.0
+        return spec.reference(pool, index, rows)
+
+    stats = VerifyStats(1.0, seed=0)
+    f = wrap(spec, store, stats, False, "store")
+    pool = torch.zeros(16, 8)
+    for k in range(4):
+        f(pool, torch.tensor([2 * k, -1, 2 * k + 9]), torch.randn(3, 8))
+    assert stats.checked == 4
+    assert stats.divergences == (0 if bug == "none" else 4)

@@ -196,9 +196,28 @@ def _has_nonfinite_codes(weight: torch.Tensor | None, scale: torch.Tensor | None
         ((weight.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
-def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device, dst, fmt: str) -> torch.Tensor:
+def _check_values(t: torch.Tensor, label: str, file, allow_nonfinite: bool, value_range) -> None:
+    """The values a chunk put into a target: finite (floating targets, unless ``allow_nonfinite``)
+    and, for an integer target with a ``value_range`` (lo, hi), within [lo, hi)."""
+    if t.is_floating_point():
+        if not allow_nonfinite and not bool(torch.isfinite(t).all()):
+            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise CheckpointError(f"non-finite values ({n_nan} NaN, {n_inf} Inf): a corrupt or diverged weight "
+                                  f"(load with allow_nonfinite=True / --allow-nonfinite to keep them)",
+                                  tensor=label, file=file)
+    elif value_range is not None and t.numel():
+        lo, hi = value_range
+        bad = (t < lo) | (t >= hi)
+        if bool(bad.any()):
+            raise CheckpointError(f"integer values out of range [{lo}, {hi}): {t[bad][:5].tolist()} "
+                                  f"({int(bad.sum())} entries)", tensor=label, file=file)
+
+
+def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device, dst, fmt: str,
+             allow_nonfinite: bool = False, value_range: tuple[int, int] | None = None) -> torch.Tensor:
     """Read one piece (chunked by rows), dequantise / cast to ``dt`` on ``dev``; write into ``dst``
-    (a view of the target) when given, else return a new tensor."""
+    (a view of the target) when given, else return a new tensor. Every chunk's values are checked
+    (`_check_values`) before the next one is read."""
     info = pc.weight
     src_dt = info.torch_dtype
     want = tuple(dst.shape) if dst is not None else tuple(slot.orig.shape)
@@ -274,6 +293,7 @@ def _convert(handle, pc: _Piece, slot: _Slot, dt: torch.dtype, dev: torch.device
             else:
                 s32 = decode_scale(w, sc)
                 dst_view.copy_(quant.dequantize(w.to(dev), s32.to(dev), dt))
+            _check_values(dst_view, label, info.file, allow_nonfinite, value_range)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001

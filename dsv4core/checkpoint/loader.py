@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
@@ -53,6 +54,55 @@ def load_progress(callback):
     finally:
         _LOAD_PROGRESS.reset(token)
 
+
+def _hub_blobs(root: Path) -> Path | None:
+    """huggingface_hub's cache keeps a snapshot's files as symlinks into its repository's blob
+    store (``models--org--name/snapshots/<rev>/f -> ../../blobs/<hash>``): that folder, resolved,
+    when ``root`` is such a snapshot, else None."""
+    blobs = root.parent.parent / "blobs"
+    return blobs.resolve() if root.parent.name == "snapshots" and blobs.is_dir() else None
+
+
+def confined(root: Path, rel: str | Path, what: str, *, tensor: str | None = None) -> Path:
+    """``root / rel``, refused with a CheckpointError unless it stays inside the checkpoint
+    directory ``root``: ``rel`` must be relative with no ``..`` step leaving ``root``, and the
+    path it resolves to (symlinks followed) must lie in ``root`` resolved (or, for a
+    huggingface_hub cache snapshot, in that repository's ``blobs/`` folder)."""
+    if not isinstance(rel, (str, Path)) or not str(rel):
+        raise CheckpointError(f"{what}: expected a file name relative to the checkpoint directory; got {rel!r}",
+                              tensor=tensor, file=root)
+    where = root / rel
+    if Path(rel).is_absolute() or os.path.normpath(rel).split(os.sep)[0] == os.pardir:
+        raise CheckpointError(f"{what} {str(rel)!r} points outside the checkpoint directory {str(root)!r} "
+                              f"(expected a file name relative to it); refused", tensor=tensor, file=where)
+    real, base = where.resolve(), root.resolve()
+    if real.is_relative_to(base):
+        return where
+    blobs = _hub_blobs(base)
+    if blobs is not None and real.is_relative_to(blobs):
+        return where
+    raise CheckpointError(f"{what} {str(rel)!r} resolves to {str(real)!r}, outside the checkpoint directory "
+                          f"{str(base)!r} (a symlink leaving it); refused", tensor=tensor, file=where)
+
+
+def _read_index(idx: Path) -> dict[str, str]:
+    """The shard index's ``weight_map``: a JSON object of tensor name -> shard file name."""
+    try:
+        doc = json.loads(idx.read_text())
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"shard index is not valid JSON ({type(e).__name__}: {str(e)[:200]})",
+                              file=idx) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict):
+        got = type(doc).__name__ if not isinstance(doc, dict) else (
+            "no weight_map" if "weight_map" not in doc else f"weight_map of type {type(wm).__name__}")
+        raise CheckpointError(f"shard index must be a JSON object with a 'weight_map' object of tensor name -> "
+                              f"file name; got {got}", file=idx)
+    for name, fname in wm.items():
+        if not isinstance(fname, str):
+            raise CheckpointError(f"shard index maps this tensor to {fname!r} ({type(fname).__name__}); expected a "
+                                  f"file name (str)", tensor=name, file=idx)
+    return wm
 
 
 def _detect_format(names: Iterable[str], config: dict, where: Path) -> str:
@@ -97,28 +147,31 @@ class Checkpoint:
         cfg_path = root / "config.json"
         self.config_dict: dict = {}
         if cfg_path.is_file():
+            confined(root, "config.json", "config.json")
             try:
                 self.config_dict = json.loads(cfg_path.read_text())
-            except ValueError as e:
-                raise CheckpointError(f"config.json is not valid JSON ({e})", file=cfg_path) from None
+            except (ValueError, RecursionError) as e:
+                raise CheckpointError(f"config.json is not valid JSON ({type(e).__name__}: {str(e)[:200]})",
+                                      file=cfg_path) from None
+            if not isinstance(self.config_dict, dict):
+                raise CheckpointError(f"config.json must hold a JSON object; got {type(self.config_dict).__name__}",
+                                      file=cfg_path)
         self.index_file: Path | None = None
         weight_map: dict[str, str] | None = None
         if p.is_dir():
             idx = p / INDEX_NAME
             if idx.is_file():
                 self.index_file = idx
-                try:
-                    weight_map = json.loads(idx.read_text())["weight_map"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CheckpointError(f"shard index is not valid ({e!r})", file=idx) from None
-                files = sorted({root / f for f in weight_map.values()})
+                confined(root, INDEX_NAME, "shard index")
+                weight_map = _read_index(idx)
+                files = sorted({confined(root, f, "shard index entry", tensor=n) for n, f in weight_map.items()})
                 for f in files:
                     if not f.is_file():
                         first = next(n for n, v in weight_map.items() if root / v == f)
                         raise CheckpointError(f"the shard index {idx.name} maps this tensor to a file that does not "
                                               f"exist", tensor=first, file=f)
             else:
-                files = sorted(p.glob("*.safetensors"))
+                files = sorted(confined(root, f.name, "shard") for f in p.glob("*.safetensors"))
         else:
             files = [p]
         if not files:
@@ -259,7 +312,8 @@ class Checkpoint:
     # ------------------------------------------------------------------ loading
     def load_into(self, module: nn.Module, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, strict: bool = True, cut=None,
-                  progress=None) -> nn.Module:
+                  progress=None, allow_nonfinite: bool = False,
+                  value_ranges: dict[str, tuple[int, int]] | None = None) -> nn.Module:
         """Fill ``module`` (built on the meta device or on the target device) from this checkpoint.
 
         * Every parameter and persistent buffer of ``module.state_dict()`` is filled by its
@@ -279,6 +333,9 @@ class Checkpoint:
           regions are read (see :mod:`dsv4core.checkpoint.cuts`).
         * ``progress``: ``progress(done_bytes, total_bytes, shard_name)`` after each tensor
           (default: the callback of an enclosing `load_progress` block, if any).
+        * Values are checked as they are read: a NaN / Inf in a floating tensor is an error naming
+          it (``allow_nonfinite=True`` keeps them, for debugging); ``value_ranges`` maps the last
+          component of an integer tensor's name (e.g. ``"tid2eid"``) to its legal [lo, hi).
         Returns ``module``.
         """
         device = torch.device(device) if device is not None else None
@@ -388,7 +445,8 @@ class Checkpoint:
                         _assign(slots, scale_name, sval)
                         _assign(slots, pc.target, val)
                 else:
-                    val = _convert(handle, pc, slot, tdtype[pc.target], dev, dst, self.format)
+                    val = _convert(handle, pc, slot, tdtype[pc.target], dev, dst, self.format, allow_nonfinite,
+                                   (value_ranges or {}).get(pc.target.rpartition(".")[2]))
                     if dst is None:
                         _assign(slots, pc.target, val)
                 remaining[pc.target] -= 1

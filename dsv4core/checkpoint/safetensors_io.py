@@ -44,6 +44,11 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def _int_list(v) -> bool:
+    """A JSON list of integers (bools and floats are not integers here)."""
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header: returns (tensors, metadata).
 
@@ -67,22 +72,28 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"corrupt safetensors header ({e})", file=path) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"corrupt safetensors header ({type(e).__name__}: {str(e)[:200]})", file=path) from None
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"corrupt safetensors header: __metadata__ must map str to str; got "
+                              f"{str(meta)[:100]}", file=path)
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
     spans = []
     for name, d in header.items():
-        try:
-            dt, shape, (b, e) = d["dtype"], tuple(int(s) for s in d["shape"]), d["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"corrupt header entry {d!r}", tensor=name, file=path) from None
+        if not (isinstance(d, dict) and isinstance(d.get("dtype"), str) and _int_list(d.get("shape"))
+                and _int_list(d.get("data_offsets")) and len(d["data_offsets"]) == 2):
+            raise CheckpointError(f"corrupt header entry {str(d)[:200]} (expected dtype: str, shape: [int], "
+                                  f"data_offsets: [begin, end] ints)", tensor=name, file=path)
+        dt, shape, (b, e) = d["dtype"], tuple(d["shape"]), d["data_offsets"]
         if dt not in ST_DTYPES:
             raise CheckpointError(f"unknown safetensors dtype {dt!r}", tensor=name, file=path)
+        if any(s < 0 for s in shape):
+            raise CheckpointError(f"corrupt header: negative dimension in shape {list(shape)}", tensor=name, file=path)
         itemsize = ST_DTYPES[dt][1]
         want = math.ceil(math.prod(shape) * itemsize)
-        if e - b != want or b < 0:
+        if e - b != want or b < 0 or e < b:
             raise CheckpointError(f"corrupt header: data span {b}..{e} is {e - b} bytes but dtype {dt} "
                                   f"shape {list(shape)} needs {want}", tensor=name, file=path)
         if e > data_len:

@@ -65,7 +65,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator: the same seed "
                    "gives the same tokens (default: a fresh one each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
-    p.add_argument("--backend", default="auto", help="HAL backend name or 'auto' (default: auto)")
+    p.add_argument("--backend", default=None, help="HAL backend name or 'auto' (default: $DSV4CORE_BACKEND or auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--quantized", default="auto", choices=["auto", "keep", "dequantize"],
                    help="quantised checkpoint weights (FP8 projections, packed FP4 / FP8 routed experts): "
@@ -87,6 +87,8 @@ def add_parser(subparsers) -> None:
                         "torchrun --nproc-per-node tp*ep (default: 1)")
     p.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert-parallel ranks (routed experts split over them; default: 1)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN / Inf instead of refusing them (debugging)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -280,7 +282,7 @@ def run(args) -> int:
             with load_progress(loading):
                 model = dsv4core.load_model(args.model, backend=args.backend, dtype=args.dtype, device=device,
                                             numerics=args.numerics, quantized=args.quantized, tp=args.tp,
-                                            ep=args.ep)
+                                            ep=args.ep, allow_nonfinite=args.allow_nonfinite)
         finally:   # the status line off the terminal before any error message
             status.close()
         t_load = time.perf_counter() - t0
@@ -311,7 +313,7 @@ def run(args) -> int:
     texts = [tok.decode(o) for o in out] if tok is not None else None
     if args.json:
         dtype = str(model.act_dtype).removeprefix("torch.")
-        print_json({"model": str(args.model), "backend": args.backend, "dtype": dtype, "numerics": model.numerics,
+        print_json({"model": str(args.model), "backend": model.backend, "dtype": dtype, "numerics": model.numerics,
                     "tp": args.tp, "ep": args.ep, "threads": torch.get_num_threads(),
                     "prompts": prompts, "chat": args.chat, "chat_prompts": chat_texts, "eos_token_id": eos,
                     "new_tokens": out, "new_text": texts,

@@ -13,7 +13,7 @@ Plugins: see :mod:`dsv4core.hal.hookspecs` and :class:`Backend`.
 # the HAL, or of a caller, can ask for it.
 from . import ops  # noqa: F401  (isort: skip)
 from .backend import HAL_API_VERSION, Backend, Impl
-from .binding import POLICIES, OpBinding, OpTable, bind, parse_ops_override
+from .binding import POLICIES, OpBinding, OpTable, backend_request, bind, parse_ops_override
 from .discovery import ENTRY_POINT_GROUP, PluginStatus, discover
 from .graphs import GraphCapture, graph_capture
 from .errors import BackendNotFoundError, FallbackError, HALError, OpInputError, RegistrationError
@@ -39,7 +39,7 @@ def reset() -> None:
 
 
 __all__ = [
-    "HAL_API_VERSION", "Backend", "Impl", "POLICIES", "OpBinding", "OpTable", "bind", "parse_ops_override",
+    "HAL_API_VERSION", "Backend", "Impl", "POLICIES", "OpBinding", "OpTable", "backend_request", "bind", "parse_ops_override",
     "ENTRY_POINT_GROUP", "PluginStatus", "discover", "BackendNotFoundError", "FallbackError", "HALError",
     "OpInputError", "RegistrationError", "GraphCapture", "graph_capture", "hookimpl", "Case", "OpSpec", "Tolerance",
     "catalogue", "call", "reset", "VerifyError",

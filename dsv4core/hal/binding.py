@@ -217,16 +217,24 @@ def _usable(name: str, statuses: dict[str, PluginStatus], device_type: str, why:
     return st
 
 
+def backend_request(backend: str | None = None) -> str:
+    """The backend a call asks for, by the one precedence rule: an explicit argument (a name or
+    ``"auto"``) > env ``DSV4CORE_BACKEND`` > ``"auto"``. ``None`` (or ``""``) means "not given"."""
+    return backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
+
+
 def bind(device: str | torch.device = "cpu", backend: str | None = None, policy: str | None = None,
          ops: dict[str, str] | str | None = None, check: bool | None = None,
          verify: float | str | None = None, verify_strict: bool | None = None,
          verify_seed: int | str | None = None) -> OpTable:
     """Resolve every op for ``device`` and return the frozen :class:`OpTable`.
 
-    backend: a backend name or ``"auto"``; default: env ``DSV4CORE_BACKEND``, else ``"auto"``.
+    backend: a backend name or ``"auto"``; default (None): env ``DSV4CORE_BACKEND``, else ``"auto"``
+             (:func:`backend_request`: an explicit argument, even ``"auto"``, wins over the env).
     policy:  ``strict`` (raise on any fallback), ``warn`` (default; one warning per op and process)
              or ``allow``; default: env ``DSV4CORE_FALLBACK``, else ``"warn"``.
-    ops:     per-op (or per-family) backend overrides; default: env ``DSV4CORE_OPS``.
+    ops:     per-op (or per-family) backend overrides; default (None): env ``DSV4CORE_OPS``; an
+             explicit value (``{}`` for none) wins over the env.
     check:   validate inputs on every call (default: on under ``strict`` or env ``DSV4CORE_CHECK=1``).
     verify:  fraction of op calls re-run on the reference and compared (0 = off, the default; env
              ``DSV4CORE_VERIFY``); ``verify_strict`` (env ``DSV4CORE_VERIFY_STRICT=1``) raises
@@ -236,7 +244,7 @@ def bind(device: str | torch.device = "cpu", backend: str | None = None, policy:
              counts are its own), never cached.
     """
     device_type = torch.device(device).type
-    backend = backend or os.environ.get("DSV4CORE_BACKEND") or "auto"
+    backend = backend_request(backend)
     policy = policy or os.environ.get("DSV4CORE_FALLBACK") or "warn"
     if policy not in POLICIES:
         raise HALError(f"fallback policy must be one of {', '.join(POLICIES)}, got {policy!r}")

@@ -1,14 +1,19 @@
 """Runtime verify mode: re-run a fraction of op calls on the reference and compare.
 
 ``DSV4CORE_VERIFY=<fraction>`` (or ``bind(..., verify=)`` / ``load_model(..., verify=)``) makes
-every op of the bound table check that fraction of its calls: the inputs are copied before the
-call, the reference math is run on the copies (in the call's dtype and in float64 - on the same
+every op of the bound table check that fraction of its calls: after the call returns, the
+reference math is run on its (read-only) inputs (in the call's dtype and in float64 - on the same
 device, or on the CPU where the device has no float64) and the output is judged exactly as the
 conformance suite judges a case (the op's Tolerance: ``k x`` the reference's own error + floor;
 index sets and routes as sets). Sampling is random and independent per call: each op has its own
 ``random.Random`` seeded from the run's seed and the op's name, and every call of the op is checked
 with probability ``fraction`` (1: every call), so every call site of an op - whatever the model's
-fixed pattern of calls - is checked at the requested rate. The seed is ``DSV4CORE_VERIFY_SEED``
+fixed pattern of calls - is checked at the requested rate. Whether a call is checked is drawn
+after the backend returns, and nothing is bound or copied before it: the frame a backend can
+inspect is the same on checked and unchecked calls. An op that writes in place (``cache_store``)
+is judged on the buffer it left: the written rows must hold the bits the reference writes from
+the same inputs (a stray write elsewhere in the buffer is not seen: that would take a copy of it
+before every call). The seed is ``DSV4CORE_VERIFY_SEED``
 (an integer) when set, else drawn afresh from the OS for each bound table; it is reported in
 ``verify_summary()["seed"]`` so that a run's sampling can be reproduced exactly.
 
@@ -137,21 +142,20 @@ def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -
     fraction = stats.fraction
     draw = sampler(stats.seed, spec.name).random
 
-    def verified(*args, **kwargs):
-        stats.calls += 1
-        if not draw() < fraction:      # random() is in [0, 1): fraction 1 checks every call
-            return call(*args, **kwargs)
+    def check(args, kwargs, out):
+        """The shadow check of one call, after it returned, from its arguments and output."""
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        # inputs are read-only by contract: only what the op writes is copied before the call
-        kw = {k: (_copy(v) if k in spec.writes else v) for k, v in bound.arguments.items()}
-        out = call(*args, **kwargs)
+        kw = dict(bound.arguments)
         stats.checked += 1
         problem, ratio = "", 0.0
         try:
+            # inputs are read-only by contract, so the reference runs on them as they are now; an
+            # op that writes in place is judged on what it left: the reference rewrites a copy of
+            # the written buffer from the same inputs, and every row must hold the same bits
             ref, exact = compare.expected_outputs(spec, kw)
-            if spec.writes:   # a pool write: judge what the call left in the live pool
-                out = compare.written_values(spec, bound.arguments) if out is None else out
+            if spec.writes:
+                out = compare.written_values(spec, kw)
             checks = compare.judge(spec, kw, out, ref, exact, _call_dtype(kw))
             bad = [c for c in checks if not c.ok]
             ratio = max((c.ratio for c in checks), default=0.0)
@@ -170,6 +174,15 @@ def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -
             if not stats.first:
                 stats.first = msg
                 log.warning(msg)
+
+    def verified(*args, **kwargs):
+        # The backend is called before anything about this call is decided or copied: the frame it
+        # runs under (this one: args, kwargs and the closure) is the same on checked and unchecked
+        # calls, so it cannot tell whether it is being judged.
+        stats.calls += 1
+        out = call(*args, **kwargs)
+        if draw() < fraction:          # random() is in [0, 1): fraction 1 checks every call
+            check(args, kwargs, out)
         return None if spec.writes else out
 
     verified.__name__ = spec.name

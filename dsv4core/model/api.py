@@ -73,8 +73,14 @@ def _bind(device: torch.device, backend: str | None, verify=None):
     return bind(device, backend=backend, verify=verify)
 
 
+def _requested(backend: str | None) -> str:
+    from dsv4core.hal import backend_request
+
+    return backend_request(backend)
+
+
 def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = None,
-                device: torch.device | str | None = None, backend: str | None = "auto",
+                device: torch.device | str | None = None, backend: str | None = None,
                 seed: int | None = None, ops=None, verify: float | str | None = None, tp: int = 1,
                 ep: int = 1, numerics: str = "auto") -> DSV4ForCausalLM:
     """A model for `config` with deterministic random weights (seed) or empty weights (seed=None).
@@ -100,25 +106,28 @@ def build_model(config: DSV4Config | dict, *, dtype: torch.dtype | str | None = 
         del full
     elif seed is not None:
         randomize_weights_(model, cfg, seed=seed)
-    model.backend = backend
+    model.backend = _requested(backend)
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, None, config if isinstance(config, dict) else None),
                                  model))
     return model.eval()
 
 
-def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype: torch.dtype | str | None = None,
+def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, quantized: str = "auto",
                verify: float | str | None = None, tp: int = 1, ep: int = 1,
-               numerics: str = "auto") -> DSV4ForCausalLM:
+               numerics: str = "auto", allow_nonfinite: bool = False) -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format), `"tiny"` (the
     built-in tiny DSV4, exact numerics) or `"tiny-official"` (its variant whose dims carry the
     official numerics, which it computes by default).
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
-    priority, falling back per op to the reference). dtype: activation dtype (torch dtype or its
-    name; default float32 for "tiny"; for a checkpoint the dtype its weights are in:
-    config.json's `dtype` / `torch_dtype`, else the stored token embedding's dtype, and an error
-    asking for dtype= when that is neither float32 nor bfloat16). device: default "cpu".
+    priority, falling back per op to the reference); default (None): env DSV4CORE_BACKEND, else
+    "auto". Per-op overrides come from env DSV4CORE_OPS. One precedence rule everywhere: an
+    explicit argument > the environment > "auto" (`dsv4core.hal.backend_request`). dtype:
+    activation dtype (torch dtype or its name; default float32 for "tiny"; for a checkpoint the
+    dtype its weights are in: config.json's `dtype` / `torch_dtype`, else the stored token
+    embedding's dtype, and an error asking for dtype= when that is neither float32 nor bfloat16).
+    device: default "cpu".
     Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
     quantized: what to do with FP8 block-scaled checkpoint weights (see `dsv4core.model.fp8`):
     "auto" keeps a projection FP8 (+ float32 `weight_scale_inv`) when the non-reference backend
@@ -141,6 +150,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     `torchrun --nproc-per-node tp*ep` (or inside an initialised process group of that size);
     each rank reads only its slices of the checkpoint (`dsv4core.checkpoint.cuts`) and every
     rank returns the same logits.
+    Checks before anything is allocated: the config's fields against their types and bounds
+    (`dsv4core.model.config.SIZE_LIMITS`, `max_position_embeddings`); while loading: every
+    weight finite (a NaN / Inf is a CheckpointError naming the tensor; `allow_nonfinite=True`
+    keeps them, for debugging) and the hash-routing tables (`tid2eid`) within the expert count.
     """
     from . import experts_quant, fp8
     from . import numerics as num
@@ -177,9 +190,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = "auto", dtype:
     expert_decisions = experts_quant.plan(model, ops, quantized, formats, dt, dev, ckpt.format == "official")
     experts_quant.apply(model, expert_decisions, formats)  # kept experts: packed bytes + scales, filled raw
     decisions = decisions + expert_decisions
-    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None)
+    ckpt.load_into(model, device=dev, strict=True, cut=RankCut(cfg, par) if par.world > 1 else None,
+                   allow_nonfinite=allow_nonfinite, value_ranges={"tid2eid": (0, cfg.n_routed_experts)})
     model._quantization = fp8.report(model, quantized, decisions)
-    model.backend = backend
+    model.backend = _requested(backend)
     num.apply(model, num.auto_or(numerics, num.resolve(numerics, ckpt.format, ckpt.config_dict), model))
     p = Path(path_or_name)
     _attach_tokenizer(model, p if p.is_dir() else p.parent)
@@ -193,6 +207,12 @@ def _attach_tokenizer(model: DSV4ForCausalLM, directory: Path | None) -> None:
     from . import tokenizer as tk
 
     model.tokenizer, model.tokenizer_why = None, ""
+    if directory is not None:     # the tokenizer's files are the checkpoint's: confined to its directory
+        from dsv4core.checkpoint.loader import confined
+
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (directory / name).exists():
+                confined(directory, name, name)
     try:
         model.tokenizer = tk.byte_tokenizer() if directory is None else tk.from_directory(directory)
     except tk.TokenizerUnavailable as e:

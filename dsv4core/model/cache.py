@@ -346,10 +346,16 @@ class KVCache:
         self.win_blocks_per_request = -(-self.max_request_tokens // Bw)
         # max_tokens tokens however they split over the requests: each may hold one partial block
         n_comp = -(-cc.max_tokens // Bc) + S + 1
-        # held window blocks: W-1 + max_rollback rows behind the length, block-rounded, per request,
-        # plus the blocks of the largest step in flight (and one partial block per request)
-        per_req = -(-(max(W - 1, 0) + cc.max_rollback) // Bw) + 1
-        n_win = S * (per_req + 1) + -(-cc.max_step_tokens // Bw) + 1
+        # held window blocks: W-1 + max_rollback rows behind the length (no more than a request's
+        # length), block-rounded, per request, plus the blocks of the largest step in flight (and
+        # one partial block per request); with compressed layers, also no more than the blocks
+        # the tokens the compressed pool can hold span (a window block lies in at most two
+        # compressed blocks' token ranges of its holder)
+        per_req = -(-min(max(W - 1, 0) + cc.max_rollback, self.max_request_tokens) // Bw) + 1
+        held = S * (per_req + 1)
+        if ratios:
+            held = min(held, (n_comp - 1) * (-(-Bc // Bw) + 1) + S)
+        n_win = held + -(-cc.max_step_tokens // Bw) + 1
         self.win_pool = _Blocks(n_win, "sliding-window block")
         self.comp_pool = _Blocks(n_comp if ratios else 1, "compressed-entry block")
         self.Rw = n_win * Bw

@@ -21,6 +21,7 @@ The rope frequencies (`inv_freq`) of the two rope kinds are computed here as wel
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any, Literal
 
 import torch
@@ -40,11 +41,50 @@ class ConfigError(ValueError):
     """A config that cannot describe a DSV4 network (bad value, contradiction, unknown dialect)."""
 
 
+#: Upper bounds of the size fields, checked before anything is built from a config (a size there
+#: is allocated as a tensor dimension or a layer count). Each is well above DeepSeek-V4-Pro's
+#: value (PEERS.md 1.1: vocab 129280, hidden 7168, 61 layers, 128 heads, head_dim 512, 384
+#: experts, 1M positions) and far below what a typo or a hostile file asks for. `sliding_window`,
+#: `index_topk` and the compression rates are bounded by `max_position_embeddings` instead.
+SIZE_LIMITS: dict[str, int] = dict(
+    vocab_size=1 << 22, hidden_size=1 << 16, num_hidden_layers=1024, num_attention_heads=1 << 12,
+    head_dim=1 << 12, qk_rope_head_dim=1 << 12, q_lora_rank=1 << 16, o_groups=1 << 12, o_lora_rank=1 << 16,
+    moe_intermediate_size=1 << 18, n_routed_experts=1 << 14, num_experts_per_tok=1 << 14,
+    max_position_embeddings=1 << 24, hc_mult=64, hc_sinkhorn_iters=10_000, index_n_heads=1 << 12,
+    index_head_dim=1 << 12)
+#: rope parameters a config may carry (`mscale` / `mscale_all_dim` appear in official files and
+#: are not applied: DSV4 has no rope magnitude factor); any other key is an error, never ignored
+ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                       "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor",
+                       "truncate"})
+_YARN_ONLY = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def _int(v: Any, field: str) -> int:
+    """A JSON integer (a bool, a float or a str is refused, not converted)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{field} must be an integer; got {v!r} ({type(v).__name__})")
+    return v
+
+
+def _num(v: Any, field: str) -> float:
+    """A finite JSON number (int or float; a bool or a str is refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{field} must be a finite number; got {v!r} ({type(v).__name__})")
+    return float(v)
+
+
+def _list(v: Any, field: str) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(f"{field} must be a list; got {type(v).__name__}")
+    return list(v)
+
+
 class RopeSpec(BaseModel):
     """One rope kind. `type="default"`: plain `theta^(-2i/d_r)`; `type="yarn"`: YaRN frequencies
     (SPEC.md rope section). The YaRN magnitude factor is never applied (attention_factor = 1)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     type: Literal["default", "yarn"] = "default"
     theta: float = Field(gt=0)
@@ -63,7 +103,7 @@ class RopeSpec(BaseModel):
 class DSV4Config(BaseModel):
     """Validated DSV4 hyper-parameters, in transformers' vocabulary (see module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
@@ -121,6 +161,19 @@ class DSV4Config(BaseModel):
     def _check_consistency(self) -> "DSV4Config":
         L = self.num_hidden_layers
         errs: list[str] = []
+        for name, hi in SIZE_LIMITS.items():
+            v = getattr(self, name)
+            if v > hi:
+                errs.append(f"{name}={v} exceeds the limit {hi}")
+        maxpos = self.max_position_embeddings
+        for name in ("sliding_window", "index_topk"):
+            if getattr(self, name) > maxpos:
+                errs.append(f"{name}={getattr(self, name)} must be <= max_position_embeddings={maxpos}")
+        for t, r in self.compress_rates.items():
+            if isinstance(r, int) and r > maxpos:
+                errs.append(f"compress_rates[{t!r}]={r} must be <= max_position_embeddings={maxpos}")
+        if errs:     # sizes first: the checks below iterate over the schedule
+            raise ValueError("; ".join(errs))
         if len(self.layer_types) != L:
             errs.append(f"len(layer_types)={len(self.layer_types)} != num_hidden_layers={L}")
         if len(self.mlp_layer_types) != L:
@@ -178,12 +231,14 @@ class DSV4Config(BaseModel):
             kw = _normalise(d)
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"cannot read DSV4 config: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+            raise ConfigError(f"cannot read DSV4 config: {type(e).__name__}: {str(e)[:300]}") from None
         try:
             return cls(**kw)
         except ValidationError as e:
-            raise ConfigError(f"invalid DSV4 config: {e}") from None
+            raise ConfigError(f"invalid DSV4 config: {_validation_text(e)}") from None
+        except RecursionError:
+            raise ConfigError("invalid DSV4 config: a value is nested too deeply") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers `DeepseekV4Config` kwargs dict describing the same network."""
@@ -223,29 +278,50 @@ _HF_DEFAULTS: dict[str, Any] = dict(
 _PLAIN_KEYS = tuple(k for k in _HF_DEFAULTS if k not in ("rope_theta", "compress_rope_theta"))
 
 
+def _validation_text(e: ValidationError) -> str:
+    """One line per pydantic error: the field, what it expected, the value found."""
+    out = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        out.append(f"{loc}: {msg} (got {reprlib.repr(err.get('input'))})" if loc else msg)
+    return "; ".join(out)
+
+
 def _normalise(d: dict[str, Any]) -> dict[str, Any]:
-    """Map either config dialect onto DSV4Config's fields."""
+    """Map either config dialect onto DSV4Config's fields. Values this function computes with
+    are type-checked and bounded here, before any list is built from them."""
     g = lambda k: d[k] if d.get(k) is not None else _HF_DEFAULTS.get(k)  # noqa: E731
     kw: dict[str, Any] = {k: g(k) for k in _PLAIN_KEYS}
+    for k in ("num_hidden_layers", "head_dim", "max_position_embeddings"):
+        v = _int(kw[k], k)
+        if v <= 0 or v > SIZE_LIMITS[k]:
+            raise ConfigError(f"{k} must be an integer in 1..{SIZE_LIMITS[k]}; got {v}")
     n = kw["num_hidden_layers"]
-    if not isinstance(n, int) or n <= 0:
-        raise ConfigError(f"num_hidden_layers must be a positive int; got {n!r}")
 
     # --- compression rates and the attention schedule
     rates = dict(DEFAULT_COMPRESS_RATES)
-    if isinstance(d.get("compress_rates"), dict):
-        rates.update({k: int(v) for k, v in d["compress_rates"].items()})
+    if d.get("compress_rates") is not None:
+        if not isinstance(d["compress_rates"], dict):
+            raise ConfigError(f"compress_rates must be an object of layer type -> rate; got "
+                              f"{type(d['compress_rates']).__name__}")
+        rates.update({k: _int(v, f"compress_rates[{k!r}]") for k, v in d["compress_rates"].items()})
     if d.get("compress_rate_csa") is not None:
-        rates[CSA] = int(d["compress_rate_csa"])
+        rates[CSA] = _int(d["compress_rate_csa"], "compress_rate_csa")
     if d.get("compress_rate_hca") is not None:
-        rates[HCA] = int(d["compress_rate_hca"])
+        rates[HCA] = _int(d["compress_rate_hca"], "compress_rate_hca")
     if d.get("layer_types") is not None:
-        layer_types = list(d["layer_types"])
+        layer_types = _list(d["layer_types"], "layer_types")
     elif d.get("compress_ratios") is not None:
-        ratios = [int(r) for r in d["compress_ratios"]]
+        ratios = [_int(r, "compress_ratios entries") for r in _list(d["compress_ratios"], "compress_ratios")]
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios has {len(ratios)} entries, fewer than num_hidden_layers={n}")
-        ratios = ratios[:n]  # the trailing entry belongs to the MTP block
+        nextn = d.get("num_nextn_predict_layers")
+        nextn = 1 if nextn is None else _int(nextn, "num_nextn_predict_layers")
+        if len(ratios) not in (n, n + nextn):
+            raise ConfigError(f"compress_ratios has {len(ratios)} entries; expected num_hidden_layers={n} "
+                              f"(+ num_nextn_predict_layers={nextn} for the MTP block)")
+        ratios = ratios[:n]  # the trailing entries belong to the MTP block
         layer_types = []
         hca_rates = set()
         for r in ratios:
@@ -265,68 +341,93 @@ def _normalise(d: dict[str, Any]) -> dict[str, Any]:
             rates[HCA] = hca_rates.pop()
     else:  # transformers' default schedule (2x HCA then HCA/CSA alternating, PEERS.md 1.3)
         layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    kw["layer_types"] = layer_types[:n]
+    kw["layer_types"] = layer_types     # a list of another length is an error (validation), never cut
     kw["compress_rates"] = rates
 
     # --- MoE schedule
     if d.get("mlp_layer_types") is not None:
-        kw["mlp_layer_types"] = list(d["mlp_layer_types"])[:n]
+        kw["mlp_layer_types"] = _list(d["mlp_layer_types"], "mlp_layer_types")
     else:
         nh = d.get("num_hash_layers")
-        nh = 3 if nh is None else int(nh)
+        nh = 3 if nh is None else _int(nh, "num_hash_layers")
+        if nh < 0:
+            raise ConfigError(f"num_hash_layers must be >= 0; got {nh}")
         kw["mlp_layer_types"] = [HASH_MOE] * min(n, nh) + [MOE] * max(0, n - nh)
 
     # --- rope
     head_dim = kw["head_dim"]
     rp = d.get("rope_parameters") or {}
+    if not isinstance(rp, dict):
+        raise ConfigError(f"rope_parameters must be an object; got {type(rp).__name__}")
     nested = isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict)
     if d.get("qk_rope_head_dim") is not None:
-        rope_dim = int(d["qk_rope_head_dim"])
+        rope_dim = _int(d["qk_rope_head_dim"], "qk_rope_head_dim")
     elif d.get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
+        rope_dim = int(head_dim * _num(d["partial_rotary_factor"], "partial_rotary_factor"))
     elif nested and rp["main"].get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * float(rp["main"]["partial_rotary_factor"]))
+        rope_dim = int(head_dim * _num(rp["main"]["partial_rotary_factor"],
+                                       "rope_parameters['main'].partial_rotary_factor"))
     else:
         rope_dim = int(head_dim * 64 / 512)
     kw["qk_rope_head_dim"] = rope_dim
     if nested:
+        extra = sorted(set(rp) - {"main", "compress"})
+        if extra:
+            raise ConfigError(f"rope_parameters: unknown keys {extra} beside 'main' and 'compress'")
         for kind in ("main", "compress"):
             prf = rp[kind].get("partial_rotary_factor")
-            if prf is not None and int(head_dim * float(prf)) != rope_dim:
-                raise ConfigError(f"rope_parameters[{kind!r}].partial_rotary_factor={prf} gives a rope dim "
-                                  f"{int(head_dim * float(prf))} != {rope_dim}")
+            where = f"rope_parameters[{kind!r}].partial_rotary_factor"
+            if prf is not None and int(head_dim * _num(prf, where)) != rope_dim:
+                raise ConfigError(f"{where}={prf} gives a rope dim {int(head_dim * float(prf))} != {rope_dim}")
         kw["rope_main"] = _rope_spec(rp["main"], "rope_parameters['main']", None, d)
         kw["rope_compress"] = _rope_spec(rp["compress"], "rope_parameters['compress']", None, d)
     else:
-        flat = dict(d.get("rope_scaling") or {k: v for k, v in rp.items() if k not in ("main", "compress")})
+        src = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        raw = d.get("rope_scaling") or {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{src} must be an object; got {type(raw).__name__}")
+        flat = dict(raw)
         flat.pop("rope_theta", None)  # a flat dict's theta is the main one; compress uses compress_rope_theta
-        main_theta = float(g("rope_theta"))
+        main_theta = _num(g("rope_theta"), "rope_theta")
         kw["rope_main"] = RopeSpec(type="default", theta=main_theta)
-        kw["rope_compress"] = _rope_spec(flat, "rope_scaling", float(g("compress_rope_theta")), d)
+        kw["rope_compress"] = _rope_spec(flat, src, _num(g("compress_rope_theta"), "compress_rope_theta"), d)
     return kw
 
 
 def _rope_spec(p: dict[str, Any], where: str, theta: float | None, d: dict[str, Any]) -> RopeSpec:
+    unknown = sorted(str(k) for k in set(p) - ROPE_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown rope parameters {unknown} (known: {sorted(ROPE_KEYS)})")
     rtype = p.get("rope_type", p.get("type", "default")) or "default"
     if rtype not in ("default", "yarn"):
         raise ConfigError(f"{where}: rope type {rtype!r} is not supported (only 'default' and 'yarn')")
     af = p.get("attention_factor")
-    if af is not None and float(af) != 1.0:
+    if af is not None and _num(af, f"{where}.attention_factor") != 1.0:
         raise ConfigError(f"{where}: attention_factor={af}; DSV4 applies no rope magnitude factor (must be 1.0)")
+    if p.get("truncate") not in (None, True):
+        raise ConfigError(f"{where}: truncate={p['truncate']!r}; DSV4's YaRN uses the floor/ceil (truncated) "
+                          f"correction range (must be true)")
     # `mscale` / `mscale_all_dim` may appear in official files; DSV4 applies no magnitude factor.
     th = p.get("rope_theta", theta)
     if th is None:
         raise ConfigError(f"{where}: missing rope_theta")
+    th = _num(th, f"{where}.rope_theta")
     if rtype == "default":
-        return RopeSpec(type="default", theta=float(th))
+        given = [k for k in _YARN_ONLY if p.get(k) is not None]
+        if given:
+            raise ConfigError(f"{where}: {given} given for a 'default' rope (they apply to 'yarn' only)")
+        return RopeSpec(type="default", theta=th)
     omax = p.get("original_max_position_embeddings")
     if omax is None:
         raise ConfigError(f"{where}: yarn rope needs original_max_position_embeddings")
+    omax = _int(omax, f"{where}.original_max_position_embeddings")
     factor = p.get("factor")
     if factor is None:  # transformers' fallback
         factor = d.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]) / float(omax)
-    return RopeSpec(type="yarn", theta=float(th), factor=float(factor), original_max_position_embeddings=int(omax),
-                    beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1))
+    num = lambda k, default: default if p.get(k) is None else _num(p[k], f"{where}.{k}")  # noqa: E731
+    return RopeSpec(type="yarn", theta=th, factor=_num(factor, f"{where}.factor"),
+                    original_max_position_embeddings=omax, beta_fast=num("beta_fast", 32.0),
+                    beta_slow=num("beta_slow", 1.0))
 
 
 def rope_inv_freq(spec: RopeSpec, rope_dim: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -14,7 +14,14 @@ class InputError(ValueError):
 def _host_long(a, what: str = "argument") -> np.ndarray:
     """A 1-D int64 numpy vector (host metadata) from a 1-D integer list / tensor (one copy if the
     tensor lives on a device). Floats and other shapes are refused, not rounded or flattened."""
-    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+    if isinstance(a, torch.Tensor):
+        t = a
+    else:
+        try:
+            t = torch.as_tensor(a)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise InputError(f"{what} must be a 1-D integer tensor or list of ints; got {type(a).__name__} that "
+                             f"torch cannot read as one ({str(e).splitlines()[0][:120]})") from None
     if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
         raise InputError(f"{what} must hold integers; got dtype {str(t.dtype).removeprefix('torch.')}")
     if t.dim() != 1 and not (t.numel() == 0 and t.dim() <= 1):
@@ -22,6 +29,42 @@ def _host_long(a, what: str = "argument") -> np.ndarray:
     if t.dtype != torch.int64 or t.device.type != "cpu":
         t = t.to("cpu", torch.int64)
     return t.reshape(-1).numpy()      # integer tensors carry no gradient: no detach needed
+
+
+def _is_int(x) -> bool:
+    """A Python / numpy integer; a bool is not a token id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def token_ids(p, what: str) -> list[int]:
+    """One prompt's token ids as a list of ints: a sequence of ints or a 1-D integer tensor /
+    array. Floats, bools, strings and nested sequences are refused, never converted."""
+    if isinstance(p, (torch.Tensor, np.ndarray)):
+        kind = p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool \
+            if isinstance(p, torch.Tensor) else p.dtype.kind not in "iu"
+        if kind or p.ndim != 1:
+            raise InputError(f"{what}: expected a 1-D integer tensor of token ids; got {p.dtype} of shape "
+                             f"{tuple(p.shape)}")
+        return [int(x) for x in p.tolist()]
+    if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+        raise InputError(f"{what}: expected a sequence of token ids (ints); got {type(p).__name__}")
+    out = list(p)
+    for j, x in enumerate(out):
+        if not _is_int(x):
+            raise InputError(f"{what}: token {j} is {x!r} ({type(x).__name__}); token ids must be ints "
+                             f"(floats, bools and strings are not converted)")
+    return [int(x) for x in out]
+
+
+def eos_ids(v) -> frozenset[int]:
+    """`eos_token_id` of `generate`: None (no stop token), an int, or a list of ints."""
+    if v is None:
+        return frozenset()
+    if _is_int(v):
+        return frozenset((int(v),))
+    if isinstance(v, (list, tuple, set, frozenset)) and all(_is_int(x) for x in v):
+        return frozenset(int(x) for x in v)
+    raise InputError(f"generate: eos_token_id must be None, an int or a list of ints; got {v!r}")
 
 
 class DeviceTokens:

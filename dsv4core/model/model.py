@@ -18,7 +18,7 @@ from torch import nn
 from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
-from .inputs import DeviceTokens, InputError, _host_long
+from .inputs import DeviceTokens, InputError, _host_long, eos_ids, token_ids
 from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm
 from .step import Step
 from .parallel import SINGLE, Parallel
@@ -244,6 +244,11 @@ class DSV4ForCausalLM(nn.Module):
         else:
             ids = _host_long(input_ids, "input_ids")
             T = ids.shape[0]
+        limit = self.cache.cc.max_step_tokens
+        if T > limit:
+            raise InputError(f"forward_batch: {T} tokens in one step exceed the cache's max_step_tokens={limit} "
+                             f"(split the step, e.g. prefill in chunks, or configure the cache with a larger "
+                             f"max_step_tokens)")
         pos, rid = (_host_long(a, w) for a, w in ((positions, "positions"), (request_ids, "request_ids")))
         rows = None
         if logits_rows is not None:
@@ -369,14 +374,18 @@ class DSV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, input_ids) -> torch.Tensor:
-        """One full prefill of one sequence from a fresh state: float32 logits [seq, vocab]."""
+        """One full prefill of one sequence from a fresh state: float32 logits [seq, vocab] (in
+        steps of at most the cache's max_step_tokens tokens)."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
         if ids.numel() == 0:
             raise InputError("empty input_ids")
         st = self.new_state()
         try:
-            T = ids.numel()
-            return self.forward_batch(ids, torch.arange(T), torch.zeros(T, dtype=torch.int64), [st])
+            T, step = ids.numel(), self.cache.cc.max_step_tokens
+            out = [self.forward_batch(ids[a:a + step], torch.arange(a, min(T, a + step)),
+                                      torch.zeros(min(T, a + step) - a, dtype=torch.int64), [st])
+                   for a in range(0, T, step)]
+            return out[0] if len(out) == 1 else torch.cat(out)
         finally:
             st.release()
 
@@ -398,7 +407,7 @@ class DSV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int, *,
-                 eos_token_id: int | None = None, prefill_chunk: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, prefill_chunk: int | None = None,
                  progress: Callable[[int, int], None] | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
@@ -407,7 +416,8 @@ class DSV4ForCausalLM(nn.Module):
         prompt per step; default the cache's max_step_tokens) of newly admitted ones. Requests are
         admitted while the cache has a free slot and blocks for their whole length; a finished
         request (max_new_tokens, or `eos_token_id` emitted) leaves the batch and its blocks are
-        reused. Returns only the new tokens of each prompt. `progress(done, total)` counts tokens.
+        reused (`eos_token_id`: an int or a list of ints, any of which ends a request). Returns
+        only the new tokens of each prompt. `progress(done, total)` counts tokens.
         A prompt is token ids or a str (encoded with `self.tokenizer`). The next token is the argmax
         (temperature 0, the default) or drawn with temperature / top_k / top_p from a generator
         seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits).
@@ -423,6 +433,13 @@ class DSV4ForCausalLM(nn.Module):
             prompts = prompts.tolist()
         if isinstance(prompts, str):
             raise InputError("generate: prompts must be a list (of str or of token-id lists); got one str")
+        if not isinstance(prompts, (list, tuple)):
+            raise InputError(f"generate: prompts must be a list (of str or of token-id lists); got "
+                             f"{type(prompts).__name__}")
+        if prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
+            raise InputError(f"generate: prompts must be a list of prompts; got a flat list of {len(prompts)} ints "
+                             f"(one prompt is written [[1, 2, 3]], not [1, 2, 3])")
+        eos = eos_ids(eos_token_id)
         prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
@@ -444,7 +461,7 @@ class DSV4ForCausalLM(nn.Module):
         cache = self._cache_for([len(p) + max_new_tokens for p in prompts])
         from .scheduler import Scheduler
 
-        sched = Scheduler(self, cache, prompts, max_new_tokens, eos_token_id,
+        sched = Scheduler(self, cache, prompts, max_new_tokens, eos,
                            min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress,
                            sampling, make_generator(sampling, self.device), on_token)
         try:
@@ -462,4 +479,4 @@ class DSV4ForCausalLM(nn.Module):
                 why = getattr(self, "tokenizer_why", "") or "this model has no tokenizer"
                 raise InputError(f"prompt {i} is text but the model has no tokenizer ({why}); give token ids")
             return tok.encode(p)
-        return list(map(int, p))
+        return token_ids(p, f"prompt {i}")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .cache import PoolFullError
-from .inputs import DeviceTokens, InputError
+from .inputs import DeviceTokens, InputError, eos_ids
 
 
 class Scheduler:
@@ -18,7 +18,8 @@ class Scheduler:
 
     def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None,
                  on_token=None) -> None:
-        self.model, self.cache, self.prompts, self.max_new, self.eos = model, cache, prompts, max_new, eos
+        self.model, self.cache, self.prompts, self.max_new = model, cache, prompts, max_new
+        self.eos = eos if isinstance(eos, frozenset) else eos_ids(eos)    # the ids that end a request
         self.chunk, self.progress, self.on_token = chunk, progress, on_token
         self.sampling, self.generator = sampling, generator
         self.waiting = deque(range(len(prompts)))
@@ -151,7 +152,7 @@ class Scheduler:
             self.done += 1
             if self.on_token is not None:
                 self.on_token(i, tok)
-            if len(out[i]) >= self.max_new or tok == self.eos:
+            if len(out[i]) >= self.max_new or tok in self.eos:
                 self.done += self.max_new - len(out[i])
                 st, _ = self.running.pop(i)
                 st.release()
