@@ -270,7 +270,8 @@ def prefill(model, ids: torch.Tensor, chunk: int, states) -> torch.Tensor:
 def ours_combo(model, B: int, ctx: int, a, dev: torch.device) -> list[dict]:
     """Prefill B requests, then time graph (when available) and eager decode on the same requests."""
     total = ctx + 2 * (a.warmup + a.steps + 1) + 8     # max_request_tokens a power of 2, as generate() sizes it
-    cc = dict(max_requests=B, max_request_tokens=1 << (total - 1).bit_length(), max_step_tokens=a.prefill_chunk)
+    cc = dict(max_requests=B, max_request_tokens=1 << (total - 1).bit_length(), max_step_tokens=a.prefill_chunk,
+              kv_dtype=None if a.kv_dtype == "auto" else a.kv_dtype)
     bt = model.configure_cache(max_tokens=total, **cc).block_tokens     # requests hold whole blocks
     model.configure_cache(max_tokens=B * -(-total // bt) * bt, **cc)
     states = [model.new_state() for _ in range(B)]
@@ -396,6 +397,10 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--weights", choices=["bf16", "official"], default="bf16",
                     help="official: FP8 projections + packed FP4 routed experts where the ops read them")
+    ap.add_argument("--numerics", choices=["exact", "official"], default="exact",
+                    help="the model's numerics (official: W8A8 projections, FP8 KV rows, FP4 indexer)")
+    ap.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8"], default="auto",
+                    help="CacheConfig.kv_dtype (fp8: the 584-byte FP8 rows; needs --numerics official)")
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma list; every one at every --contexts")
     ap.add_argument("--contexts", default="1024,8192", help="comma list (prompt tokens per request)")
     ap.add_argument("--combos", help="BxCTX list (e.g. 1x1024,8x8192) instead of batches x contexts")
@@ -438,8 +443,9 @@ def main(argv=None) -> int:
         rand_s += q_s
         log(f"official formats: {quant['kept']} tensors kept quantised, {quant['declined']} not "
             f"(meta.quantization in the JSON)")
+    model.set_numerics(a.numerics)
     wb = weight_bytes(model)
-    meta = dict(dims=a.dims, layers=a.layers, layer_types=cfg.layer_types, experts=cfg.n_routed_experts, dtype=a.dtype,
+    meta = dict(numerics=a.numerics, kv_dtype=a.kv_dtype, dims=a.dims, layers=a.layers, layer_types=cfg.layer_types, experts=cfg.n_routed_experts, dtype=a.dtype,
                 device=dev.type, device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 threads=torch.get_num_threads(), torch=torch.__version__, argv=sys.argv[1:],
                 config=cfg.to_hf_dict(), weight_bytes=wb, param_bytes_total=sum(wb.values()), copy_rate_Bps=rate,
