@@ -62,7 +62,7 @@ def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_kv_rows(kv_ptr, rows, valid, W, D: tl.constexpr, NOPE: tl.constexpr):
+def _fp8_kv_rows(kv_ptr, rows, valid, W: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr):
     """fp32 [BK, D]: FP8 KV rows ``rows`` of a uint8 pool of W-byte rows (hal.rowformats "fp8"):
     bytes [0, NOPE) e4m3, [NOPE, NOPE + 2 (D - NOPE)) bf16 rope channels, then one UE8M0 byte per
     64 non-rope channels (2^(b - 127), built from its bits: b >= 1, as every stored scale is)."""
@@ -81,10 +81,10 @@ def _fp8_kv_rows(kv_ptr, rows, valid, W, D: tl.constexpr, NOPE: tl.constexpr):
 
 @triton.jit
 def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr,
-                 T, NH, N, K, KPS, S, scale, W,
+                 T, NH, N, K, KPS, S, scale,
                  D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr,
                  F32: tl.constexpr, FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr,
-                 FP8: tl.constexpr, NOPE: tl.constexpr):
+                 FP8: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -187,7 +187,7 @@ def _smqa_combine_kernel(sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr, NH, S,
 MAX_SPLITS = 64
 
 
-def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
+def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) -> dict:
     """The launch plan for a call: tuning keys (TUNE over the launch table over these defaults)
     and the derived split count. Keys: ``BH`` heads and ``BK`` kv rows per step, ``num_warps``,
     ``num_stages``; ``S`` row splits per token (default: T x ceil(NH / BH) x S programs up to
@@ -222,7 +222,9 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device) -> dict:
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none) or 1 (indices one "
                          f"block ahead)")
     return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, pipe=pipe,
-                num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
+                # FP8 rows: one stage (two pipelined byte tiles of [BK, D] take 245 KiB of shared
+                # memory on sm90 at BK 64, over its 227 KiB)
+                num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 1 if fp8 else 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 
@@ -238,23 +240,23 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
     q, kv, indices, sink = c(q), c(kv), c(indices), c(sink)
     N = kv.shape[0]
     f32 = q.dtype == torch.float32
-    p = plan(T, NH, D, K, f32, q.device)
+    p = plan(T, NH, D, K, f32, q.device, kv_format == "fp8")
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb)
     fp8 = kv_format == "fp8"
     common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
-                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D,
+                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=kv.shape[1] if fp8 else 0,
                   num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                 float(scale), kv.shape[1], FINAL=True, **common)
+                                 float(scale), FINAL=True, **common)
         return o
     # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(*grid, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                             float(scale), kv.shape[1], FINAL=False, **common)
+                             float(scale), FINAL=False, **common)
     CB = p["CB"]
     _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
                                                 RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())

@@ -28,24 +28,27 @@ TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages"))
 
 
 @triton.jit
-def _fp4_keys(k_ptr, r, dc, m, sk_n, DI):
-    """fp32 [BL, BD]: channels ``dc`` of the FP4 keys in rows ``r`` of a uint8 pool (row stride
-    sk_n): e2m1 codes two a byte (even channel in the low nibble), then one UE8M0 byte per 32."""
-    b = tl.load(k_ptr + r[:, None] * sk_n + (dc // 2)[None, :], mask=m, other=0).to(tl.int32)
-    code = (b >> ((dc % 2) * 4).to(tl.int32)[None, :]) & 0xF
+def _fp4_keys(k_ptr, r, d0, m, KW: tl.constexpr, DI: tl.constexpr):
+    """fp32 [BL, 32]: channels d0 .. d0 + 32 (one scale group) of the FP4 keys in rows ``r`` of a
+    uint8 pool of KW-byte rows: e2m1 codes two a byte (even channel in the low nibble), then one
+    UE8M0 byte per 32 channels."""
+    dc = tl.arange(0, 32)
+    b = tl.load(k_ptr + r[:, None] * KW + (d0 // 2 + dc // 2)[None, :], mask=m, other=0).to(tl.int32)
+    code = tl.where(((dc & 1) == 1)[None, :], b >> 4, b) & 0xF
     i = code & 7                                           # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
     pow2 = (((i >> 1) + 126) << 23).to(tl.float32, bitcast=True)          # 2^((i >> 1) - 1)
     mag = tl.where(i < 2, i.to(tl.float32) * 0.5, pow2 * (1.0 + 0.5 * (i & 1).to(tl.float32)))
     v = tl.where((code & 8) != 0, -mag, mag)
-    e = tl.load(k_ptr + r[:, None] * sk_n + DI // 2 + (dc // 32)[None, :], mask=m, other=127).to(tl.int32)
-    return v * (e << 23).to(tl.float32, bitcast=True)
+    e = tl.load(k_ptr + r * KW + (DI // 2 + d0 // 32), mask=tl.max(m, axis=1) > 0, other=127).to(tl.int32)
+    return v * (e << 23).to(tl.float32, bitcast=True)[:, None]
 
 
 @triton.jit
 def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, L, scale,
                                 sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l,
                                 NIP: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                                F32: tl.constexpr, INTERP: tl.constexpr, FP4: tl.constexpr):
+                                F32: tl.constexpr, INTERP: tl.constexpr, FP4: tl.constexpr,
+                                KW: tl.constexpr, DIC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = (tl.program_id(1) * BL + tl.arange(0, BL)).to(tl.int64)
     sm = slot < L
@@ -61,7 +64,7 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
         q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + dc[None, :] * sq_d,
                     mask=hm[:, None] & dm[None, :], other=0.0)
         if FP4:
-            k = _fp4_keys(k_ptr, r, dc, valid[:, None] & dm[None, :], sk_n, DI).to(q.dtype)
+            k = _fp4_keys(k_ptr, r, d0, valid[:, None] & dm[None, :], KW, DIC).to(q.dtype)   # BD = 32
         else:
             k = tl.load(k_ptr + r[:, None] * sk_n + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
         if F32:
@@ -88,9 +91,12 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
     # tl.dot needs every tile dimension >= 16: heads are padded (zero q rows, zero weights)
     NIP = max(16, np2(NI))
     BD = TUNE.get("BD", max(16, min(np2(DI), 64 if f32 else 128)))
+    if k_format == "fp4":
+        BD = 32                # one chunk = one FP4 scale group
     BL = TUNE.get("BL", 32 if f32 else 64)
     _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
         q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride(), *weights.stride(),
         *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
+        KW=k.stride(0) if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
