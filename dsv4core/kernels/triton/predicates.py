@@ -7,6 +7,11 @@ from dsv4core.hal.util import cdiv
 
 ACT_DTYPES = (torch.float32, torch.bfloat16)
 
+
+def triton_np2(n: int) -> int:
+    """The power of two >= n (>= 1) the kernels pad a dimension to (``_util.np2``, without triton)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -89,10 +94,14 @@ def q_norm_rope_supports(q, positions, inv_freq, eps) -> bool:
 
 
 def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps, nope_quant_block=None) -> bool:
-    if nope_quant_block is not None:      # the official FP8 row: not in these kernels yet (reference)
-        return False
     if kv.dim() != 2 or not _rope_ok(kv, positions, inv_freq):
         return False
+    if nope_quant_block is not None:      # the official FP8 row: groups of the padded row tile
+        nope = kv.shape[-1] - 2 * inv_freq.shape[0]
+        if nope_quant_block not in (32, 64, 128) or nope % nope_quant_block:
+            return False
+        if triton_np2(kv.shape[-1]) < nope_quant_block:
+            return False
     return (weight is not None and weight.dim() == 1 and weight.shape[0] == kv.shape[-1]
             and weight.dtype in ACT_DTYPES)
 

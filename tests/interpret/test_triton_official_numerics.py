@@ -1,0 +1,147 @@
+"""The official-numerics semantics of the portable Triton kernels (HAL 1.2: ``kv_norm_rope``
+``nope_quant_block``), under the Triton interpreter.
+
+* The kernels' quantisation rules (``_util.e4m3_rne``, ``e2m1_rne``, ``group_scale_exp``) are
+  bit-exact (sign of zero included) against ``dsv4core.hal.quant`` (torch's float32 -> e4m3fn
+  conversion, the e2m1 grid rounding, ``act_scale``) on every e4m3 / e2m1 value, every midpoint
+  between neighbours and the float32 neighbours of each, the amax clamps, subnormals, and 2 x 10^5
+  random float32 bit patterns plus 5 x 10^4 values of spread magnitude.
+* Each served semantic passes the conformance rule (``selftest.check_case``: the op's tolerance,
+  with its ``quantized_rows`` allowance, against an fp64 evaluation) on every "small" sample case
+  of the op in float32 and bfloat16, the quantised ones served by the kernel (none declined), and
+  on edge rows: an all-zero group (the amax clamp), a group below the clamp, groups 2^+-20 apart.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from _interp import interpreted_report  # noqa: E402
+
+_SCRIPT = r"""
+import json, sys
+import torch
+import triton, triton.language as tl
+from dsv4core.hal import Backend, catalogue, quant
+from dsv4core.kernels.triton._util import e2m1_rne, e4m3_rne, exp2_int, group_scale_exp
+from dsv4core.kernels.triton.registry import register_ops
+from dsv4core.kernels.triton.selftest import check_case
+from dsv4core.conformance.cases import iter_cases
+
+rep = {}
+
+
+@triton.jit
+def _rules(x_ptr, a_ptr, b_ptr, s8_ptr, s4_ptr, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    x = tl.load(x_ptr + o, mask=m, other=0.0)
+    tl.store(a_ptr + o, e4m3_rne(tl.minimum(tl.maximum(x, -448.0), 448.0)), mask=m)
+    tl.store(b_ptr + o, e2m1_rne(tl.minimum(tl.maximum(x, -6.0), 6.0)), mask=m)
+    tl.store(s8_ptr + o, exp2_int(group_scale_exp(tl.abs(x), 1e-4, 1.0 / 448.0)), mask=m)
+    tl.store(s4_ptr + o, exp2_int(group_scale_exp(tl.abs(x), 6.0 * 2.0 ** -126, 1.0 / 6.0)), mask=m)
+
+
+g = torch.Generator().manual_seed(0)
+codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+codes = codes[torch.isfinite(codes)].unique()
+f4 = torch.tensor(quant.FP4_E2M1_TABLE).unique()
+edge = torch.tensor([0.0, 1e-4, 448.0, 6.0, 6 * 2.0 ** -126, 1e-40, 2.0 ** -10, 2.0 ** -6, 2.0 ** 127])
+base = torch.cat([codes, (codes[1:] + codes[:-1]) / 2, f4, (f4[1:] + f4[:-1]) / 2, edge])
+inf = torch.full_like(base, float("inf"))
+near = torch.cat([base, torch.nextafter(base, inf), torch.nextafter(base, -inf)])
+bits = torch.randint(1, 0x7F7FFFFF, (200000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+sign = torch.where(torch.rand(bits.shape, generator=g) < 0.5, -1.0, 1.0)
+wide = torch.randn(50000, generator=g) * 2.0 ** torch.randint(-12, 10, (50000,), generator=g).float()
+x = torch.cat([near, -near, bits * sign, wide]).contiguous()
+outs = [torch.empty_like(x) for _ in range(4)]
+_rules[(triton.cdiv(x.numel(), 4096),)](x, *outs, x.numel(), BLOCK=4096)
+refs = (x.clamp(-448, 448).to(torch.float8_e4m3fn).float(), quant._fp4_round(x.clamp(-6, 6)),
+        quant.act_scale(x.abs(), "fp8"), quant.act_scale(x.abs(), "fp4"))
+rep["values"] = x.numel()
+rep["rules"] = {name: int((got.view(torch.int32) != ref.view(torch.int32)).sum())
+                for name, got, ref in zip(("e4m3", "e2m1", "fp8_scale", "fp4_scale"), outs, refs)}
+
+OPS = ("kv_norm_rope",)
+QUANT = ("act_block", "nope_quant_block")
+b = Backend(name="t", device_types=("cpu",))
+register_ops(b, "cpu", list(OPS))
+specs = catalogue()
+rep["cases"] = []
+
+
+def record(op, name, dt, kw):
+    r = check_case(specs[op], b.impls[op], kw, dt)
+    quantised = op == "indexer_rotate_quant" or any(kw.get(a) is not None for a in QUANT)
+    rep["cases"].append(dict(op=op, case=name, dtype=str(dt), quantised=quantised, **r))
+
+
+for op in OPS:
+    for dt in (torch.float32, torch.bfloat16):
+        for case in iter_cases(specs[op], "small", dt, "cpu", 0):
+            record(op, case.name, dt, case.kwargs)
+
+# kv rows: d 192 (128 non-rope channels: two groups of 64), rope 64; group 0 of row 0 all zero
+# (the amax clamp), of row 1 below the clamp (1e-6), and groups 2^20 apart in the other rows
+T, d = 9, 192
+kv = torch.randn(T, d, generator=g)
+kv[:, 64:128] *= 2.0 ** 20
+kv[0, :64] = 0.0
+kv[1, :64] = 1e-6 * torch.randn(64, generator=g)
+w = torch.ones(d)
+w[64:128] = 2.0 ** -20
+for dt in (torch.float32, torch.bfloat16):
+    record("kv_norm_rope", "edge-groups", dt, dict(kv=kv.to(dt), weight=w, positions=torch.arange(T),
+                                                   inv_freq=1.0 / 10000 ** (torch.arange(32) / 32),
+                                                   eps=1e-6, nope_quant_block=64))
+json.dump(rep, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return interpreted_report(_SCRIPT, tmp_path_factory.mktemp("official"), "official", timeout=600)
+
+
+def test_quantisation_rules_bit_exact(report):
+    assert report["values"] > 250000
+    assert report["rules"] == {"e4m3": 0, "e2m1": 0, "fp8_scale": 0, "fp4_scale": 0}, report["rules"]
+
+
+@pytest.mark.parametrize("op", ["kv_norm_rope"])
+def test_official_semantics_pass_conformance(report, op):
+    cases = [c for c in report["cases"] if c["op"] == op]
+    bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"
+           and (c["quantised"] or c["status"] != "declined")]
+    assert not bad, "\n".join(bad)
+    served = {(c["case"], c["dtype"]) for c in cases if c["quantised"] and c["status"] == "pass"}
+    assert len(served) >= 6, cases          # the quantised sample cases and the edge rows, both dtypes
+
+
+def test_cuda_serves_only_validated_semantics(monkeypatch):
+    """The cuda plugin serves the portable kernels its recorded validation passed, and of those
+    only the semantics that record exercised: a call setting an official-numerics argument the
+    record did not exercise is declined (the reference serves it) unless ``DSV4CORE_CUDA_TRY``
+    names the op."""
+    import os
+
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "plugins", "cuda"))
+    import dsv4core_cuda as cu
+
+    assert set(cu.UNVALIDATED_ARGS) <= cu.CUDA_OPS            # validated kernels: the gate is what declines
+    assert "indexer_rotate_quant" not in cu.CUDA_OPS          # no record: not served at all
+    gates = cu.unvalidated_gates()
+    assert set(gates) == set(cu.UNVALIDATED_ARGS)
+    kv, w, pos, f = torch.randn(2, 128), torch.ones(128), torch.arange(2), torch.ones(32)
+    assert gates["kv_norm_rope"](kv, w, pos, f, 1e-6)
+    assert not gates["kv_norm_rope"](kv, w, pos, f, 1e-6, 64)
+    assert not gates["kv_norm_rope"](kv, w, pos, f, 1e-6, nope_quant_block=64)
+    x, wt = torch.randn(2, 128), torch.randn(8, 128)
+    assert gates["linear"](x, wt) and not gates["linear"](x, wt, None, None, 128)
+    assert not gates["moe_experts"](x, None, None, None, None, 10.0, act_block=128)
+    env = {cu.TRY_ENV: "kv_norm_rope"}
+    assert cu.tried_args(env) == {"kv_norm_rope"} and cu.tried_ops(env) == frozenset()
+    assert set(cu.unvalidated_gates(cu.tried_args(env))) == {"linear", "moe_experts"}
