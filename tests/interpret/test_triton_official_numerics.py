@@ -1,5 +1,5 @@
 """The official-numerics semantics of the portable Triton kernels (HAL 1.2: ``kv_norm_rope``
-``nope_quant_block``), under the Triton interpreter.
+``nope_quant_block``, ``indexer_rotate_quant``), under the Triton interpreter.
 
 * The kernels' quantisation rules (``_util.e4m3_rne``, ``e2m1_rne``, ``group_scale_exp``) are
   bit-exact (sign of zero included) against ``dsv4core.hal.quant`` (torch's float32 -> e4m3fn
@@ -9,7 +9,9 @@
 * Each served semantic passes the conformance rule (``selftest.check_case``: the op's tolerance,
   with its ``quantized_rows`` allowance, against an fp64 evaluation) on every "small" sample case
   of the op in float32 and bfloat16, the quantised ones served by the kernel (none declined), and
-  on edge rows: an all-zero group (the amax clamp), a group below the clamp, groups 2^+-20 apart.
+  on edge rows: an all-zero group (the amax clamp), a group below the clamp, groups 2^+-20 apart;
+  for the indexer also d = 32 / 256 / 1024, rows 2^+-60 in magnitude, e2m1 ties in every value, a
+  non-contiguous query tensor.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ rep["values"] = x.numel()
 rep["rules"] = {name: int((got.view(torch.int32) != ref.view(torch.int32)).sum())
                 for name, got, ref in zip(("e4m3", "e2m1", "fp8_scale", "fp4_scale"), outs, refs)}
 
-OPS = ("kv_norm_rope",)
+OPS = ("kv_norm_rope", "indexer_rotate_quant")
 QUANT = ("act_block", "nope_quant_block")
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", list(OPS))
@@ -95,6 +97,23 @@ for dt in (torch.float32, torch.bfloat16):
     record("kv_norm_rope", "edge-groups", dt, dict(kv=kv.to(dt), weight=w, positions=torch.arange(T),
                                                    inv_freq=1.0 / 10000 ** (torch.arange(32) / 32),
                                                    eps=1e-6, nope_quant_block=64))
+
+# indexer rows: d = 32 (one group, one 32-column dot chunk), 256 and 1024 (16-row programs);
+# an all-zero row (the FP4 amax clamp), rows 2^+-60 in magnitude (scales far from 1), a
+# non-contiguous query tensor (heads and tokens transposed), a row that rotates to an exact tie
+# of the e2m1 grid in every value (values +-2.5 at scale 1/2: code 5, between 4 and 6 -> 4, value 2)
+for d, rows in ((32, 5), (256, 6), (1024, 3)):
+    x = torch.randn(rows, d, generator=g)
+    x[0] = 0.0
+    x[1] *= 2.0 ** 60
+    x[2] *= 2.0 ** -60
+    x[-1] = 0.0
+    x[-1, 3] = 2.5 * d ** 0.5             # rotates to +-2.5 in every value: amax 2.5, codes at 5 (tie)
+    for dt in (torch.float32, torch.bfloat16):
+        record("indexer_rotate_quant", f"edge-d{d}", dt, dict(x=x.to(dt)))
+q = torch.randn(4, 40, 128, generator=g).transpose(0, 1)
+for dt in (torch.float32, torch.bfloat16):
+    record("indexer_rotate_quant", "noncontig-queries", dt, dict(x=q.to(dt)))
 json.dump(rep, open(sys.argv[1], "w"))
 """
 
@@ -109,7 +128,7 @@ def test_quantisation_rules_bit_exact(report):
     assert report["rules"] == {"e4m3": 0, "e2m1": 0, "fp8_scale": 0, "fp4_scale": 0}, report["rules"]
 
 
-@pytest.mark.parametrize("op", ["kv_norm_rope"])
+@pytest.mark.parametrize("op", ["kv_norm_rope", "indexer_rotate_quant"])
 def test_official_semantics_pass_conformance(report, op):
     cases = [c for c in report["cases"] if c["op"] == op]
     bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"

@@ -175,6 +175,14 @@ def indexer_scores_rows_supports(q, k, weights, rows, scale) -> bool:
         return False
     return nI <= 128          # the [nI, BL] head-by-key tile sits in registers
 
+
+def indexer_rotate_quant_supports(x) -> bool:
+    if x.dtype not in ACT_DTYPES or x.dim() < 1:
+        return False
+    d = x.shape[-1]
+    return 32 <= d <= 1024 and d & (d - 1) == 0      # a [rows, d] tile and [d, 64] of H in registers
+
+
 # ---- wo_a.py
 def wo_a_supports(o, weight, weight_scale=None) -> bool:
     if o.dim() != 3 or weight.dim() != 3 or o.dtype not in ACT_DTYPES:
