@@ -66,8 +66,9 @@ def test_every_mode_nblk_and_split_passes_the_conformance_rule_in_interpreter():
     proc = subprocess.run([sys.executable, "-c", _MODES], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [int(line.split()[1]) for line in proc.stdout.split("\n") if line.startswith("ok ")]
-    # cases passed, none declined: all cases = linear 13 + wo_a 7 a dtype; FP8 cases = linear 5 + wo_a 2
-    assert counts == [2 * 20, 2 * 20, 2 * 7, 2 * 7, 2 * 7], proc.stdout
+    # cases passed, none declined: all cases = linear 18 (5 of them W8A8, act_block=128) + wo_a 7 a
+    # dtype; FP8 cases = linear 6 (one W8A8) + wo_a 2
+    assert counts == [2 * 25, 2 * 25, 2 * 8, 2 * 8, 2 * 8], proc.stdout
 
 
 def test_launch_config_keys_and_errors():

@@ -1,11 +1,13 @@
 """The official-numerics semantics of the portable Triton kernels (HAL 1.2: ``kv_norm_rope``
-``nope_quant_block``, ``indexer_rotate_quant``), under the Triton interpreter.
+``nope_quant_block``, ``indexer_rotate_quant``, ``linear`` ``act_block``), under the Triton
+interpreter.
 
 * The kernels' quantisation rules (``_util.e4m3_rne``, ``e2m1_rne``, ``group_scale_exp``) are
   bit-exact (sign of zero included) against ``dsv4core.hal.quant`` (torch's float32 -> e4m3fn
   conversion, the e2m1 grid rounding, ``act_scale``) on every e4m3 / e2m1 value, every midpoint
   between neighbours and the float32 neighbours of each, the amax clamps, subnormals, and 2 x 10^5
-  random float32 bit patterns plus 5 x 10^4 values of spread magnitude.
+  random float32 bit patterns plus 5 x 10^4 values of spread magnitude; so is the activation pass
+  of ``linear`` / ``moe_experts`` (``quant.fake_quant_fp8``) against ``hal.quant.fake_quant``.
 * Each served semantic passes the conformance rule (``selftest.check_case``: the op's tolerance,
   with its ``quantized_rows`` allowance, against an fp64 evaluation) on every "small" sample case
   of the op in float32 and bfloat16, the quantised ones served by the kernel (none declined), and
@@ -27,6 +29,7 @@ import torch
 import triton, triton.language as tl
 from dsv4core.hal import Backend, catalogue, quant
 from dsv4core.kernels.triton._util import e2m1_rne, e4m3_rne, exp2_int, group_scale_exp
+from dsv4core.kernels.triton.quant import fake_quant_fp8
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
 from dsv4core.conformance.cases import iter_cases
@@ -65,7 +68,7 @@ rep["values"] = x.numel()
 rep["rules"] = {name: int((got.view(torch.int32) != ref.view(torch.int32)).sum())
                 for name, got, ref in zip(("e4m3", "e2m1", "fp8_scale", "fp4_scale"), outs, refs)}
 
-OPS = ("kv_norm_rope", "indexer_rotate_quant")
+OPS = ("kv_norm_rope", "indexer_rotate_quant", "linear")
 QUANT = ("act_block", "nope_quant_block")
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", list(OPS))
@@ -114,6 +117,21 @@ for d, rows in ((32, 5), (256, 6), (1024, 3)):
 q = torch.randn(4, 40, 128, generator=g).transpose(0, 1)
 for dt in (torch.float32, torch.bfloat16):
     record("indexer_rotate_quant", "noncontig-queries", dt, dict(x=q.to(dt)))
+
+# the activation pass of linear / moe_experts (quant.py) against hal.quant.fake_quant, bit for
+# bit: fp32 rows with full 24-bit mantissas (values near the e4m3 subnormal midpoints of their
+# group's scale), zero rows, a group at the amax clamp, K = 384 (a masked tail group), strided x
+K = 384
+xa = torch.randn(7, K, generator=g) * 2.0 ** torch.randint(-30, 30, (7, 3), generator=g).float().repeat_interleave(128, 1)
+xa[0] = 0.0
+xa[1, :128] = 5e-5
+xa[2, :128] = (torch.randint(0, 16, (128,), generator=g).float() + 0.5) * 2.0 ** -9 * (1 + 2.0 ** -20)
+xa[2, 0] = 448.0
+strided = torch.randn(K, 5, generator=g).t()
+rep["act_pass"] = {}
+for name, xx in (("fp32", xa), ("bf16", xa.bfloat16()), ("strided", strided)):
+    got, ref = fake_quant_fp8(xx, 128), quant.fake_quant(xx, "fp8", 128)
+    rep["act_pass"][name] = int((got.float().view(torch.int32) != ref.float().view(torch.int32)).sum())
 json.dump(rep, open(sys.argv[1], "w"))
 """
 
@@ -126,9 +144,10 @@ def report(tmp_path_factory):
 def test_quantisation_rules_bit_exact(report):
     assert report["values"] > 250000
     assert report["rules"] == {"e4m3": 0, "e2m1": 0, "fp8_scale": 0, "fp4_scale": 0}, report["rules"]
+    assert report["act_pass"] == {"fp32": 0, "bf16": 0, "strided": 0}, report["act_pass"]
 
 
-@pytest.mark.parametrize("op", ["kv_norm_rope", "indexer_rotate_quant"])
+@pytest.mark.parametrize("op", ["kv_norm_rope", "indexer_rotate_quant", "linear"])
 def test_official_semantics_pass_conformance(report, op):
     cases = [c for c in report["cases"] if c["op"] == op]
     bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"

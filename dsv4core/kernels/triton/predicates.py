@@ -267,6 +267,12 @@ def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
 
 
 # ---- linear.py
+def _act_block_ok(x, act_block) -> bool:
+    """The official activation quantisation of quant.py: power-of-two groups dividing K."""
+    return (isinstance(act_block, int) and 16 <= act_block <= 1024 and act_block & (act_block - 1) == 0
+            and x.shape[-1] % act_block == 0)
+
+
 def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
     """weight_scale None with an act-dtype weight, or an fp8 e4m3 weight with its block grid."""
     if weight_scale is None:
@@ -280,7 +286,7 @@ def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
 
 
 def linear_supports(x, weight, weight_scale=None, out_dtype=None, act_block=None) -> bool:
-    if act_block is not None:             # W8A8: not in these kernels yet (the reference serves it)
+    if act_block is not None and not _act_block_ok(x, act_block):
         return False
     if x.dim() < 1 or x.dtype not in ACT_DTYPES or weight.dim() != 2 or weight.device != x.device:
         return False
