@@ -107,15 +107,6 @@ def interpreting(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def no_quant(op: str, **args) -> None:
-    """The official-numerics arguments these kernels do not compute yet: their ``supports``
-    predicate declines such calls (the reference serves them), so one reaching a kernel is a bug."""
-    for name, value in args.items():
-        if value is not None:
-            raise ValueError(f"{op}: the Triton kernel does not implement {name}={value!r} (its supports "
-                             f"predicate declines it; the reference serves it)")
-
-
 # ---- the official quantisation rules (dsv4core.hal.quant), bit-exact on every target: the scales
 # and the roundings are integer operations on the float32 bits, so neither a device's fp8 / fp4
 # conversion instructions nor an approximate division enter (the interpreter runs them as written)

@@ -23,16 +23,21 @@ rather than silently dropping the slot. Split K (TUNE "Su" / "Sd"; by default wh
 ``_split_rule`` says: FP4 "scaled" decode batches, the shared expert): (1) stores raw gate / up
 partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU; (2) stores
 partial results and (3) sums them; every sum in a fixed part order.
+
+``act_block`` (the official expert math): x is fake-quantised per token per ``act_block`` columns
+first (quant.py); (1) always stores the raw gate / up sums, and ``_moe_act_official_kernel``
+rounds them to bf16, applies the SwiGLU and the pair's routing weight (before the down
+projection), rounds to bf16 and fake-quantises each ``act_block`` columns to FP8 (the values the
+down GEMM multiplies, exact in fp32 and bf16); (3) then sums the pairs' results unweighted.
 """
 from __future__ import annotations
-
-from ._util import no_quant as _no_quant
 
 import torch
 import triton
 import triton.language as tl
 
-from ._util import BIG_TILE_SHARED, c, cdiv, interp, np2, rne, shared_bytes, target_programs, to_out
+from ._util import (BIG_TILE_SHARED, c, cdiv, e4m3_rne, exp2_int, group_scale_exp, interp, np2, rne, rne_bf16,
+                    shared_bytes, target_programs, to_out)
 from .launch import Tune
 from .linear import FP8_PATHS
 # how a weight tile is read: moe_weights.py (``_fp4_values`` stays importable from here)
@@ -103,15 +108,50 @@ def _moe_act_kernel(p_ptr, a_ptr, I, limit, S: tl.constexpr, BI: tl.constexpr):
 
 
 @triton.jit
+def _moe_act_official_kernel(p_ptr, w_ptr, a_ptr, starts_ptr, I, E, limit, S: tl.constexpr, BI: tl.constexpr,
+                             QB: tl.constexpr):
+    """The official expert activation (act_block): from the S raw gate / up partial sums
+    [pairs, S, 2 I] of sorted row ``row`` (summed in part order), g and u rounded to bf16,
+    ``h = swiglu(g, u) * w[row]`` (the pair's routing weight), rounded to bf16, then each QB
+    columns fake-quantised to FP8 e4m3 with the official power-of-two scale (BI a multiple of QB;
+    I a multiple of QB, so masked columns only fill whole groups past I). Rows past the kept pairs
+    (``starts[E]``: the dropped slots, sorted last) hold no sums and are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    m = cols < tl.where(row < tl.load(starts_ptr + E), I, 0)
+    base = p_ptr + row * (S * 2 * I) + cols
+    g = tl.load(base, mask=m, other=0.0)
+    u = tl.load(base + I, mask=m, other=0.0)
+    for s in tl.static_range(1, S):
+        g += tl.load(base + s * 2 * I, mask=m, other=0.0)
+        u += tl.load(base + s * 2 * I + I, mask=m, other=0.0)
+    h = rne_bf16(_swiglu(rne_bf16(g), rne_bf16(u), limit) * tl.load(w_ptr + row))
+    grp = tl.reshape(h, (BI // QB, QB))
+    e = group_scale_exp(tl.max(tl.abs(grp), axis=1), 1e-4, 1.0 / 448.0)
+    q = e4m3_rne(tl.minimum(tl.maximum(grp * exp2_int(-e)[:, None], -448.0), 448.0))
+    tl.store(a_ptr + row * I + cols, tl.reshape(q * exp2_int(e)[:, None], (BI,)), mask=m)
+
+
+@triton.jit
+def _pair_rows_kernel(inv_ptr, w_ptr, wrow_ptr, P, BP: tl.constexpr):
+    """wrow[inv[p]] = w[p]: each sorted row's routing weight (a permutation: no two pairs share a row)."""
+    p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+    m = p < P
+    row = tl.load(inv_ptr + p, mask=m, other=0).to(tl.int64)
+    tl.store(wrow_ptr + row, tl.load(w_ptr + p, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                    EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                   SPLIT: tl.constexpr = 1):
+                   SPLIT: tl.constexpr = 1, RAW: tl.constexpr = False):
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
     (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
-    and ``_moe_act_kernel`` applies the SwiGLU."""
+    and ``_moe_act_kernel`` applies the SwiGLU. RAW: the raw sums stored so (SPLIT = 1 too), for
+    ``_moe_act_official_kernel``."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -161,7 +201,7 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         elif BLK:
             acc_g += blk_g  # two-level fp32 accumulation (KSUB blocks, then the running sum)
             acc_u += blk_u
-    if SPLIT > 1:
+    if SPLIT > 1 or RAW:
         part = a_ptr + rows.to(tl.int64)[:, None] * (SPLIT * 2 * I) + tl.program_id(2) * 2 * I + n[None, :]
         tl.store(part, acc_g, mask=rm[:, None] & nm[None, :])
         tl.store(part + I, acc_u, mask=rm[:, None] & nm[None, :])
@@ -234,8 +274,9 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
-                        BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1):
-    """YS > 1: y holds the down kernel's split-K parts [pairs, YS, H], summed in part order."""
+                        BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1, WEIGHTED: tl.constexpr = True):
+    """YS > 1: y holds the down kernel's split-K parts [pairs, YS, H], summed in part order.
+    WEIGHTED False: the routing weights are already in y (the official math), summed as they are."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     hc = hb * BH + tl.arange(0, BH)
@@ -255,7 +296,10 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
                 yv += tl.load(y_ptr + row * (YS * H) + s * H + hc, mask=hm, other=0.0)
         else:
             yv = tl.load(y_ptr + row * H + hc, mask=hm, other=0.0)
-        acc += tl.where(ok, wi * yv, 0.0)
+        if WEIGHTED:
+            acc += tl.where(ok, wi * yv, 0.0)
+        else:
+            acc += tl.where(ok, yv, 0.0)
     acc = tl.where(bad, float("nan"), acc)
     tl.store(out_ptr + t * H + hc, to_out(acc, out_ptr, RNE), mask=hm)
 
@@ -461,7 +505,6 @@ def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
 
 
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
-    _no_quant("moe_experts", act_block=act_block)
     T, H = x.shape
     E = w13.shape[0]
     I = w13.shape[1] // 2
@@ -474,6 +517,10 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     if P == 0 or E == 0 or I == 0:
         return out.zero_()
     x, ids, weights = c(x), c(ids), c(weights)
+    if act_block is not None:
+        from .quant import fake_quant_fp8
+
+        x = fake_quant_fp8(x, act_block)
     f13, _, e13 = _format(w13, w13_scale)
     f2, _, e2 = _format(w2, w2_scale)
     f32 = x.dtype == torch.float32
@@ -501,14 +548,22 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     # split K: the up kernel's raw partial sums [P, Su, 2 I] (else straight the activation [P, I]),
     # the down kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
     a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 else a
+    raw = act_block is not None   # the official activation: the raw sums always, then its own kernel
+    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 or raw else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
     _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
         BLK=f13 == FMT_FP8 or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
-        **({"SPLIT": Su} if Su > 1 else {}), **TUNE.options())
-    if Su > 1:
+        **({"SPLIT": Su} if Su > 1 else {}), **({"RAW": True} if raw else {}), **TUNE.options())
+    if raw:
+        BI = min(1024, triton.next_power_of_2(I))
+        # each sorted row's routing weight (row inv[p] holds pair p), applied before w2
+        wrow = torch.empty(P, dtype=torch.float32, device=dev)
+        _pair_rows_kernel[(cdiv(P, 1024),)](inv, weights, wrow, P, BP=1024, num_warps=4, **TUNE.options())
+        _moe_act_official_kernel[(P, cdiv(I, BI))](parts, wrow, a, starts, I, E, float(swiglu_limit), S=Su, BI=BI,
+                                                   QB=act_block, num_warps=4, **TUNE.options())
+    elif Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
@@ -518,5 +573,6 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
-                                          **({"YS": Sd} if Sd > 1 else {}), **TUNE.options())
+                                          **({"YS": Sd} if Sd > 1 else {}), **({"WEIGHTED": False} if raw else {}),
+                                          **TUNE.options())
     return out

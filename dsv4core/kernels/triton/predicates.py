@@ -249,8 +249,6 @@ def _expert_shape(w, scale, dev):
 
 def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
                          act_block=None) -> bool:
-    if act_block is not None:             # the official expert math: not in these kernels yet (reference)
-        return False
     if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
     T, H = x.shape
@@ -260,6 +258,8 @@ def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
         return False
     E, I2, H2 = s13
     if H2 != H or I2 % 2 or s2 != (E, H, I2 // 2) or E < 1:
+        return False
+    if act_block is not None and not (_act_block_ok(x, act_block) and (I2 // 2) % act_block == 0):
         return False
     if ids.shape[0] != T or weights.shape != ids.shape or weights.dtype != torch.float32:
         return False
