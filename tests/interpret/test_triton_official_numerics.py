@@ -9,8 +9,8 @@ under the Triton interpreter.
   random float32 bit patterns plus 5 x 10^4 values of spread magnitude; so is the activation pass
   of ``linear`` / ``moe_experts`` (``quant.fake_quant_fp8``) against ``hal.quant.fake_quant``.
 * Each served semantic passes the conformance rule (``selftest.check_case``: the op's tolerance,
-  with its ``quantized_rows`` allowance, against an fp64 evaluation) on every "small" sample case
-  of the op in float32 and bfloat16, the quantised ones served by the kernel (none declined), and
+  with its ``quantized_rows`` allowance, against an fp64 evaluation) on the quantised "small"
+  sample cases of the op in float32 and bfloat16, every one served by the kernel (none declined), and
   on edge rows: an all-zero group (the amax clamp), a group below the clamp, groups 2^+-20 apart;
   for the indexer also d = 32 / 256 / 1024, rows 2^+-60 in magnitude, e2m1 ties in every value, a
   non-contiguous query tensor. ``moe_experts`` (slow under the interpreter: its "small" cases run
@@ -70,7 +70,7 @@ rep["values"] = x.numel()
 rep["rules"] = {name: int((got.view(torch.int32) != ref.view(torch.int32)).sum())
                 for name, got, ref in zip(("e4m3", "e2m1", "fp8_scale", "fp4_scale"), outs, refs)}
 
-OPS = ("kv_norm_rope", "indexer_rotate_quant", "linear")   # every "small" case (moe_experts: below)
+OPS = ("kv_norm_rope", "indexer_rotate_quant", "linear")   # (moe_experts: below)
 QUANT = ("act_block", "nope_quant_block")
 b = Backend(name="t", device_types=("cpu",))
 register_ops(b, "cpu", list(OPS) + ["moe_experts"])
@@ -84,10 +84,11 @@ def record(op, name, dt, kw):
     rep["cases"].append(dict(op=op, case=name, dtype=str(dt), quantised=quantised, **r))
 
 
-for op in OPS:
+for op in OPS:       # the quantised cases (the suite's run in test_triton_kernels.py covers the rest)
     for dt in (torch.float32, torch.bfloat16):
         for case in iter_cases(specs[op], "small", dt, "cpu", 0):
-            record(op, case.name, dt, case.kwargs)
+            if op == "indexer_rotate_quant" or any(case.kwargs.get(a) is not None for a in QUANT):
+                record(op, case.name, dt, case.kwargs)
 
 # kv rows: d 192 (128 non-rope channels: two groups of 64), rope 64; group 0 of row 0 all zero
 # (the amax clamp), of row 1 below the clamp (1e-6), and groups 2^20 apart in the other rows
@@ -169,14 +170,14 @@ def test_quantisation_rules_bit_exact(report):
     assert report["act_pass"] == {"fp32": 0, "bf16": 0, "strided": 0}, report["act_pass"]
 
 
-@pytest.mark.parametrize("op", ["kv_norm_rope", "indexer_rotate_quant", "linear", "moe_experts"])
-def test_official_semantics_pass_conformance(report, op):
+@pytest.mark.parametrize("op,least", [("kv_norm_rope", 8), ("indexer_rotate_quant", 16), ("linear", 10),
+                                      ("moe_experts", 4)])
+def test_official_semantics_pass_conformance(report, op, least):
+    """``least``: the quantised sample cases (at the time of writing) plus the edge cases, both dtypes."""
     cases = [c for c in report["cases"] if c["op"] == op]
-    bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"
-           and (c["quantised"] or c["status"] != "declined")]
+    bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"]
     assert not bad, "\n".join(bad)
-    served = {(c["case"], c["dtype"]) for c in cases if c["quantised"] and c["status"] == "pass"}
-    assert len(served) >= 4, cases          # the quantised cases and the edge rows, both dtypes
+    assert len(cases) >= least and all(c["quantised"] for c in cases), cases
 
 
 def test_cuda_serves_only_validated_semantics(monkeypatch):
