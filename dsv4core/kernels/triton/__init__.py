@@ -26,6 +26,7 @@ OPS = {
     "compress_windows": "compress",
     "cache_store": "cache",
     "indexer_scores_rows": "indexer",
+    "indexer_rotate_quant": "indexer",
     "indexer_topk": "topk",
     "linear": "linear",
     "wo_a": "wo_a",

@@ -107,10 +107,63 @@ def interpreting(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def no_quant(op: str, **args) -> None:
-    """The official-numerics arguments these kernels do not compute yet: their ``supports``
-    predicate declines such calls (the reference serves them), so one reaching a kernel is a bug."""
-    for name, value in args.items():
-        if value is not None:
-            raise ValueError(f"{op}: the Triton kernel does not implement {name}={value!r} (its supports "
-                             f"predicate declines it; the reference serves it)")
+# ---- the official quantisation rules (dsv4core.hal.quant), bit-exact on every target: the scales
+# and the roundings are integer operations on the float32 bits, so neither a device's fp8 / fp4
+# conversion instructions nor an approximate division enter (the interpreter runs them as written)
+
+@triton.jit
+def ceil_pow2_exp(v):
+    """ceil(log2(v)) for positive normal float32 ``v``, read off its bits (int32): the exponent,
+    plus one when a mantissa bit is set (``hal.quant._ceil_pow2``)."""
+    u = v.to(tl.int32, bitcast=True)
+    return ((u >> 23) & 0xFF) - 127 + ((u & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def exp2_int(e):
+    """2^e as float32 for int32 ``e`` in [-126, 127] (exact: built from the bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_int(t):
+    """Non-negative float32 ``t`` < 2^22 rounded to an integer, ties to even (one float32 rounding
+    at the unit step of 2^23; a fused multiply-add into it rounds the same way)."""
+    return (t + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def e4m3_rne(v):
+    """float32 values with |v| <= 448 rounded to the nearest e4m3fn value (ties to even), kept in
+    float32, sign kept. Normal range (|v| >= 2^-6): the mantissa rounded to 3 bits on the bits (a
+    carry moves the exponent up, as it must); subnormal range: multiples of 2^-9 (``|v| * 2^9``,
+    exact, rounded to an integer)."""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    w = u & 0x7FFFFFFF
+    w = (w + 0x7FFFF + ((w >> 20) & 1)) & 0xFFF00000
+    a = (u & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    r = tl.where(a < 0.015625, _round_int(a * 512.0) * 0.001953125, w.to(tl.float32, bitcast=True))
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_rne(v):
+    """float32 values with |v| <= 6 rounded to the nearest e2m1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+    (ties to the even code), kept in float32, sign kept: for |v| >= 1 the grid is a 1-bit mantissa
+    (rounded on the bits, as in ``e4m3_rne``), below 1 multiples of 0.5 (ties to even: 0.25 -> 0,
+    0.75 -> 1, the even codes)."""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    w = u & 0x7FFFFFFF
+    w = (w + 0x1FFFFF + ((w >> 22) & 1)) & 0xFFC00000
+    a = (u & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    r = tl.where(a < 1.0, _round_int(a * 2.0) * 0.5, w.to(tl.float32, bitcast=True))
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def group_scale_exp(amax, AMAX_MIN: tl.constexpr, QMAX_INV: tl.constexpr):
+    """The exponent of the official power-of-two scale of group maxima ``amax`` (float32):
+    ``ceil(log2(fl(max(amax, AMAX_MIN) * fl(QMAX_INV))))`` (``hal.quant.act_scale``)."""
+    return ceil_pow2_exp(tl.maximum(amax, AMAX_MIN) * QMAX_INV)

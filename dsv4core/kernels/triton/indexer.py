@@ -1,4 +1,6 @@
-"""indexer_scores_rows: ``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])``,
+"""indexer_scores_rows, indexer_rotate_quant.
+
+indexer_scores_rows: ``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])``,
 ``-inf`` where ``rows[t, w] = -1`` (keys read from a pool by global row index; fp32 accumulation).
 
 One program = (query t, a block of BL key slots). It gathers the BL key rows its slots name (a
@@ -11,6 +13,13 @@ region of a larger buffer).
 ``k_format="fp4"`` (the FP4 key of ``hal.rowformats``): the gather reads each key's bytes and
 decodes them in registers (e2m1 code x its group's UE8M0 scale) into the same [BL, BD] tile; the
 decoded values are exact in q's dtype, so the result is that of a plain pool holding them.
+
+indexer_rotate_quant (the official indexer's query / key simulation): per row of d values (a power
+of two), the Sylvester-ordered Hadamard rotation as a ``tl.dot`` with ``H`` (built in registers,
+``H[k, j] = (-1)^popcount(k & j)``, exact +-1 in any operand dtype) over chunks of BN output
+columns (fp32 accumulation; bf16 products on a GPU for bf16 rows, fp32 ieee products otherwise),
+scaled by ``d^-0.5`` in fp32, rounded to bfloat16, then FP4 e2m1 fake-quantised per 32 values with
+the power-of-two scale of ``hal.quant`` (``_util.e2m1_rne``, ``group_scale_exp``).
 """
 from __future__ import annotations
 
@@ -18,13 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import cdiv, interpreting, np2
+from ._util import c, cdiv, e2m1_rne, exp2_int, group_scale_exp, interpreting, np2, rne_bf16
 from .launch import Tune
 from . import predicates
 from .registry import implements
 
-#: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages"))
+#: launch parameters: tuning overrides over the bound backend's launch table (launch.py);
+#: BR / BN / rq_warps: indexer_rotate_quant's rows a program, output columns a dot, warps
+TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages", "BR", "BN", "rq_warps"))
 
 
 @triton.jit
@@ -100,3 +110,52 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
         KW=k.stride(0) if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
+
+
+@triton.jit
+def _rotate_quant_kernel(x_ptr, y_ptr, R, scale, D: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                         LOWP: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = rows < R
+    k = tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * D + k[None, :], mask=rm[:, None], other=0.0)
+    if not LOWP:
+        x = x.to(tl.float32)
+    for j0 in tl.static_range(0, D, BN):
+        j = j0 + tl.arange(0, BN)
+        p = k[:, None] & j[None, :]          # popcount parity by xor folding (D <= 2^16)
+        p = p ^ (p >> 8)
+        p = p ^ (p >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+        h = (1 - 2 * (p & 1)).to(x.dtype)
+        if LOWP:
+            y = tl.dot(x, h)
+        else:
+            y = tl.dot(x, h, input_precision="ieee")
+        y = rne_bf16(y * scale)
+        g = tl.reshape(y, (BR, BN // 32, 32))
+        e = group_scale_exp(tl.max(tl.abs(g), axis=2), 6.0 * 2.0 ** -126, 1.0 / 6.0)
+        q = e2m1_rne(tl.minimum(tl.maximum(g * exp2_int(-e)[:, :, None], -6.0), 6.0))
+        out = tl.reshape(q * exp2_int(e)[:, :, None], (BR, BN))
+        tl.store(y_ptr + rows[:, None] * D + j[None, :], out.to(y_ptr.dtype.element_ty), mask=rm[:, None])
+
+
+@implements("indexer_rotate_quant", supports=predicates.indexer_rotate_quant_supports)
+def indexer_rotate_quant(x):
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    R = x.numel() // D
+    if R == 0:
+        return y
+    BR = TUNE.get("BR", 32 if D <= 256 else 16)
+    BN = TUNE.get("BN", min(D, 64))
+    if BN % 32 or D % BN or BR < 16:
+        raise ValueError(f"indexer_rotate_quant: TUNE BN={BN} must be a multiple of 32 dividing d={D}, "
+                         f"BR={BR} >= 16 (tl.dot)")
+    # bf16 rows on a GPU: bf16 products (exact: H is +-1) on the tensor cores; fp32 rows and the
+    # interpreter (whose bf16 dot is unreliable): fp32 ieee products
+    lowp = x.dtype == torch.bfloat16 and not interpreting(x)
+    _rotate_quant_kernel[(cdiv(R, BR),)](c(x), y, R, float(D ** -0.5), D=D, BR=BR, BN=BN, LOWP=lowp,
+                                         num_warps=TUNE.get("rq_warps", 4), **TUNE.options())
+    return y

@@ -15,10 +15,15 @@ FP8 tile converted in registers feeds a Hopper wgmma from registers). ``NBLK`` m
 cover several 128-column scale blocks (more bytes in flight per program; each block's scale
 still multiplies its own partial sum). ``grouped_gemm`` takes G groups: it serves ``wo_a`` too
 (wo_a.py passes its own defaults and TUNE).
+
+``act_block`` (the official W8A8): x is first fake-quantised per token per ``act_block`` columns
+(quant.py: the e4m3 codes times their power-of-two scales, exact in x's dtype), then the same
+GEMM runs on those values: bf16 (or fp32) products of e4m3 activations and FP8 weight codes are
+exact, so the fp32-accumulated result is the FP8 x FP8 product with both scales applied, up to
+the order of the fp32 sums. (An FP8 MMA on the codes themselves would read half the activation
+bytes; not done here.)
 """
 from __future__ import annotations
-
-from ._util import no_quant as _no_quant
 
 import torch
 import triton
@@ -266,10 +271,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
 
 @implements("linear", supports=predicates.linear_supports)
 def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
-    _no_quant("linear", act_block=act_block)
     K = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # a view whenever the leading dims allow it; strides are passed through
+    if act_block is not None:
+        from .quant import fake_quant_fp8
+
+        x2 = fake_quant_fp8(x2, act_block)
     out = grouped_gemm(x2.unsqueeze(1), weight.unsqueeze(0), None if weight_scale is None else weight_scale.unsqueeze(0),
                        out_dtype or x.dtype)
     return out.view(*lead, weight.shape[0])

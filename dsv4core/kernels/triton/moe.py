@@ -2,7 +2,8 @@
 then an ordered weighted combine. bf16 / fp32 expert weights, FP8 e4m3 with 128x128 block scales
 (fp32 or e8m0), or packed FP4 e2m1 with one UE8M0 scale per 32 columns; each weight is read in
 place, dequantised in registers (exactly: e4m3 and scaled e2m1 values are bf16 values); how,
-for FP4, is a launch key (``DECODES``: "join" / "scaled"), and for FP8 (``FP8_PATHS``).
+for FP4, is a launch key (``DECODES``: "join" / "scaled"), and for FP8 (``FP8_PATHS``). The
+weight-tile reads live in moe_weights.py.
 
 No host synchronisation (CUDA-graph capturable): on the device, pairs are sorted by expert
 (stable; dropped slots sort last), giving each expert's first row and a cumulative tile count.
@@ -22,32 +23,32 @@ rather than silently dropping the slot. Split K (TUNE "Su" / "Sd"; by default wh
 ``_split_rule`` says: FP4 "scaled" decode batches, the shared expert): (1) stores raw gate / up
 partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU; (2) stores
 partial results and (3) sums them; every sum in a fixed part order.
+
+``act_block`` (the official expert math): x is fake-quantised per token per ``act_block`` columns
+first (quant.py); (1) always stores the raw gate / up sums, and ``_moe_act_official_kernel``
+rounds them to bf16, applies the SwiGLU and the pair's routing weight (before the down
+projection), rounds to bf16 and fake-quantises each ``act_block`` columns to FP8 (the values the
+down GEMM multiplies, exact in fp32 and bf16); (3) then sums the pairs' results unweighted.
 """
 from __future__ import annotations
-
-from ._util import no_quant as _no_quant
 
 import torch
 import triton
 import triton.language as tl
 
-from ._util import BIG_TILE_SHARED, c, cdiv, interp, np2, rne, shared_bytes, target_programs, to_out
+from ._util import (BIG_TILE_SHARED, c, cdiv, e4m3_rne, exp2_int, group_scale_exp, interp, np2, rne, rne_bf16,
+                    shared_bytes, target_programs, to_out)
 from .launch import Tune
 from .linear import FP8_PATHS
-from .predicates import _E8M0, _FP8
+# how a weight tile is read: moe_weights.py (``_fp4_values`` stays importable from here)
+from .moe_weights import (DECODES, FMT_FP4, FMT_FP8, _decode_keys, _format, _fp4_values,  # noqa: F401
+                          _fp8_scale, _hi_lo, _scale_arg, _scaled_dot, _stack_rows, _sum_halves, _w_tile)
 from . import predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
 TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
-
-#: weight format tags of an expert weight (``_format``): plain, FP8 with 128x128 block scales,
-#: packed FP4 with per-32-column scales
-FMT_PLAIN, FMT_FP8, FMT_FP4 = 0, 1, 2
-
-#: the UE8M0 scale byte 0: 2^-127, an fp32 subnormal
-E8M0_MIN_SCALE = tl.constexpr(2.0 ** -127)
 
 
 @triton.jit
@@ -67,114 +68,6 @@ def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
     r0 = tl.load(starts_ptr + e) + (j - t0) * BM
     r_end = tl.where(valid, tl.load(starts_ptr + e + 1), r0)  # an empty row range past the count
     return e.to(tl.int64), r0, r_end, valid
-
-
-@triton.jit
-def _fp4_values(b, sb):
-    """e2m1 codes ``b`` (int32, 0..15) times UE8M0 scales ``sb`` (int32 bytes) as fp32, built from
-    the fp32 bit pattern (exact; the scale byte 0 is 2^-127, a subnormal; byte 255 is NaN, as in
-    the reference, for every code: the quiet-NaN bit joins the all-ones exponent)."""
-    idx = b & 7
-    ex = idx >> 1
-    mant = idx & 1
-    bits = tl.where(ex == 0, mant * (126 << 23), ((ex + 126) << 23) | (mant << 22)) | ((b & 8) << 28)
-    scale = tl.where(sb == 0, E8M0_MIN_SCALE,
-                     ((sb << 23) | ((sb == 255).to(tl.int32) << 22)).to(tl.float32, bitcast=True))
-    return bits.to(tl.float32, bitcast=True) * scale
-
-
-@triton.jit
-def _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr):
-    """The packed bytes [rows, BK/2] (uint8; byte j = columns k0 + 2j (low nibble), k0 + 2j + 1) and
-    the UE8M0 scale bytes [rows, BK/32] (uint8) of columns [k0, k0 + BK) of a [E, R, C] FP4 weight."""
-    r = e * R + rows
-    jj = k0 // 2 + tl.arange(0, BK // 2)
-    m = rmask[:, None] & (jj < C // 2)[None, :]
-    if EVEN:
-        m = rmask[:, None]
-    b = tl.load(w_ptr + r[:, None] * (C // 2) + jj[None, :], mask=m, other=0)
-    gg = k0 // 32 + tl.arange(0, BK // 32)
-    sm = rmask[:, None] & (gg < C // 32)[None, :]
-    sb = tl.load(s_ptr + r[:, None] * (C // 32) + gg[None, :], mask=sm, other=127)
-    return b.to(tl.uint8, bitcast=True), sb.to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _hi_lo(a):
-    """fp32 ``a`` as two bf16 halves (a_hi + a_lo carries ~16 mantissa bits of a)."""
-    a_hi = a.to(tl.bfloat16)
-    return a_hi, (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def _stack_rows(a, b):
-    """[M, K] and [M, K] -> [2M, K] (a's rows first)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
-
-
-@triton.jit
-def _sum_halves(t, M: tl.constexpr):
-    """[2M, N] -> [M, N]: the first M rows plus the last M."""
-    top, bot = tl.split(tl.permute(tl.reshape(t, (2, M, t.shape[1])), (1, 2, 0)))
-    return top + bot
-
-
-@triton.jit
-def _scaled_dot(a, w_ptr, s_ptr, e, rows, rmask, k0, C, R, acc, BK: tl.constexpr, EVEN: tl.constexpr):
-    """FP4 "scaled": acc + a (bf16) @ W^T through tl.dot_scaled, W as its packed bytes (k-packed,
-    low nibble first) with the UE8M0 scales as the microscales."""
-    b, sb = _fp4_bytes(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK, EVEN)
-    acc = tl.dot_scaled(a, None, "bf16", tl.trans(b), sb, "e2m1", acc)
-    return acc
-
-
-@triton.jit
-def _w_tile(w_ptr, s_ptr, e, rows, rmask, k0, C, R, BK: tl.constexpr, EVEN: tl.constexpr,
-            FMT: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr = False):
-    """Rows ``rows`` (int64, within expert e) x columns [k0, k0 + BK) of a [E, R, C] expert weight,
-    as the dot operand dtype (fp32 under IEEE, else bf16). FP4 ("join"): the packed bytes are read
-    as a [rows, BK/2] tile, both nibbles decoded and scaled (exact), then interleaved (low nibble =
-    even column); FP8: converted only (its block scale multiplies the block's partial sum).
-    (Kept as written before the "scaled" decode, not sharing its ``_fp4_bytes``: the default
-    launches compile to the code the last GPU conformance run verified; see aot.py --compare.)"""
-    r = e * R + rows
-    if FMT == 2:
-        jj = k0 // 2 + tl.arange(0, BK // 2)
-        m = rmask[:, None] & (jj < C // 2)[None, :]
-        if EVEN:
-            m = rmask[:, None]
-        b = tl.load(w_ptr + r[:, None] * (C // 2) + jj[None, :], mask=m, other=0).to(tl.int32) & 0xFF
-        gg = k0 // 32 + tl.arange(0, BK // 32)
-        sm = rmask[:, None] & (gg < C // 32)[None, :]
-        sb = tl.load(s_ptr + r[:, None] * (C // 32) + gg[None, :], mask=sm, other=127).to(tl.int32) & 0xFF
-        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (rows.shape[0], BK // 32, 16)), (rows.shape[0], BK // 2))
-        w = tl.reshape(tl.join(_fp4_values(b & 0xF, sb), _fp4_values(b >> 4, sb)), (rows.shape[0], BK))
-    else:
-        ks = k0 + tl.arange(0, BK)
-        m = rmask[:, None] & (ks < C)[None, :]
-        if EVEN:
-            m = rmask[:, None]
-        w = tl.load(w_ptr + r[:, None] * C + ks[None, :], mask=m, other=0.0)
-    if IEEE:
-        w = w.to(tl.float32)
-    else:
-        if VIA32:   # FP8 through fp32 (TUNE fp8 "via_f32": the same bf16 values, as in linear.py)
-            w = w.to(tl.float32)
-        w = w.to(tl.bfloat16)
-    return w
-
-
-@triton.jit
-def _fp8_scale(s_ptr, e, rows, rmask, k0, R, C, E8M0: tl.constexpr):
-    """Block multipliers [len(rows)] for rows ``rows`` and the 128-column block holding ``k0``."""
-    RB = (R + 127) // 128
-    CB = (C + 127) // 128
-    idx = (e * RB + rows // 128) * CB + k0 // 128
-    if E8M0:
-        sv = tl.exp2(tl.load(s_ptr + idx, mask=rmask, other=127).to(tl.float32) - 127.0)
-    else:
-        sv = tl.load(s_ptr + idx, mask=rmask, other=0.0)
-    return sv
 
 
 @triton.jit
@@ -217,15 +110,50 @@ def _moe_act_kernel(p_ptr, a_ptr, I, limit, S: tl.constexpr, BI: tl.constexpr):
 
 
 @triton.jit
+def _moe_act_official_kernel(p_ptr, w_ptr, a_ptr, starts_ptr, I, E, limit, S: tl.constexpr, BI: tl.constexpr,
+                             QB: tl.constexpr):
+    """The official expert activation (act_block): from the S raw gate / up partial sums
+    [pairs, S, 2 I] of sorted row ``row`` (summed in part order), g and u rounded to bf16,
+    ``h = swiglu(g, u) * w[row]`` (the pair's routing weight), rounded to bf16, then each QB
+    columns fake-quantised to FP8 e4m3 with the official power-of-two scale (BI a multiple of QB;
+    I a multiple of QB, so masked columns only fill whole groups past I). Rows past the kept pairs
+    (``starts[E]``: the dropped slots, sorted last) hold no sums and are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    m = cols < tl.where(row < tl.load(starts_ptr + E), I, 0)
+    base = p_ptr + row * (S * 2 * I) + cols
+    g = tl.load(base, mask=m, other=0.0)
+    u = tl.load(base + I, mask=m, other=0.0)
+    for s in tl.static_range(1, S):
+        g += tl.load(base + s * 2 * I, mask=m, other=0.0)
+        u += tl.load(base + s * 2 * I + I, mask=m, other=0.0)
+    h = rne_bf16(_swiglu(rne_bf16(g), rne_bf16(u), limit) * tl.load(w_ptr + row))
+    grp = tl.reshape(h, (BI // QB, QB))
+    e = group_scale_exp(tl.max(tl.abs(grp), axis=1), 1e-4, 1.0 / 448.0)
+    q = e4m3_rne(tl.minimum(tl.maximum(grp * exp2_int(-e)[:, None], -448.0), 448.0))
+    tl.store(a_ptr + row * I + cols, tl.reshape(q * exp2_int(e)[:, None], (BI,)), mask=m)
+
+
+@triton.jit
+def _pair_rows_kernel(inv_ptr, w_ptr, wrow_ptr, P, BP: tl.constexpr):
+    """wrow[inv[p]] = w[p]: each sorted row's routing weight (a permutation: no two pairs share a row)."""
+    p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+    m = p < P
+    row = tl.load(inv_ptr + p, mask=m, other=0).to(tl.int64)
+    tl.store(wrow_ptr + row, tl.load(w_ptr + p, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr, E, H, I, limit,
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                    EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                   SPLIT: tl.constexpr = 1):
+                   SPLIT: tl.constexpr = 1, RAW: tl.constexpr = False):
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
     (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
-    and ``_moe_act_kernel`` applies the SwiGLU."""
+    and ``_moe_act_kernel`` applies the SwiGLU. RAW: the raw sums stored so (SPLIT = 1 too), for
+    ``_moe_act_official_kernel``."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
     e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
@@ -275,7 +203,7 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
         elif BLK:
             acc_g += blk_g  # two-level fp32 accumulation (KSUB blocks, then the running sum)
             acc_u += blk_u
-    if SPLIT > 1:
+    if SPLIT > 1 or RAW:
         part = a_ptr + rows.to(tl.int64)[:, None] * (SPLIT * 2 * I) + tl.program_id(2) * 2 * I + n[None, :]
         tl.store(part, acc_g, mask=rm[:, None] & nm[None, :])
         tl.store(part + I, acc_u, mask=rm[:, None] & nm[None, :])
@@ -348,8 +276,9 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
-                        BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1):
-    """YS > 1: y holds the down kernel's split-K parts [pairs, YS, H], summed in part order."""
+                        BH: tl.constexpr, RNE: tl.constexpr, YS: tl.constexpr = 1, WEIGHTED: tl.constexpr = True):
+    """YS > 1: y holds the down kernel's split-K parts [pairs, YS, H], summed in part order.
+    WEIGHTED False: the routing weights are already in y (the official math), summed as they are."""
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     hc = hb * BH + tl.arange(0, BH)
@@ -369,25 +298,12 @@ def _moe_combine_kernel(y_ptr, inv_ptr, ids_ptr, wts_ptr, out_ptr, H, K, E,
                 yv += tl.load(y_ptr + row * (YS * H) + s * H + hc, mask=hm, other=0.0)
         else:
             yv = tl.load(y_ptr + row * H + hc, mask=hm, other=0.0)
-        acc += tl.where(ok, wi * yv, 0.0)
+        if WEIGHTED:
+            acc += tl.where(ok, wi * yv, 0.0)
+        else:
+            acc += tl.where(ok, yv, 0.0)
     acc = tl.where(bad, float("nan"), acc)
     tl.store(out_ptr + t * H + hc, to_out(acc, out_ptr, RNE), mask=hm)
-
-
-def _format(w, scale):
-    if scale is None:
-        return FMT_PLAIN, w.shape[2], False
-    if _FP8 and w.dtype in _FP8:
-        return FMT_FP8, w.shape[2], _E8M0 is not None and scale.dtype == _E8M0
-    return FMT_FP4, 2 * w.shape[2], True
-
-
-def _scale_arg(scale, fmt, e8, fallback):
-    if scale is None:
-        return fallback
-    if e8 and scale.dtype != torch.uint8:
-        return scale.view(torch.uint8)
-    return scale
 
 
 #: the most (token, slot) pairs ``_moe_align_kernel`` sorts: one program holds the pairs in
@@ -532,36 +448,6 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     return cfg + (ksub,)
 
 
-#: TUNE["fp4"]: how the kernels read FP4 expert weights (a launch key next to the tiles; FP8 is
-#: converted to the dot dtype in registers, its block scale on the block's partial sum). Both exact,
-#: up to the deviation stated:
-#:   "scaled" (the CUDA plugin's choice on sm90): tl.dot_scaled(bf16 activation, packed bytes [BK/2, BN] k-packed low nibble first,
-#:       UE8M0 scales [BN, BK/32], "e2m1"). On a GPU without native microscaling (H200) Triton
-#:       upcasts to bf16 and multiplies by the scale as a bf16 (byte << 7): byte 0 becomes 0, not
-#:       2^-127, so a group with scale byte 0 (and with byte 1 its 0.5 codes, should the bf16
-#:       multiply flush subnormals) reads as 0: |error| <= 6 * 2^-126 a weight; byte 255 is NaN as
-#:       in the reference (fast_math off). The interpreter keeps 2^-127. It needs bf16 operands:
-#:       fp32 activations (the IEEE path) read FP4 as "join". In the down GEMM it stacks a_hi /
-#:       a_lo into one [2 BM, BK] operand (the weight read once a step) and sums the two halves of
-#:       the [2 BM, BNd] accumulator at the end;
-#:   "join" (default): codes and scales decoded to fp32 (a multiply), cast, nibbles interleaved.
-#: (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: "scaled" 128-141 µs vs "join" 210 at T = 1, 623 vs 876
-#: at T = 64; the FP4 "split" and FP8 "scaled" decodes lost there and were removed.)
-DECODES = ("join", "scaled")
-#: TUNE["fp8"]: FP8 weights converted to bf16 directly ("cvt") or through fp32 ("via_f32": the same
-#: values): linear's FP8_PATHS (imported above), which says why
-
-
-def _decode_keys(fmt: int, f32: bool, fp4: str, fp8: str) -> dict:
-    """The SCALED / VIA32 launch keywords of one weight: SCALED for FP4 weights read by "scaled"
-    with bf16 activations; VIA32 for FP8 weights read "via_f32", passed only when set (the default
-    launch keeps its arguments and code)."""
-    keys = {"SCALED": fmt == FMT_FP4 and fp4 == "scaled" and not f32}
-    if fmt == FMT_FP8 and fp8 == "via_f32":
-        keys["VIA32"] = True
-    return keys
-
-
 #: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
 #: the down GEMM; the default is `_split_rule`'s). Parts are summed in a fixed order, so the result
 #: does not depend on scheduling; they give decode batches (few row tiles) more programs than N
@@ -622,7 +508,6 @@ def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
 
 @implements("moe_experts", supports=predicates.moe_experts_supports)
 def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
-    _no_quant("moe_experts", act_block=act_block)
     T, H = x.shape
     E = w13.shape[0]
     I = w13.shape[1] // 2
@@ -635,6 +520,10 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     if P == 0 or E == 0 or I == 0:
         return out.zero_()
     x, ids, weights = c(x), c(ids), c(weights)
+    if act_block is not None:
+        from .quant import fake_quant_fp8
+
+        x = fake_quant_fp8(x, act_block)
     f13, _, e13 = _format(w13, w13_scale)
     f2, _, e2 = _format(w2, w2_scale)
     f32 = x.dtype == torch.float32
@@ -662,14 +551,22 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     # split K: the up kernel's raw partial sums [P, Su, 2 I] (else straight the activation [P, I]),
     # the down kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
     a = torch.empty((P, I), dtype=torch.float32, device=dev)
-    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 else a
+    raw = act_block is not None   # the official activation: the raw sums always, then its own kernel
+    parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 or raw else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
     _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
         x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
         LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
         BLK=f13 == FMT_FP8 or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
-        **({"SPLIT": Su} if Su > 1 else {}), **TUNE.options())
-    if Su > 1:
+        **({"SPLIT": Su} if Su > 1 else {}), **({"RAW": True} if raw else {}), **TUNE.options())
+    if raw:
+        BI = min(1024, triton.next_power_of_2(I))
+        # each sorted row's routing weight (row inv[p] holds pair p), applied before w2
+        wrow = torch.empty(P, dtype=torch.float32, device=dev)
+        _pair_rows_kernel[(cdiv(P, 1024),)](inv, weights, wrow, P, BP=1024, num_warps=4, **TUNE.options())
+        _moe_act_official_kernel[(P, cdiv(I, BI))](parts, wrow, a, starts, I, E, float(swiglu_limit), S=Su, BI=BI,
+                                                   QB=act_block, num_warps=4, **TUNE.options())
+    elif Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
     _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
@@ -679,5 +576,6 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
-                                          **({"YS": Sd} if Sd > 1 else {}), **TUNE.options())
+                                          **({"YS": Sd} if Sd > 1 else {}), **({"WEIGHTED": False} if raw else {}),
+                                          **TUNE.options())
     return out

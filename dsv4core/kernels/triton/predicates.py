@@ -8,6 +8,11 @@ from dsv4core.hal.util import cdiv
 
 ACT_DTYPES = (torch.float32, torch.bfloat16)
 
+
+def triton_np2(n: int) -> int:
+    """The power of two >= n (>= 1) the kernels pad a dimension to (``_util.np2``, without triton)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -90,10 +95,14 @@ def q_norm_rope_supports(q, positions, inv_freq, eps) -> bool:
 
 
 def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps, nope_quant_block=None) -> bool:
-    if nope_quant_block is not None:      # the official FP8 row: not in these kernels yet (reference)
-        return False
     if kv.dim() != 2 or not _rope_ok(kv, positions, inv_freq):
         return False
+    if nope_quant_block is not None:      # the official FP8 row: groups of the padded row tile
+        nope = kv.shape[-1] - 2 * inv_freq.shape[0]
+        if nope_quant_block not in (32, 64, 128) or nope % nope_quant_block:
+            return False
+        if triton_np2(kv.shape[-1]) < nope_quant_block:
+            return False
     return (weight is not None and weight.dim() == 1 and weight.shape[0] == kv.shape[-1]
             and weight.dtype in ACT_DTYPES)
 
@@ -188,6 +197,14 @@ def indexer_scores_rows_supports(q, k, weights, rows, scale, k_format=None) -> b
         return False
     return nI <= 128          # the [nI, BL] head-by-key tile sits in registers
 
+
+def indexer_rotate_quant_supports(x) -> bool:
+    if x.dtype not in ACT_DTYPES or x.dim() < 1:
+        return False
+    d = x.shape[-1]
+    return 32 <= d <= 1024 and d & (d - 1) == 0      # a [rows, d] tile and [d, 64] of H in registers
+
+
 # ---- wo_a.py
 def wo_a_supports(o, weight, weight_scale=None) -> bool:
     if o.dim() != 3 or weight.dim() != 3 or o.dtype not in ACT_DTYPES:
@@ -254,8 +271,6 @@ def _expert_shape(w, scale, dev):
 
 def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
                          act_block=None) -> bool:
-    if act_block is not None:             # the official expert math: not in these kernels yet (reference)
-        return False
     if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or x.dtype not in ACT_DTYPES:
         return False
     T, H = x.shape
@@ -266,12 +281,20 @@ def moe_experts_supports(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
     E, I2, H2 = s13
     if H2 != H or I2 % 2 or s2 != (E, H, I2 // 2) or E < 1:
         return False
+    if act_block is not None and not (_act_block_ok(x, act_block) and (I2 // 2) % act_block == 0):
+        return False
     if ids.shape[0] != T or weights.shape != ids.shape or weights.dtype != torch.float32:
         return False
     return ids.dtype in (torch.int32, torch.int64)
 
 
 # ---- linear.py
+def _act_block_ok(x, act_block) -> bool:
+    """The official activation quantisation of quant.py: power-of-two groups dividing K."""
+    return (isinstance(act_block, int) and 16 <= act_block <= 1024 and act_block & (act_block - 1) == 0
+            and x.shape[-1] % act_block == 0)
+
+
 def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
     """weight_scale None with an act-dtype weight, or an fp8 e4m3 weight with its block grid."""
     if weight_scale is None:
@@ -285,7 +308,7 @@ def _block_scale_ok(weight, weight_scale, lead: tuple) -> bool:
 
 
 def linear_supports(x, weight, weight_scale=None, out_dtype=None, act_block=None) -> bool:
-    if act_block is not None:             # W8A8: not in these kernels yet (the reference serves it)
+    if act_block is not None and not _act_block_ok(x, act_block):
         return False
     if x.dim() < 1 or x.dtype not in ACT_DTYPES or weight.dim() != 2 or weight.device != x.device:
         return False
@@ -312,6 +335,7 @@ SUPPORTS = {
     "compress_windows": compress_windows_supports,
     "cache_store": cache_store_supports,
     "indexer_scores_rows": indexer_scores_rows_supports,
+    "indexer_rotate_quant": indexer_rotate_quant_supports,
     "indexer_topk": indexer_topk_supports,
     "linear": linear_supports,
     "wo_a": wo_a_supports,

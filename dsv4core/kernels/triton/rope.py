@@ -1,15 +1,20 @@
 """rope, q_norm_rope, kv_norm_rope: one fused pass per row (optional rms norm, then interleaved rope
-on the trailing d_r channels), fp32 math, one rounding. cos/sin from libdevice on GPUs."""
-from __future__ import annotations
+on the trailing d_r channels), fp32 math, one rounding. cos/sin from libdevice on GPUs.
 
-from ._util import no_quant as _no_quant
+kv_norm_rope with ``nope_quant_block`` (the official KV row, ``hal.ops.rope.kv_norm_rope``): the
+normed row is rounded to bfloat16, the rope channels are rotated from those values and rounded to
+bfloat16 again, and every ``nope_quant_block`` non-rope channels are fake-quantised to FP8 e4m3
+with the power-of-two scale of ``hal.quant`` (bit operations: ``_util.e4m3_rne``), in the same pass.
+"""
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._util import accurate, c, np2, cdiv, rne, to_out
+from ._util import (accurate, c, cdiv, e4m3_rne, exp2_int, group_scale_exp, np2, rne, rne_bf16,
+                    to_out)
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -22,7 +27,8 @@ TUNE = Tune(__name__, ("HB", "num_warps", "rowpos_below"))
 def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, INVERSE: tl.constexpr,
                       ACCURATE: tl.constexpr, HB: tl.constexpr, BLOCK: tl.constexpr,
-                      HP: tl.constexpr, RNE: tl.constexpr, ROWPOS: tl.constexpr, R):
+                      HP: tl.constexpr, RNE: tl.constexpr, ROWPOS: tl.constexpr, R,
+                      QB: tl.constexpr = 0):
     # default: one program = one token x HB of its rows (heads), cos/sin computed once per token.
     # ROWPOS (few rows per token, e.g. kv [T, d]): HB consecutive rows of any tokens, per-row angles.
     if ROWPOS:
@@ -52,6 +58,14 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
             xe = xe * tl.load(w_ptr + ce, mask=jm, other=0.0).to(tl.float32)[None, :]
             xo = xo * tl.load(w_ptr + ce + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    if QB > 0:   # the official row: bf16 values; FP8 groups of QB non-rope channels (DS % QB == 0)
+        x = rne_bf16(x)
+        xe = rne_bf16(xe)
+        xo = rne_bf16(xo)
+        g = tl.reshape(x, (HB, BLOCK // QB, QB))
+        e = group_scale_exp(tl.max(tl.abs(g), axis=2), 1e-4, 1.0 / 448.0)
+        q = e4m3_rne(tl.minimum(tl.maximum(g * exp2_int(-e)[:, :, None], -448.0), 448.0))
+        x = tl.reshape(q * exp2_int(e)[:, :, None], (HB, BLOCK))
     f = tl.load(f_ptr + j, mask=jm, other=0.0)
     if ROWPOS:
         p = tl.load(pos_ptr + rows // RPT, mask=hm, other=0).to(tl.float32)
@@ -69,12 +83,15 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps
         sn = -sn
     oe = xe * cs - xo * sn
     oo = xe * sn + xo * cs
+    if QB > 0:
+        oe = rne_bf16(oe)
+        oo = rne_bf16(oo)
     tl.store(y_ptr + base + cols[None, :], to_out(x, y_ptr, RNE), mask=m & (cols < DS)[None, :])
     tl.store(y_ptr + base + ce[None, :], to_out(oe, y_ptr, RNE), mask=mj)
     tl.store(y_ptr + base + ce[None, :] + 1, to_out(oo, y_ptr, RNE), mask=mj)
 
 
-def _launch(x, w, positions, inv_freq, eps, norm, inverse):
+def _launch(x, w, positions, inv_freq, eps, norm, inverse, quant_block=None):
     T = x.shape[0]
     D = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -98,7 +115,7 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse):
         x, c(w) if w is not None else x, c(positions), c(inv_freq), y, RPT, D, D - 2 * half, half,
         float(eps), NORM=norm, HAS_W=w is not None, INVERSE=bool(inverse),
         ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), ROWPOS=rowpos, R=R,
-        num_warps=nw, **TUNE.options())
+        QB=int(quant_block or 0), num_warps=nw, **TUNE.options())
     return y
 
 
@@ -114,5 +131,4 @@ def q_norm_rope(q, positions, inv_freq, eps):
 
 @implements("kv_norm_rope", supports=predicates.kv_norm_rope_supports)
 def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
-    _no_quant("kv_norm_rope", nope_quant_block=nope_quant_block)
-    return _launch(kv, weight, positions, inv_freq, eps, True, False)
+    return _launch(kv, weight, positions, inv_freq, eps, True, False, nope_quant_block)

@@ -36,16 +36,53 @@ TRY_ENV = "DSV4CORE_CUDA_TRY"
 CUDA_OPS = frozenset(OPS) & passed_ops(VALIDATION, "cuda")
 
 
-def tried_ops(env=None) -> frozenset[str]:
-    """The portable kernels ``DSV4CORE_CUDA_TRY`` asks to serve beyond the validated ones. Raises
-    ValueError for a name that is not a portable kernel."""
+#: Official-numerics arguments (HAL 1.2) of validated kernels that the recorded validation did not
+#: exercise (the kernels declined those cases when it was recorded): a call setting one is declined
+#: here, so the reference serves it, until a record passes it; a kernel tried with ``TRY_ENV``
+#: serves them too.
+UNVALIDATED_ARGS = {"kv_norm_rope": ("nope_quant_block",), "linear": ("act_block",), "moe_experts": ("act_block",)}
+
+
+def unvalidated_gates(tried: frozenset[str] = frozenset()) -> dict:
+    """Extra ``supports`` predicates (op -> predicate) declining the calls that set an argument of
+    ``UNVALIDATED_ARGS``, for the kernels not in ``tried`` (``tried_args``)."""
+    import inspect
+
+    from dsv4core.kernels.triton import predicates
+
+    gates = {}
+    for op, names in UNVALIDATED_ARGS.items():
+        if op in tried:
+            continue
+        sig = inspect.signature(getattr(predicates, f"{op}_supports"))
+
+        def gate(*args, _sig=sig, _names=names, **kwargs):
+            bound = _sig.bind(*args, **kwargs).arguments
+            return all(bound.get(n) is None for n in _names)
+
+        gates[op] = gate
+    return gates
+
+
+def _try_names(env=None) -> frozenset[str]:
     raw = (os.environ if env is None else env).get(TRY_ENV, "")
     names = frozenset(x.strip() for x in raw.split(",") if x.strip())
     unknown = sorted(names - frozenset(OPS))
     if unknown:
         raise ValueError(f"{TRY_ENV}: {', '.join(unknown)} is not a portable kernel; expected a comma list "
                          f"of {', '.join(sorted(OPS))}, got {raw!r}")
-    return names - CUDA_OPS
+    return names
+
+
+def tried_ops(env=None) -> frozenset[str]:
+    """The portable kernels ``DSV4CORE_CUDA_TRY`` asks to serve beyond the validated ones. Raises
+    ValueError for a name that is not a portable kernel."""
+    return _try_names(env) - CUDA_OPS
+
+
+def tried_args(env=None) -> frozenset[str]:
+    """The validated kernels ``DSV4CORE_CUDA_TRY`` names whose ``UNVALIDATED_ARGS`` it asks to serve."""
+    return _try_names(env) & CUDA_OPS & frozenset(UNVALIDATED_ARGS)
 
 
 def _available():
@@ -70,14 +107,16 @@ def dsv4core_register_backends(register):
     from . import providers
     from .launch import current
 
-    tried = tried_ops()
+    tried, args = tried_ops(), tried_args()
     trying = f"; trying, not validated: {', '.join(sorted(tried))} ({TRY_ENV})" if tried else ""
+    trying += (f"; trying, not validated: the official-numerics arguments of {', '.join(sorted(args))} "
+               f"({TRY_ENV})" if args else "")
     b = Backend(name="cuda", version=__version__, device_types=("cuda",), api_version=HAL_API_VERSION,
                 priority=100, available=_available,
                 description="portable Triton kernels (dsv4core.kernels.triton) on NVIDIA GPUs; optional "
                             f"providers: {providers.describe()}{trying}",
                 graph_capture=CudaGraphCapture(), validated=recorded(VALIDATION, "cuda"))
-    register_ops(b, "cuda", launch=current, ops=CUDA_OPS | tried)
+    register_ops(b, "cuda", launch=current, ops=CUDA_OPS | tried, supports=unvalidated_gates(args))
     register(b)
     try:       # an optional provider that fails to import must not take `cuda` down with it
         from . import flashinfer_mhc
