@@ -19,7 +19,7 @@ from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .inputs import DeviceTokens, InputError, _host_long
-from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm
+from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, OpsRef, RMSNorm
 from .step import Step
 from .parallel import SINGLE, Parallel
 
@@ -28,7 +28,8 @@ _ZERO = np.zeros(1, dtype=np.int64)
 
 
 class DSV4Model(nn.Module):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE,
+                 mtp: bool = False) -> None:
         super().__init__()
         v0, v1 = par.vocab(cfg)
         self.embed_tokens = nn.Embedding(v1 - v0, cfg.hidden_size, dtype=dtype)
@@ -36,6 +37,8 @@ class DSV4Model(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, ops, par) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.hc_head = HyperHead(cfg, ops)
+        #: the multi-token-prediction block (`model.mtp.0.*`; empty when the model has none)
+        self.mtp = nn.ModuleList([MTPLayer(cfg.with_mtp_layer(), cfg.num_hidden_layers, dtype, ops, par)] if mtp else [])
 
 
 #: Decode batch sizes recorded as device graphs (a batch is padded up to the next one).
@@ -53,16 +56,30 @@ class DSV4ForCausalLM(nn.Module):
     `parallel` (`dsv4core.model.parallel.Parallel`, from `parallel.setup`): this rank's place
     in a tensor x expert parallel layout; its parameters are then this rank's slices (same
     names, smaller shapes: `parallel.shard_state_dict`) and every rank runs the same steps on
-    the same inputs, getting the same full logits."""
+    the same inputs, getting the same full logits.
+
+    `mtp`: build the multi-token-prediction block (`model.model.mtp[0]`, used by speculative
+    decoding, `dsv4core.model.speculative`): None = when the config declares one
+    (num_nextn_predict_layers = 1) and the model is not split over ranks; False = never.
+    `speculation_why` says why a model has none ('' when it has one)."""
 
     def __init__(self, config: DSV4Config, ops=None, *, dtype: torch.dtype = torch.float32,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None, mtp: bool | None = None) -> None:
         super().__init__()
         self.config = config
         self.act_dtype = dtype
         self.parallel = par = parallel if parallel is not None else SINGLE
         self._ops = OpsRef(ops)
-        self.model = DSV4Model(config, dtype, self._ops, par)
+        if not config.num_nextn_predict_layers:
+            why = "the model's config declares no MTP layer (num_nextn_predict_layers = 0)"
+        elif par.world > 1:
+            why = f"the MTP layer is not built for a model split over {par.world} ranks (tp / ep)"
+        elif mtp is False:
+            why = "the MTP layer was not built (mtp=False)"
+        else:
+            why = ""
+        self.speculation_why = why
+        self.model = DSV4Model(config, dtype, self._ops, par, mtp=not why)
         v0, v1 = par.vocab(config)
         self.lm_head = nn.Linear(config.hidden_size, v1 - v0, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
@@ -121,6 +138,17 @@ class DSV4ForCausalLM(nn.Module):
             self._inv_freq[key] = {k: self.config.inv_freq(k, device) for k in ("main", "compress")}
         return self._inv_freq[key]
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model has its multi-token-prediction block (speculative decoding)."""
+        return len(self.model.mtp) > 0
+
+    @property
+    def cache_layers(self) -> DSV4Config:
+        """The layers the cache holds state for: the config's, plus the MTP block as one more
+        sliding-window layer when the model has it (`DSV4Config.with_mtp_layer`)."""
+        return self.config.with_mtp_layer() if self.has_mtp else self.config
+
     # ------------------------------------------------------------------ state
     def configure_cache(self, cache_config: CacheConfig | None = None, **kwargs) -> KVCache:
         """Build the model's cache (all request state) with `CacheConfig(**kwargs)` or the given
@@ -129,7 +157,7 @@ class DSV4ForCausalLM(nn.Module):
             raise CacheError(f"configure_cache: {len(self._cache.live)} request(s) still live in the current cache; "
                              f"release them first")
         cc = cache_config if cache_config is not None else CacheConfig(**kwargs)
-        self._cache = KVCache(self.config, self.act_dtype, self.device, cc)
+        self._cache = KVCache(self.cache_layers, self.act_dtype, self.device, cc)
         self._graphs = None
         return self._cache
 
