@@ -80,3 +80,98 @@ def test_official_numerics_quantise_the_mtp_projections():
     assert blk.e_proj.act_block == blk.h_proj.act_block == blk.self_attn.q_a_proj.act_block == 128
     m.set_numerics("exact")
     assert blk.e_proj.act_block is None and blk.h_proj.act_block is None
+
+
+# --------------------------------------------------------------------------------------------
+# speculative decoding
+
+from dsv4core.model.speculative import MTPProposer, mtp_draft  # noqa: E402
+
+CC = dict(max_requests=4, max_tokens=2048, max_request_tokens=512, max_step_tokens=512, max_rollback=4,
+          window_block=8, block_tokens=32)
+# prompt lengths across the tiny model's CSA (4) / HCA (16) windows, its sliding window (16) and
+# the 32-token compressed blocks; more prompts than request slots (continuous batching)
+LENGTHS = (1, 3, 4, 5, 15, 16, 17, 31, 33)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture()
+def spec():
+    m = load_model("tiny-mtp", backend="reference")
+    m.configure_cache(**CC)
+    return m
+
+
+class Scripted(MTPProposer):
+    """The MTP proposer (its state kept up to date), its drafts replaced by the true greedy
+    continuation with one draft in `period` made wrong, so the rounds accept 0..k drafts."""
+
+    def __init__(self, prompts, want, period=3):
+        self.prompts, self.want, self.period, self.offers = prompts, want, period, []
+        self.calls = 0
+
+    def propose(self, model, batch):
+        super().propose(model, batch)
+        out = []
+        for r in batch:
+            i = next(j for j, p in enumerate(self.prompts) if list(r.tokens[:len(p)]) == p)
+            done = len(r.tokens) - len(self.prompts[i])           # generated so far (the next token included)
+            true = self.want[i][done:done + r.k]
+            d = [t if (done + j + i) % self.period else (t + 1) % 256 for j, t in enumerate(true)]
+            self.offers.append((true, d))
+            out.append(d)
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_generate_equals_plain_greedy(spec, k):
+    prompts = _prompts()
+    want = spec.generate(prompts, 10)
+    assert want.speculation is None
+    got = spec.generate(prompts, 10, speculative_tokens=k)          # the MTP block's own drafts
+    assert got == want and got.speculation["speculative_tokens"] == k
+    sc = Scripted(prompts, want)
+    got = spec.generate(prompts, 10, speculative_tokens=k, proposer=sc)
+    assert got == want
+    # the statistics, recounted from the offers: accepted = the matching prefix of each round
+    acc = [next((j for j, (t, d) in enumerate(zip(true, dr)) if t != d), len(dr)) for true, dr in sc.offers if dr]
+    s = got.speculation
+    assert s["rounds"] == len(acc) and s["accepted_tokens"] == sum(acc) > 0
+    assert s["mean_acceptance_length"] == pytest.approx((len(acc) + sum(acc)) / len(acc))
+    for j, row in enumerate(s["per_position"]):
+        offered = sum(1 for true, dr in sc.offers if len(dr) > j)
+        assert row["offered"] == offered and row["accepted"] == sum(1 for a in acc if a > j)
+    assert not spec.cache.live                                     # every request released
+
+
+def test_speculation_errors(spec):
+    plain = load_model("tiny", backend="reference")
+    with pytest.raises(InputError, match="speculative decoding is unavailable.*num_nextn_predict_layers = 0"):
+        plain.generate([[3, 4]], 4, speculative_tokens=1)
+    with pytest.raises(InputError, match="unavailable"):
+        plain.new_state(mtp=True)
+    with pytest.raises(InputError, match="greedy only"):
+        spec.generate([[3, 4]], 4, speculative_tokens=1, temperature=0.7)
+    with pytest.raises(InputError, match="max_rollback=4"):
+        spec.generate([[3, 4]], 4, speculative_tokens=5)
+    with pytest.raises(InputError, match="speculative_tokens must be an int"):
+        spec.generate([[3, 4]], 4, speculative_tokens=-1)
+    st = spec.new_state()
+    with pytest.raises(InputError, match="does not track the MTP block"):
+        mtp_draft(spec, [st], [[]], [torch.zeros(0, 4, 64)], 1)
+    st = spec.new_state(mtp=True)
+    lg, h = spec.forward_batch(torch.tensor([5, 6, 7]), torch.arange(3), torch.zeros(3, dtype=torch.long), [st],
+                               hidden_rows=torch.arange(3))
+    assert h.shape == (3, 4, 64) and st.mtp_length == 0
+    with pytest.raises(InputError, match=r"tokens must be the 3 ids of positions 1..3"):
+        mtp_draft(spec, [st], [[6, 7]], [h], 1)
+    with pytest.raises(InputError, match=r"hidden must be \[3, 4, 64\]"):
+        mtp_draft(spec, [st], [[6, 7, 8]], [h[:2]], 1)
+    assert st.mtp_length == 0 and st.length == 3
+    assert len(mtp_draft(spec, [st], [[6, 7, 8]], [h], 2)[0]) == 2 and st.mtp_length == 3
+    with pytest.raises(InputError, match="drafting"):
+        mtp_draft(spec, [st], [[]], [h[:0]], 1)
