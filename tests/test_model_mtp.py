@@ -175,3 +175,196 @@ def test_speculation_errors(spec):
     assert len(mtp_draft(spec, [st], [[6, 7, 8]], [h], 2)[0]) == 2 and st.mtp_length == 3
     with pytest.raises(InputError, match="drafting"):
         mtp_draft(spec, [st], [[]], [h[:0]], 1)
+
+
+class _F64:
+    """The bound op table with every float32 tensor argument evaluated in float64 (the reference
+    ops' fp64 evaluation) and the results rounded back to float32. fp32 GEMMs round differently
+    for different row counts (a 1 + k token verification against 1-token decode steps), so
+    bit-identity of two runs with different step shapes is tested on this table: an fp64 result
+    that differs in its last bits rounds to the same fp32 value unless it lies within ~2^-52
+    relative of a rounding boundary of fp32 (probability ~2^-29 per value). `cache_store` writes
+    the pool as it is (its values rounded first)."""
+
+    def __init__(self, table):
+        self._t = table
+
+    def __getattr__(self, name):
+        f = getattr(self._t, name)
+        if name in ("report", "capturable", "accepts", "native_quantized") or not callable(f):
+            return f
+        if name == "cache_store":
+            return lambda pool, index, values, *a, **kw: f(pool, index, values.to(pool.dtype), *a, **kw)
+
+        def up(v):
+            return v.double() if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v
+
+        def down(v):
+            return v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.float64 else v
+
+        def call(*args, **kw):
+            out = f(*map(up, args), **{k: up(v) for k, v in kw.items()})
+            return tuple(map(down, out)) if isinstance(out, tuple) else down(out)
+        return call
+
+
+def _readable(m, st):
+    """Every row a request's next step can read, by (pool, layer): the window rows of its last
+    W - 1 positions (every layer, the MTP block's included), its visible compressed entries and
+    indexer keys, its compressor-ring rows of the windows being pooled."""
+    c, L, out = m.cache, st.length, {}
+    Bw, Bc = c.window_block, c.block_tokens
+    lt = m.cache_layers.layer_types
+    for i in range(len(c.rows)):
+        ps = torch.arange(max(0, L - (c.W - 1)), L)
+        out["win", i] = c.rows[i][torch.from_numpy(c.window_table[st.slot])[ps // Bw].long() * Bw + ps % Bw].clone()
+        r = m.cache_layers.compress_ratio(i)
+        if not r:
+            continue
+        e, epb = torch.arange(L // r), c.epb[i]
+        at = torch.from_numpy(c.comp_table[st.slot])[e // epb].long() * epb + e % epb
+        out["entries", i] = c.rows[i][c.Rw + at].clone()
+        if c.keys[i] is not None:
+            out["keys", i] = c.keys[i][at].clone()
+        ov = 2 if lt[i] == "compressed_sparse_attention" else 1
+        ps = torch.arange(max(0, L - ov * r), L)
+        for name, ring in c.ring_pairs[i].items():
+            out[name, i] = ring[st.slot * c.ring_cap[i] + ps % c.ring_cap[i]].clone()
+    return out
+
+
+class Snapshots(Scripted):
+    """Scripted drafts; after each proposal the readable state of every request is kept (the
+    last one per prompt is its state after its last verification and catch-up)."""
+
+    def propose(self, model, batch):
+        out = super().propose(model, batch)
+        self.snap = getattr(self, "snap", {})
+        for r in batch:
+            i = next(j for j, p in enumerate(self.prompts) if list(r.tokens[:len(p)]) == p)
+            if r.state.length >= len(self.prompts[i]):
+                self.snap[i] = (list(r.tokens[:r.state.length + 1]), r.state.mtp_length, _readable(model, r.state))
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_state_after_speculation_is_bit_identical_to_plain_decoding(k):
+    """Speculative generation (k drafts a round, some accepted, rejected ones rolled back, the
+    MTP block catching up) leaves every request's state, main and MTP rows, bit-identical to
+    prefilling its prompt and decoding its tokens one a step with the MTP block following each
+    step (fp64-evaluated ops: `_F64`)."""
+    m = load_model("tiny-mtp", backend="reference")
+    m.bind_ops(_F64(m.ops))
+    m.use_graphs = False
+    m.configure_cache(**CC)
+    prompts = [p for p in _prompts() if len(p) in (5, 16, 17, 33)]
+    want = m.generate(prompts, 9)
+    sc = Snapshots(prompts, want)
+    assert m.generate(prompts, 9, speculative_tokens=k, proposer=sc) == want
+    assert sorted(sc.snap) == list(range(len(prompts))) and sum(a for a in (
+        next((j for j, (t, d) in enumerate(zip(*o)) if t != d), len(o[1])) for o in sc.offers)) > 0
+    for i, (toks, mtp_len, got) in sc.snap.items():
+        p = prompts[i]
+        st = m.new_state(mtp=True)
+        n = len(p)
+        lg, h = m.forward_batch(torch.tensor(p), torch.arange(n), torch.zeros(n, dtype=torch.long), [st],
+                                hidden_rows=torch.arange(n))
+        m.mtp_draft([st], [toks[1:n + 1]], [h], 0)
+        while st.length < len(toks) - 1:
+            L = st.length
+            lg, h = m.forward_batch(torch.tensor([toks[L]]), torch.tensor([L]), torch.tensor([0]), [st],
+                                    hidden_rows=torch.tensor([0]))
+            m.mtp_draft([st], [[toks[L + 1]]], [h], 0)
+        assert st.mtp_length == mtp_len == st.length
+        ref = _readable(m, st)
+        assert ref.keys() == got.keys()
+        bad = [key for key in ref if not torch.equal(ref[key], got[key])]
+        assert not bad, bad
+        st.release()
+
+
+def _book(m, sts):
+    c = m.cache
+    return ([(s.length, s.mtp_length) for s in sts], c.window_table.copy(), c.comp_table.copy(),
+            sorted(c.win_pool.free), sorted(c.comp_pool.free), c.win_pool.ref.copy(), c.comp_pool.ref.copy())
+
+
+def _same(a, b):
+    return a[0] == b[0] and all((x == y).all() for x, y in zip(a[1:3], b[1:3])) and a[3:5] == b[3:5] \
+        and all((x == y).all() for x, y in zip(a[5:], b[5:]))
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_failed_draft_call_changes_nothing(spec, fail_at):
+    """An op failure in the MTP block (its catch-up forward: call 1, or a draft forward past the
+    length: calls 2, 3) leaves every request as it was, a block shared with a fork included;
+    the retry drafts what the fork (which never failed) drafts, and both states read the same rows."""
+    ids = torch.randint(2, 256, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    a = spec.new_state(mtp=True)
+    _, h = spec.forward_batch(torch.tensor(ids[:20]), torch.arange(20), torch.zeros(20, dtype=torch.long), [a],
+                              hidden_rows=torch.arange(20))
+    b = a.fork()                                  # shares every block, the MTP rows' too
+    assert b.mtp_length == 0
+    mlp, calls = spec.model.mtp[0].mlp, []
+
+    def boom(x, step):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("injected MTP failure")
+        return type(mlp).forward(mlp, x, step)
+
+    before = _book(spec, [a, b])
+    mlp.forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.mtp_draft([a], [ids[1:21]], [h], 3)
+    finally:
+        del mlp.forward
+    assert len(calls) == fail_at and _same(_book(spec, [a, b]), before)
+    da = spec.mtp_draft([a], [ids[1:21]], [h], 3)
+    db = spec.mtp_draft([b], [ids[1:21]], [h], 3)
+    assert da == db and len(da[0]) == 3 and a.mtp_length == b.mtp_length == 20
+    ra, rb = _readable(spec, a), _readable(spec, b)
+    assert all(torch.equal(ra[k], rb[k]) for k in ra)
+
+
+def test_failed_verification_changes_nothing_and_rollback_is_exact(spec):
+    """A verification step (1 + k tokens) whose forward fails leaves the request as it was; a
+    verification whose drafts are rejected, truncated back, then the MTP catch-up: the request
+    continues exactly as its fork that only ever saw the accepted token."""
+    ids = torch.randint(2, 256, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    a = spec.new_state(mtp=True)
+    _, h = spec.forward_batch(torch.tensor(ids[:24]), torch.arange(24), torch.zeros(24, dtype=torch.long), [a],
+                              hidden_rows=torch.arange(24))
+    d = spec.mtp_draft([a], [ids[1:25]], [h], 3)[0]
+    b = a.fork()
+    layer = spec.model.layers[3].mlp
+
+    def boom(x, step):
+        raise RuntimeError("injected MoE failure")
+
+    before = _book(spec, [a, b])
+    layer.forward = boom
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.forward_batch(torch.tensor([ids[24]] + d), torch.arange(24, 28), torch.zeros(4, dtype=torch.long),
+                               [a], hidden_rows=torch.arange(4))
+    finally:
+        del layer.forward
+    assert _same(_book(spec, [a, b]), before)
+    wrong = [(t + 1) % 256 for t in d]            # drafts all rejected
+    lg, h = spec.forward_batch(torch.tensor([ids[24]] + wrong), torch.arange(24, 28),
+                               torch.zeros(4, dtype=torch.long), [a], hidden_rows=torch.arange(4))
+    a.truncate(25)
+    assert (a.length, a.mtp_length) == (25, 24)
+    lb, hb = spec.forward_batch(torch.tensor([ids[24]]), torch.tensor([24]), torch.tensor([0]), [b],
+                                hidden_rows=torch.tensor([0]))
+    # the same position from a 4-row and a 1-row step: equal up to fp32 GEMM rounding
+    assert (lg[0] - lb[0]).abs().max() <= 2e-5 * lb.abs().max()
+    for st, hh in ((a, h[:1]), (b, hb)):
+        spec.mtp_draft([st], [[ids[25]]], [hh], 0)
+    la, lb = (spec.forward_batch(torch.tensor(ids[25:30]), torch.arange(25, 30), torch.zeros(5, dtype=torch.long),
+                                 [st]) for st in (a, b))   # both continue over the same tokens
+    assert a.length == b.length == 30 and (la - lb).abs().max() <= 2e-5 * lb.abs().max()
+    ref = spec.logits(ids[:30])[25:]              # and as one prefill of those tokens does
+    assert (la - ref).abs().max() <= 2e-5 * ref.abs().max()
