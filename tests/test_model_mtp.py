@@ -368,3 +368,23 @@ def test_failed_verification_changes_nothing_and_rollback_is_exact(spec):
     assert a.length == b.length == 30 and (la - lb).abs().max() <= 2e-5 * lb.abs().max()
     ref = spec.logits(ids[:30])[25:]              # and as one prefill of those tokens does
     assert (la - ref).abs().max() <= 2e-5 * ref.abs().max()
+
+
+def test_cli_generate_speculative_tokens(capsys):
+    import json
+
+    from dsv4core.cli import main
+
+    base = ["generate", "--model", "tiny-mtp", "--backend", "reference", "--input-ids", "3,4,5", "--input-ids",
+            "9,8,7,6,5,4,3,2,1,9,8,7,6,5,4,3,2", "--max-new-tokens", "6", "--json", "--no-progress"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--speculative-tokens", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert plain["speculation"] is None and got["new_tokens"] == plain["new_tokens"]
+    sp = got["speculation"]
+    assert sp["speculative_tokens"] == 2 and sp["rounds"] > 0 and len(sp["per_position"]) == 2
+    assert sp["mean_acceptance_length"] == (sp["rounds"] + sp["accepted_tokens"]) / sp["rounds"]
+    assert main(["generate", "--model", "tiny", "--backend", "reference", "--input-ids", "3,4",
+                 "--speculative-tokens", "1"]) == 2
+    assert "speculative decoding is unavailable" in capsys.readouterr().err
