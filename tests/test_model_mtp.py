@@ -146,6 +146,11 @@ def test_speculative_generate_equals_plain_greedy(spec, k):
         offered = sum(1 for true, dr in sc.offers if len(dr) > j)
         assert row["offered"] == offered and row["accepted"] == sum(1 for a in acc if a > j)
     assert not spec.cache.live                                     # every request released
+    eos = want[5][4]                                               # stops inside an accepted run too
+    want_eos = spec.generate(prompts, 10, eos_token_id=eos)
+    assert any(len(o) < 10 for o in want_eos)
+    assert spec.generate(prompts, 10, eos_token_id=eos, speculative_tokens=k,
+                         proposer=Scripted(prompts, want)) == want_eos
 
 
 def test_speculation_errors(spec):
