@@ -340,20 +340,27 @@ def test_empty_forward_is_legal(tiny):
 
 def test_official_format_checkpoint_loads(tiny, tmp_path):
     """The tiny model written in the official DeepSeek layout (FP8 dense + FP4 experts, sharded,
-    legacy config keys, an mtp.* tensor) loads through load_model and equals a model holding the
-    writer's dequantised reference weights."""
+    legacy config keys declaring an MTP layer the files do not hold) loads through load_model and
+    equals a model holding the writer's dequantised reference weights; it says why it cannot
+    speculate. A partial MTP block (one mtp.* tensor) is an error naming a missing tensor."""
+    from dsv4core.checkpoint import CheckpointError
     from dsv4core.checkpoint.writer import official_config, write_official
     from dsv4core.model.api import build_model
 
     hf_cfg = {**tiny.config.to_hf_dict(), "num_nextn_predict_layers": 1}
     off = official_config(hf_cfg)
     off["rope_scaling"] = dict(TINY_CONFIG["rope_parameters"], type="yarn")
-    assert DSV4Config.from_dict(off) == tiny.config
+    assert off["compress_ratios"][-1] == 0 and len(off["compress_ratios"]) == tiny.config.num_hidden_layers + 1
+    assert DSV4Config.from_dict(off) == tiny.config.model_copy(update={"num_nextn_predict_layers": 1})
     sd = {k: v.detach().clone() for k, v in tiny.state_dict().items()}
-    ref = write_official(sd, off, tmp_path, max_shard_bytes=200_000,
-                         mtp={"mtp.0.norm.weight": torch.ones(tiny.config.hidden_size)})
+    write_official(sd, off, tmp_path / "partial", max_shard_bytes=200_000,
+                   mtp={"mtp.0.norm.weight": torch.ones(tiny.config.hidden_size)}, reference=False)
+    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.mtp\.0\."):
+        load_model(str(tmp_path / "partial"), backend="reference", dtype="float32")
+    ref = write_official(sd, off, tmp_path, max_shard_bytes=200_000)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     loaded = load_model(str(tmp_path), backend="reference", dtype="float32")
+    assert not loaded.has_mtp and "no mtp.* tensors" in loaded.speculation_why
     want = build_model(tiny.config, backend="reference")
     want.load_state_dict({k: ref[k].to(v.dtype) for k, v in want.state_dict().items()}, strict=True)
     ids = list(range(3, 120))

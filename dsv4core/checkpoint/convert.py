@@ -61,12 +61,10 @@ def _expected_label(fmt: str, hf_name: str) -> str:
     o = hf_to_official(hf_name)
     if o is not None:
         return o
-    if hf_name.endswith("experts.gate_up_proj"):
-        layer = hf_name.split(".")[2]
-        return f"layers.{layer}.ffn.experts.*.w1.weight / w3.weight"
-    if hf_name.endswith("experts.down_proj"):
-        layer = hf_name.split(".")[2]
-        return f"layers.{layer}.ffn.experts.*.w2.weight"
+    if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        where, layer = hf_name.split(".")[1:3]          # model.layers.N / model.mtp.N
+        w = "w1.weight / w3.weight" if hf_name.endswith("gate_up_proj") else "w2.weight"
+        return f"{where}.{layer}.ffn.experts.*.{w}"
     return hf_name
 
 

@@ -201,6 +201,11 @@ class Checkpoint:
     def tensor_names(self) -> list[str]:
         return list(self._infos)
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the checkpoint holds MTP-block tensors (``mtp.*`` / ``model.mtp.*``)."""
+        return any(is_mtp(n) for n in self._infos)
+
     def tensor_info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
@@ -244,8 +249,9 @@ class Checkpoint:
         scales: dict[str, TensorInfo] = {}  # weight label -> scale info
         mtp: list[str] = []
         unexpected: list[TensorInfo] = []
+        wants_mtp = any(is_mtp(k) for k in slots)      # the module has an MTP block: its tensors load
         for name, info in self._infos.items():
-            if is_mtp(name):
+            if is_mtp(name) and not wants_mtp:
                 mtp.append(name)
                 continue
             if name.endswith(HF_SCALE_SUFFIX) and (name not in slots or name[: -len(HF_SCALE_SUFFIX)] in slots):
@@ -328,7 +334,8 @@ class Checkpoint:
         * ``device``: where the tensors go for parameters on the meta device (default: cpu);
           parameters already on a real device are filled in place (``copy_``) on that device.
         * ``strict``: unexpected checkpoint tensors raise (else they are logged and ignored).
-          Missing tensors always raise. ``mtp.*`` tensors are skipped with one log line.
+          Missing tensors always raise. ``mtp.*`` tensors (the MTP block) fill the module's
+          ``model.mtp.*`` parameters; a module without an MTP block skips them with one log line.
         * ``cut``: the module holds one rank's slices (tensor / expert parallelism); only those
           regions are read (see :mod:`dsv4core.checkpoint.cuts`).
         * ``progress``: ``progress(done_bytes, total_bytes, shard_name)`` after each tensor
@@ -343,7 +350,7 @@ class Checkpoint:
         pieces, mtp = self._pieces(slots, strict, cut)
         cut_reads = cuts.apply(pieces, cut) if cut is not None else {}
         if mtp:
-            log.info("skipping %d mtp.* tensors (multi-token prediction is not built)", len(mtp))
+            log.info("skipping %d mtp.* tensors (the model has no MTP block)", len(mtp))
 
         # target dtype / device per slot
         tdtype: dict[str, torch.dtype] = {}

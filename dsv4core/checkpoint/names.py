@@ -64,7 +64,21 @@ _TOP_LEVEL = {
     "hc_head_scale": "model.hc_head.hc_scale",
 }
 
+# the MTP block (``mtp.N.`` officially, ``model.mtp.N.`` here): its own leaves besides a layer's
+_MTP_LEAVES = {
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+}
+_MTP_SCALES = {"e_proj.scale": "e_proj.weight", "h_proj.scale": "h_proj.weight"}
+
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 
 HF_SCALE_SUFFIX = "_scale_inv"  # HF: X.weight -> X.weight_scale_inv, experts gate_up_proj -> gate_up_proj_scale_inv
@@ -94,8 +108,21 @@ def is_mtp(name: str) -> bool:
 def official_to_hf(name: str) -> Target | None:
     """Map an official tensor name; ``None`` if the name is not a known official tensor.
 
-    (``mtp.*`` is not mapped either: check :func:`is_mtp` first.)
+    ``mtp.N.*`` (the MTP block) maps to ``model.mtp.N.*``: its layer tensors as a layer's, and
+    ``e_proj`` / ``h_proj`` (+ ``.scale``), ``enorm``, ``hnorm``, ``norm``, ``hc_head_*``.
     """
+    m = _MTP_RE.match(name)
+    if m:
+        pre, rest = f"model.mtp.{m.group(1)}.", m.group(2)
+        if rest in _MTP_LEAVES:
+            return Target(pre + _MTP_LEAVES[rest], weight_name=name)
+        if rest in _MTP_SCALES:
+            return Target(pre + _MTP_SCALES[rest], is_scale=True, weight_name=name[: -len("scale")] + "weight")
+        t = official_to_hf(f"layers.0.{rest}")
+        if t is None:
+            return None
+        hf = pre + t.hf_name[len("model.layers.0."):]
+        return Target(hf, t.is_scale, t.expert, t.part, name[: -len(rest)] + t.weight_name[len("layers.0."):])
     if name in _TOP_LEVEL:
         return Target(_TOP_LEVEL[name], weight_name=name)
     m = _LAYER_RE.match(name)
@@ -127,6 +154,13 @@ def hf_to_official(hf_name: str) -> str | None:
     for k, v in _TOP_LEVEL.items():
         if v == hf_name:
             return k
+    m = re.match(r"^model\.mtp\.(\d+)\.(.+)$", hf_name)
+    if m:
+        for k, v in _MTP_LEAVES.items():
+            if v == m.group(2):
+                return f"mtp.{m.group(1)}.{k}"
+        off = hf_to_official(f"model.layers.0.{m.group(2)}")
+        return None if off is None else f"mtp.{m.group(1)}." + off[len("layers.0."):]
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
     if not m:
         return None

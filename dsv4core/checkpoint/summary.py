@@ -51,6 +51,21 @@ def layer_schedule(config: dict, n_layers: int | None = None) -> list[dict]:
     return out
 
 
+def _mtp(cfg: dict, params: int) -> dict:
+    """The MTP block: whether `load_model` builds it (config declares it and the tensors are there)
+    and, if not, why speculative decoding is unavailable."""
+    declared = int(cfg.get("num_nextn_predict_layers") or 0)
+    if declared and params:
+        why = ""
+    elif params:
+        why = "the checkpoint holds mtp.* tensors but its config declares no MTP layer (num_nextn_predict_layers = 0)"
+    elif declared:
+        why = f"the config declares an MTP layer (num_nextn_predict_layers = {declared}) but there are no mtp.* tensors"
+    else:
+        why = "no MTP layer (num_nextn_predict_layers = 0, no mtp.* tensors)"
+    return {"declared": declared, "parameters": params, "loaded": not why, "speculation_unavailable": why}
+
+
 def summarize(ckpt: Checkpoint) -> dict:
     infos = ckpt.infos()
     dtypes: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
@@ -94,6 +109,7 @@ def summarize(ckpt: Checkpoint) -> dict:
         "tensors": len(infos),
         "parameters": params,
         "mtp_parameters": mtp_params,
+        "mtp": _mtp(cfg, mtp_params),
         "dtypes": {k: dict(v) for k, v in sorted(dtypes.items())},
         "quantization": {
             "fp8_block_scaled_weights": dict(fp8),

@@ -25,11 +25,12 @@ from .names import hf_to_official
 # HF weights stored as FP8 + 128x128 block scale in the official checkpoints
 _FP8_RE = re.compile(
     r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|compressor\.indexer\.q_b_proj)\.weight$"
-    r"|\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+    r"|\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$"
+    r"|^model\.mtp\.\d+\.(e_proj|h_proj)\.weight$")
 # kept in float32 on disk
 _FP32_RE = re.compile(r"(_hc\.(fn|base|scale)|hc_head\.hc_(fn|base|scale)|\.sinks|position_bias|"
                       r"e_score_correction_bias)$")
-_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERTS_RE = re.compile(r"^model\.(layers|mtp)\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def official_config(hf_config: Mapping) -> dict:
@@ -76,7 +77,7 @@ def _official_items(sd: Mapping[str, torch.Tensor], scale_dtype: torch.dtype, fp
         t = t.detach().cpu()
         m = _EXPERTS_RE.match(name)
         if m:
-            layer, kind = m.group(1), m.group(2)
+            where, layer, kind = m.group(1), m.group(2), m.group(3)
             keep = not isinstance(ref, _Discard)
             out_ref = torch.empty(t.shape, dtype=torch.float32) if keep else None
             for e in range(t.shape[0]):
@@ -86,7 +87,7 @@ def _official_items(sd: Mapping[str, torch.Tensor], scale_dtype: torch.dtype, fp
                 else:
                     parts = [("w2", t[e], (e,))]
                 for wn, w, idx in parts:
-                    base = f"layers.{layer}.ffn.experts.{e}.{wn}"
+                    base = f"{where}.{layer}.ffn.experts.{e}.{wn}"
                     if fp4_experts:
                         q, s = quant.quantize_fp4(w)
                         if keep:

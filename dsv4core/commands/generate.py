@@ -43,7 +43,8 @@ def add_parser(subparsers) -> None:
                                           "unless --temperature > 0.")
     p._negative_number_matcher = _NEGATIVE_IDS
     p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny' / 'tiny-official' for the built-in tiny DSV4 (exact numerics) "
-                        "or its variant whose dims carry the official numerics")
+                        "or its variant whose dims carry the official numerics ('tiny-mtp' / "
+                        "'tiny-official-mtp': with an MTP block)")
     p.add_argument("--input-ids", action="append", default=[], type=_ids, metavar="1,2,3",
                    help="prompt token ids, comma-separated; repeat for a batch of prompts")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
@@ -89,6 +90,10 @@ def add_parser(subparsers) -> None:
                    help="expert-parallel ranks (routed experts split over them; default: 1)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load weights holding NaN / Inf instead of refusing them (debugging)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding (greedy only): the model's MTP block drafts K tokens a request "
+                        "(1..3 typical, at most the cache's max_rollback) and one step verifies them; the tokens "
+                        "equal plain greedy decoding; acceptance statistics on stderr / in --json (default: 0, off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
@@ -297,7 +302,8 @@ def run(args) -> int:
         out = model.generate(chat_texts or prompts, args.max_new_tokens, prefill_chunk=args.prefill_chunk,
                              progress=progress, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, seed=args.seed, eos_token_id=eos,
-                             on_token=(lambda i, t: streamer(i, t)) if streamer is not None else None)
+                             on_token=(lambda i, t: streamer(i, t)) if streamer is not None else None,
+                             speculative_tokens=args.speculative_tokens)
         if streamer is not None:
             streamer.close()
         t_gen = time.perf_counter() - t1
@@ -320,7 +326,7 @@ def run(args) -> int:
                     "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                  "seed": args.seed}, "load_s": round(t_load, 3),
                     "generate_s": round(t_gen, 3), "cache_bytes": model.cache.bytes_report(),
-                    "graphs": model.graph_status() or "on"})
+                    "graphs": model.graph_status() or "on", "speculation": out.speculation})
     else:
         for i, (p, o) in enumerate(zip(prompts, out) if streamer is None else ()):   # streamed: shown already
             if isinstance(p, str):
@@ -335,6 +341,12 @@ def run(args) -> int:
         mib = model.cache.bytes_report()["total"] / 2**20
         print(f"{n} tokens in {t_gen:.2f}s (load {t_load:.2f}s; state pools {mib:.1f} MiB; "
               f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() != 1 else ''})", file=sys.stderr)
+        sp = out.speculation
+        if sp is not None:
+            mal = "n/a" if sp["mean_acceptance_length"] is None else f"{sp['mean_acceptance_length']:.2f}"
+            per = ", ".join("n/a" if r["rate"] is None else f"{r['rate']:.2f}" for r in sp["per_position"])
+            print(f"speculation: k={sp['speculative_tokens']}, {sp['rounds']} verification rounds, mean acceptance "
+                  f"length {mal}, acceptance per draft position: {per}", file=sys.stderr)
     summary = model.ops.verify_summary() if hasattr(model.ops, "verify_summary") else None
     if summary is not None:
         diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())

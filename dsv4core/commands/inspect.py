@@ -72,7 +72,11 @@ def run(args) -> int:
           f"{_size(info['size_bytes'])}; largest shard {info['largest_shard']['file']} "
           f"({_size(info['largest_shard']['bytes'])})")
     print(f"tensors:     {info['tensors']}")
-    print(f"parameters:  {info['parameters']:,} (+ {info['mtp_parameters']:,} in mtp.*, not loaded)")
+    mtp = info["mtp"]
+    print(f"parameters:  {info['parameters']:,} (+ {info['mtp_parameters']:,} in mtp.*)")
+    print(f"mtp:         " + (f"1 MTP block, {mtp['parameters']:,} parameters (loaded; speculative decoding: "
+                              f"generate --speculative-tokens K)" if mtp["loaded"]
+                              else f"not loaded: {mtp['speculation_unavailable']}"))
     fp8 = ", ".join(f"{n} with {d} scales" for d, n in q["fp8_block_scaled_weights"].items()) or "none"
     fp4 = ", ".join(f"{n} with {d} scales" for d, n in q["fp4_packed_weights"].items()) or "none"
     print(f"FP8 128x128: {fp8}")

@@ -48,8 +48,13 @@ TINY_CONFIG: dict[str, Any] = dict(
 TINY_OFFICIAL_CONFIG: dict[str, Any] = dict(
     TINY_CONFIG, hidden_size=128, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=64,
     moe_intermediate_size=128, index_n_heads=4, index_head_dim=64)
+#: "tiny-mtp" / "tiny-official-mtp": the tiny models with an MTP block (num_nextn_predict_layers
+#: = 1) for speculative decoding; their main weights equal "tiny"'s / "tiny-official"'s.
+TINY_MTP_CONFIG: dict[str, Any] = dict(TINY_CONFIG, num_nextn_predict_layers=1)
+TINY_OFFICIAL_MTP_CONFIG: dict[str, Any] = dict(TINY_OFFICIAL_CONFIG, num_nextn_predict_layers=1)
 #: the built-in models by name: (config, the numerics "auto" means for it)
-BUILT_IN = {"tiny": (TINY_CONFIG, "exact"), "tiny-official": (TINY_OFFICIAL_CONFIG, "official")}
+BUILT_IN = {"tiny": (TINY_CONFIG, "exact"), "tiny-official": (TINY_OFFICIAL_CONFIG, "official"),
+            "tiny-mtp": (TINY_MTP_CONFIG, "exact"), "tiny-official-mtp": (TINY_OFFICIAL_MTP_CONFIG, "official")}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype) -> torch.dtype:
@@ -118,7 +123,10 @@ def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: t
                numerics: str = "auto", allow_nonfinite: bool = False) -> DSV4ForCausalLM:
     """Load a DSV4 model: a checkpoint directory (transformers or official format), `"tiny"` (the
     built-in tiny DSV4, exact numerics) or `"tiny-official"` (its variant whose dims carry the
-    official numerics, which it computes by default).
+    official numerics, which it computes by default); `"tiny-mtp"` / `"tiny-official-mtp"`: the
+    same with an MTP block. A checkpoint's MTP block (`mtp.*` tensors, and the config's
+    num_nextn_predict_layers = 1) is loaded too (`model.has_mtp`; speculative decoding), else
+    `model.speculation_why` says why there is none.
 
     backend: HAL backend name or "auto" (the available backend for the device with the highest
     priority, falling back per op to the reference); default (None): env DSV4CORE_BACKEND, else
@@ -182,8 +190,12 @@ def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: t
     dt = resolve_dtype(dtype, stored)
     ops = _bind(dev, backend, verify)
     par = _setup_parallel(cfg, tp, ep, ops=ops, device=dev)
+    mtp = None if ckpt.has_mtp else False      # the MTP block only where the checkpoint holds it
     with torch.device("meta"):
-        model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par)   # this rank's shapes
+        model = DSV4ForCausalLM(cfg, ops, dtype=dt, parallel=par, mtp=mtp)   # this rank's shapes
+    if mtp is False and cfg.num_nextn_predict_layers and par.world == 1:
+        model.speculation_why = (f"the config declares an MTP layer (num_nextn_predict_layers = "
+                                 f"{cfg.num_nextn_predict_layers}) but the checkpoint has no mtp.* tensors")
     decisions = fp8.plan(model, ops, quantized, fp8.checkpoint_fp8_weights(ckpt), dt, dev)
     fp8.apply(model, decisions)  # kept projections get FP8 (+ scale) parameters: the loader fills them raw
     formats = experts_quant.checkpoint_expert_formats(ckpt)

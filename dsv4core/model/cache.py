@@ -165,9 +165,14 @@ class RequestState:
     """A request's handle: a slot of the cache plus its block tables; `length` tokens consumed.
 
     `fork()` shares the prefix (copy-on-write), `truncate(n)` rolls back to the first n tokens,
-    `release()` frees everything (also done when the handle is garbage-collected)."""
+    `release()` frees everything (also done when the handle is garbage-collected).
+    `mtp_length`: None, or (a request that tracks a model's MTP block, whose state is one more
+    layer of the cache, advanced after the main layers by `mtp_draft`) how many of the first
+    positions the MTP block's rows hold (<= length). Window blocks stay held until the MTP rows
+    caught up with them too."""
 
-    __slots__ = ("cache", "slot", "length", "win_lo", "ring_hi", "released", "__weakref__", "_finalizer")
+    __slots__ = ("cache", "slot", "length", "win_lo", "ring_hi", "released", "mtp_length", "__weakref__",
+                 "_finalizer")
 
     def __init__(self, cache: "KVCache", slot: int) -> None:
         self.cache, self.slot = cache, slot
@@ -175,6 +180,7 @@ class RequestState:
         self.win_lo = 0       # lowest position whose window block is still held
         self.ring_hi = 0      # highest length reached since the slot was taken (ring high-water mark)
         self.released = False
+        self.mtp_length: int | None = None
         self._finalizer = weakref.finalize(self, KVCache._free_slot_rows, weakref.ref(cache), slot)
 
     def _alive(self, what: str) -> None:
@@ -238,8 +244,9 @@ class StepPlan:
             st.length = E
             if E > st.ring_hi:
                 st.ring_hi = E
-            if (E - keep) // Bw > st.win_lo // Bw:     # a window block fell out of reach
-                c._free_window_below(st, E)
+            F = E if st.mtp_length is None else min(E, st.mtp_length)    # the MTP rows lag the others
+            if (F - keep) // Bw > st.win_lo // Bw:     # a window block fell out of reach
+                c._free_window_below(st, F)
         for _, _, _, old, _, pool in self.undo:     # the copied-from shared blocks: one holder less
             if old:
                 pool.decref(old)
@@ -471,12 +478,16 @@ class KVCache:
         return nw * wb + nc * cb + ring
 
     # ------------------------------------------------------------------ requests
-    def new_request(self) -> RequestState:
+    def new_request(self, track_mtp: bool = False) -> RequestState:
+        """A request in a free slot; `track_mtp`: it tracks the MTP block's rows (the cache's last
+        layer; `RequestState.mtp_length` starts at 0)."""
         if not self.free_slots:
             raise PoolFullError(f"no free request slot: all {self.cc.max_requests} are in use "
                                 f"(release finished requests, or build the cache with a larger max_requests)")
         slot = self.free_slots.pop()
         st = RequestState(self, slot)
+        if track_mtp:
+            st.mtp_length = 0
         self.live[slot] = weakref.ref(st)
         return st
 
@@ -513,6 +524,7 @@ class KVCache:
             for ring in rings.values():
                 ring[t * cap:(t + 1) * cap] = ring[s * cap:(s + 1) * cap]
         child.length, child.win_lo, child.ring_hi = st.length, st.win_lo, st.ring_hi
+        child.mtp_length = st.mtp_length
         self._touch(t)
         return child
 
@@ -552,12 +564,17 @@ class KVCache:
                 pool.decref(b)
             tail[:] = 0
         st.length = n
+        if st.mtp_length is not None:
+            st.mtp_length = min(st.mtp_length, n)
         self._touch(st.slot)
 
     # ------------------------------------------------------------------ steps
-    def prepare(self, states: list[RequestState], counts) -> StepPlan:
+    def prepare(self, states: list[RequestState], counts, starts=None) -> StepPlan:
         """Stage the blocks a step writes (allocate, or copy-on-write a shared one): `counts[k]`
         new tokens for `states[k]`. Raises PoolFullError / CacheError with nothing changed.
+        `starts[k]` (default the request's length): the first position written, at most the
+        length; positions below it rewrite rows of the request's own blocks (a layer run after
+        the others, e.g. the MTP block); the length becomes max(length, start + count).
         Vectorised over the requests: only the blocks that need an allocation are visited one
         by one (in decode, a request crossing a block boundary)."""
         states = list(states)
@@ -567,7 +584,15 @@ class KVCache:
                 st._alive("step")
             slots[k], lens[k] = st.slot, st.length
         n = np.asarray(counts, dtype=np.int64).reshape(-1)
-        E = lens + n
+        if starts is not None:
+            first = np.asarray(starts, dtype=np.int64).reshape(-1)
+            if first.shape != lens.shape or (first > lens).any() or (first < 0).any():
+                raise CacheError(f"prepare: starts {first.tolist()[:8]} must be one position per request, "
+                                 f"0 <= start <= length {lens.tolist()[:8]}")
+            E = np.maximum(lens, first + n)
+            lens, stop = first, first + n
+        else:
+            E = stop = lens + n
         if E.size and int(E.max()) > self.max_request_tokens:
             k = int(np.argmax(E))
             raise CacheError(f"request (slot {int(slots[k])}): length {int(E[k])} exceeds the cache's "
@@ -575,13 +600,13 @@ class KVCache:
         plan = StepPlan(self, states, slots, E)
         act = n > 0
         if not act.all():
-            slots, lens, E = slots[act], lens[act], E[act]
+            slots, lens, stop = slots[act], lens[act], stop[act]
         try:
             self._stage(plan, self.window_table, self.win_pool, slots, lens // self.window_block,
-                        (E - 1) // self.window_block, self._copy_window_block)
+                        (stop - 1) // self.window_block, self._copy_window_block)
             if self.ratios:
                 self._stage(plan, self.comp_table, self.comp_pool, slots, lens // self.block_tokens,
-                            (E - 1) // self.block_tokens, self._copy_comp_block)
+                            (stop - 1) // self.block_tokens, self._copy_comp_block)
         except Exception:
             plan.rollback()
             raise

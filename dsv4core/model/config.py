@@ -136,6 +136,8 @@ class DSV4Config(BaseModel):
     index_head_dim: int = Field(default=128, gt=0)
     index_topk: int = Field(default=512, gt=0)
     rms_norm_eps: float = Field(default=1e-6, gt=0)
+    #: multi-token-prediction ("NextN") layers after the main ones (0 or 1; `mtp.0.*` weights)
+    num_nextn_predict_layers: int = Field(default=0, ge=0, le=1)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
@@ -209,6 +211,16 @@ class DSV4Config(BaseModel):
         t = self.layer_types[layer]
         return 0 if t == SLIDING else int(self.compress_rates[t])
 
+    def with_mtp_layer(self) -> "DSV4Config":
+        """This config with the MTP block as one more layer (index `num_hidden_layers`): sliding-window
+        attention only (the official `compress_ratios` entry for it is 0) and a top-k (non-hash)
+        MoE. The MTP block and its state (one more layer of the cache) are built from it."""
+        if not self.num_nextn_predict_layers:
+            raise ValueError("with_mtp_layer: the config declares no MTP layer (num_nextn_predict_layers = 0)")
+        return self.model_copy(update=dict(
+            num_hidden_layers=self.num_hidden_layers + 1, layer_types=[*self.layer_types, SLIDING],
+            mlp_layer_types=[*self.mlp_layer_types, MOE], num_nextn_predict_layers=0))
+
     def rope_kind(self, layer: int) -> str:
         """'main' for sliding-only layers, 'compress' for CSA / HCA layers (SPEC.md section 1)."""
         return "main" if self.layer_types[layer] == SLIDING else "compress"
@@ -257,6 +269,8 @@ class DSV4Config(BaseModel):
                 "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps", "tie_word_embeddings",
                 "bos_token_id", "eos_token_id", "pad_token_id")
         out = {k: getattr(self, k) for k in keys}
+        if self.num_nextn_predict_layers:
+            out["num_nextn_predict_layers"] = self.num_nextn_predict_layers
         out.update(model_type="deepseek_v4", layer_types=list(self.layer_types),
                    mlp_layer_types=list(self.mlp_layer_types), compress_rates=dict(self.compress_rates),
                    rope_theta=self.rope_main.theta, compress_rope_theta=self.rope_compress.theta,
@@ -297,6 +311,7 @@ def _normalise(d: dict[str, Any]) -> dict[str, Any]:
         v = _int(kw[k], k)
         if v <= 0 or v > SIZE_LIMITS[k]:
             raise ConfigError(f"{k} must be an integer in 1..{SIZE_LIMITS[k]}; got {v}")
+    kw["num_nextn_predict_layers"] = _int(d.get("num_nextn_predict_layers") or 0, "num_nextn_predict_layers")
     n = kw["num_hidden_layers"]
 
     # --- compression rates and the attention schedule

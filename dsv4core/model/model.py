@@ -19,7 +19,7 @@ from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .inputs import DeviceTokens, InputError, _host_long, eos_ids, token_ids
-from .modules import FP32, DecoderLayer, HyperHead, OpsRef, RMSNorm
+from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, OpsRef, RMSNorm
 from .step import Step
 from .parallel import SINGLE, Parallel
 
@@ -28,7 +28,8 @@ _ZERO = np.zeros(1, dtype=np.int64)
 
 
 class DSV4Model(nn.Module):
-    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE,
+                 mtp: bool = False) -> None:
         super().__init__()
         v0, v1 = par.vocab(cfg)
         self.embed_tokens = nn.Embedding(v1 - v0, cfg.hidden_size, dtype=dtype)
@@ -36,6 +37,8 @@ class DSV4Model(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, ops, par) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.hc_head = HyperHead(cfg, ops)
+        #: the multi-token-prediction block (`model.mtp.0.*`; empty when the model has none)
+        self.mtp = nn.ModuleList([MTPLayer(cfg.with_mtp_layer(), cfg.num_hidden_layers, dtype, ops, par)] if mtp else [])
 
 
 #: Decode batch sizes recorded as device graphs (a batch is padded up to the next one).
@@ -53,16 +56,30 @@ class DSV4ForCausalLM(nn.Module):
     `parallel` (`dsv4core.model.parallel.Parallel`, from `parallel.setup`): this rank's place
     in a tensor x expert parallel layout; its parameters are then this rank's slices (same
     names, smaller shapes: `parallel.shard_state_dict`) and every rank runs the same steps on
-    the same inputs, getting the same full logits."""
+    the same inputs, getting the same full logits.
+
+    `mtp`: build the multi-token-prediction block (`model.model.mtp[0]`, used by speculative
+    decoding, `dsv4core.model.speculative`): None = when the config declares one
+    (num_nextn_predict_layers = 1) and the model is not split over ranks; False = never.
+    `speculation_why` says why a model has none ('' when it has one)."""
 
     def __init__(self, config: DSV4Config, ops=None, *, dtype: torch.dtype = torch.float32,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None, mtp: bool | None = None) -> None:
         super().__init__()
         self.config = config
         self.act_dtype = dtype
         self.parallel = par = parallel if parallel is not None else SINGLE
         self._ops = OpsRef(ops)
-        self.model = DSV4Model(config, dtype, self._ops, par)
+        if not config.num_nextn_predict_layers:
+            why = "the model's config declares no MTP layer (num_nextn_predict_layers = 0)"
+        elif par.world > 1:
+            why = f"the MTP layer is not built for a model split over {par.world} ranks (tp / ep)"
+        elif mtp is False:
+            why = "the MTP layer was not built (mtp=False)"
+        else:
+            why = ""
+        self.speculation_why = why
+        self.model = DSV4Model(config, dtype, self._ops, par, mtp=not why)
         v0, v1 = par.vocab(config)
         self.lm_head = nn.Linear(config.hidden_size, v1 - v0, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
@@ -121,6 +138,17 @@ class DSV4ForCausalLM(nn.Module):
             self._inv_freq[key] = {k: self.config.inv_freq(k, device) for k in ("main", "compress")}
         return self._inv_freq[key]
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model has its multi-token-prediction block (speculative decoding)."""
+        return len(self.model.mtp) > 0
+
+    @property
+    def cache_layers(self) -> DSV4Config:
+        """The layers the cache holds state for: the config's, plus the MTP block as one more
+        sliding-window layer when the model has it (`DSV4Config.with_mtp_layer`)."""
+        return self.config.with_mtp_layer() if self.has_mtp else self.config
+
     # ------------------------------------------------------------------ state
     def configure_cache(self, cache_config: CacheConfig | None = None, **kwargs) -> KVCache:
         """Build the model's cache (all request state) with `CacheConfig(**kwargs)` or the given
@@ -129,7 +157,7 @@ class DSV4ForCausalLM(nn.Module):
             raise CacheError(f"configure_cache: {len(self._cache.live)} request(s) still live in the current cache; "
                              f"release them first")
         cc = cache_config if cache_config is not None else CacheConfig(**kwargs)
-        cache = KVCache(self.config, self.act_dtype, self.device, cc)
+        cache = KVCache(self.cache_layers, self.act_dtype, self.device, cc)
         cache.check_numerics(self.numerics)
         self._cache = cache
         self._graphs = None
@@ -142,9 +170,12 @@ class DSV4ForCausalLM(nn.Module):
             self.configure_cache()
         return self._cache
 
-    def new_state(self) -> RequestState:
-        """A new request backed by the cache's pools (release it when done, or drop it)."""
-        return self.cache.new_request()
+    def new_state(self, mtp: bool = False) -> RequestState:
+        """A new request backed by the cache's pools (release it when done, or drop it). `mtp`:
+        it also tracks the MTP block's state (speculative decoding: `mtp_draft`)."""
+        if mtp and not self.has_mtp:
+            raise InputError(f"new_state(mtp=True): speculative decoding is unavailable: {self.speculation_why}")
+        return self.cache.new_request(track_mtp=mtp)
 
     def graph_status(self) -> str:
         """'' when decode steps are recorded as device graphs and replayed, else why they run
@@ -219,7 +250,8 @@ class DSV4ForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, request_ids: torch.Tensor,
-                      states: Sequence[RequestState], logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      states: Sequence[RequestState], logits_rows: torch.Tensor | None = None,
+                      hidden_rows: torch.Tensor | None = None):
         """One step over flattened tokens.
 
         input_ids, positions, request_ids: [T] int64 (input_ids may also be `DeviceTokens`, from
@@ -230,6 +262,9 @@ class DSV4ForCausalLM(nn.Module):
         logits [len(logits_rows), vocab]. Everything is validated on host metadata before the
         forward; a step that raises (bad input, full pool, an op error) leaves every request as
         it was. Decode steps (one token per request) replay a recorded device graph when possible.
+        hidden_rows: rows (as logits_rows) whose residual stream before the hc_head [N, hc_mult,
+        hidden] (the MTP block's input, `mtp_draft`) is returned too: then (logits, hidden); such
+        a step runs eagerly.
         """
         if isinstance(input_ids, DeviceTokens):
             if input_ids.vocab != self.config.vocab_size or input_ids.tensor.device != self.device:
@@ -255,12 +290,21 @@ class DSV4ForCausalLM(nn.Module):
             rows = _host_long(logits_rows, "logits_rows")
             if rows.size and (int(rows.min()) < -T or int(rows.max()) >= T):
                 raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows.tolist()[:8]}")
+        hrows = None
+        if hidden_rows is not None:
+            hrows = _host_long(hidden_rows, "hidden_rows")
+            if hrows.size and (int(hrows.min()) < -T or int(hrows.max()) >= T):
+                raise InputError(f"hidden_rows must index the {T} flattened tokens; got {hrows.tolist()[:8]}")
         if T == 0:
             if pos.shape[0] or rid.shape[0]:
                 raise InputError(f"input_ids (0), positions ({pos.shape[0]}) and request_ids "
                                  f"({rid.shape[0]}) must have the same length")
             n = 0 if rows is None else rows.size
-            return torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            out = torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            if hrows is None:
+                return out
+            H = self.config.hidden_size
+            return out, torch.zeros(hrows.size, self.config.hc_mult, H, dtype=self.act_dtype, device=self.device)
         starts, counts, seg_states, start_len = self._segments(T, None if isinstance(ids, torch.Tensor) else ids,
                                                                pos, rid, states)
         cache = self.cache
@@ -268,21 +312,27 @@ class DSV4ForCausalLM(nn.Module):
         try:
             cache.sync_tables()
             logits = None
-            if starts.size == T and not self.graph_status():     # decode: one token a request
+            if starts.size == T and hrows is None and not self.graph_status():     # decode: one token a request
                 if self._graphs is None:
                     self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
                 logits = self._graphs.run(ids, pos, plan.slots, rows)
             if logits is None:                        # prefill / mixed steps, or no graph for this batch
-                logits = self._eager(ids, pos, counts, plan.slots, start_len, rows)
+                logits = self._eager(ids, pos, counts, plan.slots, start_len, rows, hrows)
         except BaseException:
             plan.rollback()
             raise
         plan.commit()
         return logits
 
-    def _eager(self, ids, pos, counts, slots, start_len, rows) -> torch.Tensor:
+    def _eager(self, ids, pos, counts, slots, start_len, rows, hrows=None):
         """Build the step's metadata on the host (numpy), copy it to the device once (queued), run
         the layers. ids: host numpy, or a device tensor (`DeviceTokens`), used as it is."""
+        step, (r, h) = self._make_step(ids, pos, counts, slots, start_len, (rows, hrows))
+        return self._forward(step, r, h)
+
+    def _make_step(self, ids, pos, counts, slots, start_len, extra=()):
+        """The eager step over host metadata, and the host int64 vectors `extra` (None: absent)
+        on the device, copied with the step's metadata."""
         cache, dev = self.cache, self.device
         T = ids.shape[0]
         end_len = start_len + counts
@@ -295,25 +345,30 @@ class DSV4ForCausalLM(nn.Module):
         ring_tok = np.flatnonzero(pos >= end - max(caps)) if caps else _ZERO[:0]
         widths = {m: int(end_len.max()) // m for m in cache.ratios}
         on_dev = isinstance(ids, torch.Tensor)
-        parts = ([] if on_dev else [ids]) + [pos, slot, start, end, ring_tok, *emit] + ([rows] if rows is not None else [])
+        more = [e for e in extra if e is not None]
+        parts = ([] if on_dev else [ids]) + [pos, slot, start, end, ring_tok, *emit] + more
         packed = cache.uploads.to_device(np.concatenate(parts))    # one host->device copy per step
         v = torch.split(packed, [p.shape[0] for p in parts])
         if on_dev:
             v = (ids, *v)
+        got = iter(v[len(v) - len(more):])
+        extra_dev = [None if e is None else next(got) for e in extra]
         # every eager step keeps the ring rows it replaces (keep_ring_rows): even a one-token step
         # overwrites position start - cap, which a truncation to `truncate_limit` may read again
         step = Step(cache=cache, input_ids=v[0], positions=v[1], slot=v[2], start=v[3], end=v[4], pad=None,
                     ring_tok=v[5], emit_tok=dict(zip(cache.ratios, v[6:6 + len(cache.ratios)])), widths=widths,
                     inv_freq=self._freqs(dev), decode=counts.size == T)
-        return self._forward(step, v[-1] if rows is not None else None)
+        return step, extra_dev
 
-    def _forward(self, step: Step, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The layers over a prepared step; the deferred compressor-ring writes last."""
+    def _forward(self, step: Step, rows: torch.Tensor | None = None, hrows: torch.Tensor | None = None):
+        """The layers over a prepared step; the deferred compressor-ring writes last. With `hrows`
+        (rows of the step): (logits, the residual stream of those rows before the hc_head)."""
         T, n = step.num_tokens, self.config.hc_mult
         h = self._embed(step.input_ids)
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
         for layer in self.model.layers:
             X = layer(X, step)
+        hidden = X[hrows] if hrows is not None else None
         if rows is not None:
             X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
@@ -334,7 +389,7 @@ class DSV4ForCausalLM(nn.Module):
             raise
         finally:
             step.deferred.clear()
-        return logits
+        return logits if hrows is None else (logits, hidden)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup (glue). Vocabulary-parallel: rows of this rank's vocabulary chunk,
@@ -410,7 +465,8 @@ class DSV4ForCausalLM(nn.Module):
                  eos_token_id: int | Sequence[int] | None = None, prefill_chunk: int | None = None,
                  progress: Callable[[int, int], None] | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                 on_token: Callable[[int, int], None] | None = None, speculative_tokens: int = 0,
+                 proposer=None) -> list[list[int]]:
         """Generation with continuous batching: every step is one forward over the decode
         tokens of the running requests plus prefill chunks (at most `prefill_chunk` tokens of a
         prompt per step; default the cache's max_step_tokens) of newly admitted ones. Requests are
@@ -422,8 +478,16 @@ class DSV4ForCausalLM(nn.Module):
         (temperature 0, the default) or drawn with temperature / top_k / top_p from a generator
         seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits).
         `on_token(i, token)` is called for each new token of prompt i as the host reads it (in
-        order per prompt): streaming."""
+        order per prompt): streaming.
+
+        speculative_tokens = k >= 1: speculative decoding (greedy only; `dsv4core.model.speculative`):
+        each step verifies, for every decoding request, k tokens drafted by `proposer` (default
+        the model's MTP block, `MTPProposer`) in one `forward_batch` of 1 + k tokens a request and
+        rolls back the rejected ones; the tokens equal plain greedy decoding. k is at most the
+        cache's max_rollback. The result (a list, `speculative.Generation`) then carries the
+        acceptance statistics in `.speculation` (mean acceptance length, per position)."""
         from .sampling import SamplingParams, make_generator
+        from .speculative import Generation, MTPProposer
 
         try:
             sampling = SamplingParams(temperature, top_p, top_k, seed)
@@ -453,22 +517,51 @@ class DSV4ForCausalLM(nn.Module):
             if len(p) + max_new_tokens > maxpos:
                 raise InputError(f"prompt {i}: {len(p)} prompt + {max_new_tokens} new tokens exceeds "
                                  f"max_position_embeddings={maxpos}")
-        out: list[list[int]] = [[] for _ in prompts]
+        if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+            raise InputError(f"speculative_tokens must be an int >= 0; got {speculative_tokens!r}")
+        if proposer is not None and not speculative_tokens:
+            raise InputError("generate: a proposer is given but speculative_tokens = 0")
+        if speculative_tokens:
+            if not sampling.greedy:
+                raise InputError(f"generate: speculative decoding is greedy only (temperature 0); got "
+                                 f"temperature={temperature}")
+            proposer = proposer if proposer is not None else MTPProposer()
+            proposer.check(self)
+        out = Generation([] for _ in prompts)
         if not prompts or max_new_tokens == 0:
             return out
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise InputError(f"prefill_chunk must be an int >= 1; got {prefill_chunk!r}")
         cache = self._cache_for([len(p) + max_new_tokens for p in prompts])
         from .scheduler import Scheduler
+        from .speculative import SpeculativeScheduler
 
-        sched = Scheduler(self, cache, prompts, max_new_tokens, eos,
-                           min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens), progress,
-                           sampling, make_generator(sampling, self.device), on_token)
+        chunk = min(prefill_chunk or cache.cc.max_step_tokens, cache.cc.max_step_tokens)
+        if speculative_tokens:
+            if speculative_tokens > cache.cc.max_rollback:
+                raise InputError(f"speculative_tokens={speculative_tokens} exceeds the cache's max_rollback="
+                                 f"{cache.cc.max_rollback} (how far a request can be rolled back)")
+            if on_token is not None:
+                raise InputError("generate: on_token (streaming) is not supported with speculative_tokens")
+            sched = SpeculativeScheduler(self, cache, prompts, max_new_tokens, eos, chunk, progress,
+                                         proposer, speculative_tokens)
+        else:
+            sched = Scheduler(self, cache, prompts, max_new_tokens, eos, chunk, progress,
+                              sampling, make_generator(sampling, self.device), on_token)
         try:
             sched.run(out)
         finally:
             sched.release_all()
+        if speculative_tokens:
+            out.speculation = sched.stats.as_dict()
         return out
+
+    def mtp_draft(self, states, tokens, hidden, k):
+        """The MTP block's draft call (`dsv4core.model.speculative.mtp_draft`): advance each
+        request's MTP state to its length and draft k tokens."""
+        from .speculative import mtp_draft
+
+        return mtp_draft(self, states, tokens, hidden, k)
 
 
     def _encode(self, p, i: int) -> list[int]:

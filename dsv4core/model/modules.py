@@ -563,4 +563,40 @@ class DecoderLayer(nn.Module):
         return ops.hc_post(f, X, post, comb)
 
 
-__all__ = ["OpsRef", "DecoderLayer", "HyperHead", "RMSNorm", "SLIDING"]
+class MTPLayer(DecoderLayer):
+    """The multi-token-prediction ("NextN") block of DeepSeek-V4 (the official `MTPBlock`): a full
+    decoder layer (its own attention, MoE and mHC) at layer index `num_hidden_layers`, built from
+    `DSV4Config.with_mtp_layer()` (sliding-window attention, top-k MoE), plus `e_proj`, `h_proj`
+    (H x H), `enorm`, `hnorm`, `norm` and its own `hc_head`. The embedding and the lm_head are the
+    main model's.
+
+        X = e_proj(enorm(embed(token)))  (broadcast over the hc streams)  + h_proj(hnorm(h))
+        X = layer(X);  logits = lm_head(norm(hc_head(X)))
+
+    `h` [T, hc, H] is the main model's residual stream before its hc_head at the position of
+    the token before `token` (or, drafting further, this block's own X there)."""
+
+    def __init__(self, cfg: DSV4Config, layer: int, dtype: torch.dtype, ops: OpsRef, par: Parallel = SINGLE) -> None:
+        super().__init__(cfg, layer, dtype, ops, par)
+        H = cfg.hidden_size
+        self.e_proj = Linear(H, H, dtype, ops)
+        self.h_proj = Linear(H, H, dtype, ops)
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps, ops)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, ops)
+        self.hc_head = HyperHead(cfg, ops)
+
+    def forward(self, e: torch.Tensor, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """e [T, H]: the embeddings of the step's tokens; h [T, hc, H]: the stream they continue.
+        Returns this block's stream [T, hc, H] (before its hc_head)."""
+        T, n, H = h.shape
+        x = self.e_proj(self.enorm(e))
+        hp = self.h_proj(self.hnorm(h.reshape(T * n, H))).view(T, n, H)
+        return super().forward(hp + x.unsqueeze(1), step)
+
+    def head(self, X: torch.Tensor) -> torch.Tensor:
+        """[T, H]: the block's stream collapsed by its own hc_head, then its norm (lm_head next)."""
+        return self.norm(self.hc_head(X))
+
+
+__all__ = ["OpsRef", "DecoderLayer", "HyperHead", "MTPLayer", "RMSNorm", "SLIDING"]

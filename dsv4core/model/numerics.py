@@ -32,15 +32,19 @@ NUMERICS = ("auto", "exact", "official")
 #: the projections the official inference runs as W8A8 FP8 GEMMs (module paths in a layer)
 _W8A8 = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_b_proj",
          "self_attn.compressor.indexer.q_b_proj")
+#: the MTP block's own W8A8 projections (besides its layer's)
+_MTP_W8A8 = ("e_proj", "h_proj")
 
 
 def w8a8_projections(model) -> list[tuple[str, object]]:
-    """(name, Linear) of every projection the official inference runs as a W8A8 FP8 GEMM. The
-    attention's four are in every layer (a missing one is an error: a renamed module must not
+    """(name, Linear) of every projection the official inference runs as a W8A8 FP8 GEMM (the MTP
+    block's too, with its ``e_proj`` / ``h_proj``). The attention's four are in every layer (a missing one is an error: a renamed module must not
     silently lose its quantisation); the indexer's where the layer has one."""
     out = []
-    for i, layer in enumerate(model.model.layers):
-        for path in _W8A8:
+    layers = [(f"model.layers.{i}", layer) for i, layer in enumerate(model.model.layers)]
+    layers += [(f"model.mtp.{i}", layer) for i, layer in enumerate(getattr(model.model, "mtp", ()))]
+    for prefix, layer in layers:
+        for path in _W8A8 + (_MTP_W8A8 if prefix.startswith("model.mtp.") else ()):
             mod = layer
             for part in path.split("."):
                 mod = getattr(mod, part, None)
@@ -49,8 +53,8 @@ def w8a8_projections(model) -> list[tuple[str, object]]:
             if mod is None:
                 if "indexer" in path:
                     continue
-                raise AttributeError(f"numerics: layer {i} has no {path} (the official W8A8 projections)")
-            out.append((f"model.layers.{i}.{path}", mod))
+                raise AttributeError(f"numerics: {prefix} has no {path} (the official W8A8 projections)")
+            out.append((f"{prefix}.{path}", mod))
     return out
 
 

@@ -26,6 +26,9 @@ class Scheduler:
         self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
         self.done = 0
 
+    def _new_request(self):
+        return self.cache.new_request()
+
     def _blocks(self, i: int) -> int:
         return -(-(len(self.prompts[i]) + self.max_new) // self.cache.block_tokens) if self.cache.ratios else 0
 
@@ -61,7 +64,7 @@ class Scheduler:
                 raise PoolFullError(f"generate: prompt {i} needs {need} compressed blocks, {free_blocks} are free "
                                     f"(live requests outside this call hold the rest)")
             self.waiting.popleft()
-            self.running[i] = [c.new_request(), 0]
+            self.running[i] = [self._new_request(), 0]
             free_blocks -= need
 
     def run(self, out: list[list[int]]) -> None:

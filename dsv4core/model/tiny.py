@@ -19,7 +19,10 @@ def randomize_weights_(module: nn.Module, config: DSV4Config, seed: int = 0) -> 
     def rnd(shape, std, mean=0.0):
         return torch.randn(*shape, generator=g) * std + mean
 
-    for name, t in sorted(list(module.named_parameters()) + list(module.named_buffers())):
+    # the MTP block ("mtp." in the name) last: a model with one gets the same main weights as without
+    named = sorted(list(module.named_parameters()) + list(module.named_buffers()),
+                   key=lambda kv: (".mtp." in f".{kv[0]}", kv[0]))
+    for name, t in named:
         leaf = name.rsplit(".", 1)[-1]
         shape = tuple(t.shape)
         if "rotary" in name or "inv_freq" in name:
