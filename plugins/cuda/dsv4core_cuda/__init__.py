@@ -40,9 +40,7 @@ CUDA_OPS = frozenset(OPS) & passed_ops(VALIDATION, "cuda")
 #: exercise (the kernels declined those cases when it was recorded): a call setting one is declined
 #: here, so the reference serves it, until a record passes it; a kernel tried with ``TRY_ENV``
 #: serves them too.
-UNVALIDATED_ARGS = {"kv_norm_rope": ("nope_quant_block",), "linear": ("act_block",), "moe_experts": ("act_block",),
-                    "sparse_mqa_attention": ("kv_format",), "indexer_scores_rows": ("k_format",),
-                    "cache_store": ("row_format",)}
+UNVALIDATED_ARGS = {"moe_experts": ("act_block",)}
 
 
 def unvalidated_gates(tried: frozenset[str] = frozenset()) -> dict:
