@@ -193,16 +193,12 @@ def test_cuda_serves_only_validated_semantics(monkeypatch):
     import dsv4core_cuda as cu
 
     assert set(cu.UNVALIDATED_ARGS) <= cu.CUDA_OPS            # validated kernels: the gate is what declines
-    assert "indexer_rotate_quant" not in cu.CUDA_OPS          # no record: not served at all
     gates = cu.unvalidated_gates()
-    assert set(gates) == set(cu.UNVALIDATED_ARGS)
-    kv, w, pos, f = torch.randn(2, 128), torch.ones(128), torch.arange(2), torch.ones(32)
-    assert gates["kv_norm_rope"](kv, w, pos, f, 1e-6)
-    assert not gates["kv_norm_rope"](kv, w, pos, f, 1e-6, 64)
-    assert not gates["kv_norm_rope"](kv, w, pos, f, 1e-6, nope_quant_block=64)
-    x, wt = torch.randn(2, 128), torch.randn(8, 128)
-    assert gates["linear"](x, wt) and not gates["linear"](x, wt, None, None, 128)
+    assert set(gates) == set(cu.UNVALIDATED_ARGS) == {"moe_experts"}
+    x = torch.randn(2, 128)
+    assert gates["moe_experts"](x, None, None, None, None, 10.0)
     assert not gates["moe_experts"](x, None, None, None, None, 10.0, act_block=128)
-    env = {cu.TRY_ENV: "kv_norm_rope"}
-    assert cu.tried_args(env) == {"kv_norm_rope"} and cu.tried_ops(env) == frozenset()
-    assert set(cu.unvalidated_gates(cu.tried_args(env))) == {"linear", "moe_experts"}
+    assert not gates["moe_experts"](x, None, None, None, None, 10.0, None, None, 128)
+    env = {cu.TRY_ENV: "moe_experts"}
+    assert cu.tried_args(env) == {"moe_experts"} and cu.tried_ops(env) == frozenset()
+    assert cu.unvalidated_gates(cu.tried_args(env)) == {}
