@@ -4,8 +4,9 @@ bf16 rows vs FP8 / FP4 encoding (DeepSeek-V4-Flash dims: h 64, d 512, nI 64, dI 
 
     python benchmarks/kv_format_bench.py --backend cuda --json out.json
 
-Device time of each call (CUDA events, median of --reps after a warm-up; the pools are larger than
-L2, the gathered rows random), and the bytes a call reads from the pool in each format.
+Device time of each call (10 calls captured in a CUDA graph, replayed --reps times, median; the
+pools are larger than L2, the gathered rows random, so the calls mostly miss L2), and the bytes
+of a row in each format.
 """
 from __future__ import annotations
 
@@ -20,18 +21,29 @@ from dsv4core.hal import bind
 from dsv4core.hal import rowformats as rf
 
 
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
+def timed(fn, reps: int, calls: int = 10) -> float:
+    """Device µs of one call: ``calls`` calls captured in a CUDA graph, the graph replayed ``reps``
+    times (median), so no host launch cost is counted."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):                 # warm-up (Triton JIT) outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
+        out.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(out)
 
 
