@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--pool-rows", type=int, default=1 << 18, help="rows of the KV pool (bf16: 256 MiB at 2^18)")
+    ap.add_argument("--attention-sweep", action="store_true",
+                    help="also the FP8 attention at other (BK, num_stages) launch values")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -81,6 +83,23 @@ def main(argv=None) -> int:
         t_fp4 = timed(lambda: ops.indexer_scores_rows(qi, k_fp4, w, r, dI ** -0.5, k_format="fp4"), a.reps)
         res["rows"].append(dict(op="indexer_scores_rows", T=T, plain_us=t_plain, format_us=t_fp4, format="fp4",
                                 ratio=t_fp4 / t_plain, plain_row_bytes=2 * dI, format_row_bytes=rf.row_bytes("fp4", dI)))
+    if a.attention_sweep:
+        from dsv4core.kernels.triton import attention as attn
+        for T in (1, 8, 64):
+            q = torch.randn(T, h, d, generator=g).to(dev, torch.bfloat16)
+            idx = torch.randint(0, N, (T, K), generator=g, dtype=torch.int32).to(dev)
+            sink = torch.zeros(h, device=dev)
+            for BK, st in ((64, 1), (32, 1), (32, 2), (16, 2), (16, 3)):
+                attn.TUNE.update(BK=BK, num_stages=st)
+                try:
+                    t = timed(lambda: ops.sparse_mqa_attention(q, kv_fp8, idx, sink, d ** -0.5, kv_format="fp8"), a.reps)
+                except Exception as e:  # noqa: BLE001 -- out of shared memory: recorded
+                    t = None
+                    print(f"BK {BK} stages {st}: {type(e).__name__}: {str(e)[:120]}")
+                finally:
+                    attn.TUNE.clear()
+                res["rows"].append(dict(op="sparse_mqa_attention", T=T, format="fp8", BK=BK, num_stages=st, format_us=t))
+                print(f"sweep fp8 attention T={T} BK={BK} stages={st}: {t if t is None else round(t, 1)} us")
     for E in (64, 4096):
         dst = torch.randperm(N, generator=g)[:E].to(dev)
         src = rows[:E].clone()
@@ -92,6 +111,8 @@ def main(argv=None) -> int:
     res["meta"]["served_by"] = {op: str(report.get(op, {}).get("backend", "?"))
                                 for op in ("sparse_mqa_attention", "indexer_scores_rows", "cache_store")}
     for row in res["rows"]:
+        if "plain_us" not in row:
+            continue
         print(f"{row['op']:22s} T={row['T']:<5d} plain {row['plain_us']:8.1f} us   {row['format']} "
               f"{row['format_us']:8.1f} us   x{row['ratio']:.2f}   bytes/row {row['plain_row_bytes']} -> "
               f"{row['format_row_bytes']}")
