@@ -203,7 +203,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
     target = TUNE.get("target", target_programs(device, _CPU_PROGRAMS) // (1 if big else 2))
     BH = TUNE.get("BH", 32 if big else 16)
     nhb = cdiv(NH, BH)
-    bk = 16 if f32 else (32 if big else 64)
+    bk = 16 if f32 else (32 if big or fp8 else 64)    # FP8 rows: BK 32 x 1 stage (H200 sweep below)
     BK = TUNE.get("BK", bk)
     nkb = cdiv(K, BK)
     S = TUNE.get("S")
@@ -223,7 +223,9 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
                          f"block ahead)")
     return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, pipe=pipe,
                 # FP8 rows: one stage (two pipelined byte tiles of [BK, D] take 245 KiB of shared
-                # memory on sm90 at BK 64, over its 227 KiB)
+                # memory on sm90 at BK 64, over its 227 KiB). H200, T = 1 / 8 / 64: BK 32 x 1 stage
+                # 21.6 / 44.8 / 237 us, BK 64 x 1 26.7 / 59.9 / 410, BK 32 x 2 27.9 / 77.4 / 599
+                # (benchmarks/results/h200/2026-12-02_7aa5ae4/bench/kv-formats-flash.json)
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 1 if fp8 else 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
