@@ -225,7 +225,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
                 # FP8 rows: one stage (two pipelined byte tiles of [BK, D] take 245 KiB of shared
                 # memory on sm90 at BK 64, over its 227 KiB). H200, T = 1 / 8 / 64: BK 32 x 1 stage
                 # 21.6 / 44.8 / 237 us, BK 64 x 1 26.7 / 59.9 / 410, BK 32 x 2 27.9 / 77.4 / 599
-                # (benchmarks/results/h200/2026-12-02_7aa5ae4/bench/kv-formats-flash.json)
+                # (benchmarks/results/h200/2026-12-02_16080fe/bench/kv-formats-flash.json)
                 num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 1 if fp8 else 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
