@@ -28,7 +28,8 @@ kv_format="fp8")`` and ``indexer_scores_rows(..., k_format="fp4")`` read it.
 Both stores are lossless for the values the official numerics produce: those are already
 ``fake_quant`` outputs (``kv_norm_rope(..., nope_quant_block=64)``, ``indexer_rotate_quant``), and
 the rule is the identity on its own outputs, so ``unpack(pack(x)) == x`` bit for bit. For any other
-values the store quantises with the rule (lossy). Engines page these rows differently (FlashMLA's
+values the store quantises with the rule (lossy); a NaN or Inf makes its group's scale byte 255,
+which reads back as NaN for the whole group. Engines page these rows differently (FlashMLA's
 page puts a block's data rows first and its scale rows after them); a pool here is row-major, and
 ``split_page`` / ``join_page`` convert one block of rows between the two layouts.
 """
@@ -148,14 +149,20 @@ def split_page(block: torch.Tensor, fmt: str, d: int) -> torch.Tensor:
     (flat ``uint8 [N * row_bytes]``). ``join_page`` is its inverse."""
     if fmt != "fp8":
         raise ValueError(f"split_page: only the 'fp8' KV row has a paged layout, got {fmt!r}")
+    W = row_bytes(fmt, d)
+    if block.dtype != torch.uint8 or block.dim() != 2 or block.shape[1] != W:
+        raise ValueError(f"split_page: a block of 'fp8' rows of d = {d} is uint8 [N, {W}]; "
+                         f"got {block.dtype} {tuple(block.shape)}")
     data_bytes = d + ROPE_DIM
     return torch.cat((block[:, :data_bytes].reshape(-1), block[:, data_bytes:].reshape(-1)))
 
 
 def join_page(page: torch.Tensor, fmt: str, d: int) -> torch.Tensor:
     """The inverse of ``split_page``: a flat page of ``N`` rows -> ``uint8 [N, row_bytes]``."""
+    if fmt != "fp8":
+        raise ValueError(f"join_page: only the 'fp8' KV row has a paged layout, got {fmt!r}")
     W = row_bytes(fmt, d)
-    if fmt != "fp8" or page.numel() % W:
+    if page.numel() % W:
         raise ValueError(f"join_page: an 'fp8' page of d = {d} rows holds a multiple of {W} bytes; "
                          f"got {page.numel()} ({fmt!r})")
     N, data_bytes = page.numel() // W, d + ROPE_DIM
