@@ -463,6 +463,44 @@ def quantized_rows_check(name: str, tol, floor: float, got: torch.Tensor, ref: t
     return Check(name, "max_rel_rows", float(eb[worst]), float(er[worst]), float(bound[worst]), ok, detail)
 
 
+def _moved_code_allowance(spec, kw: dict):
+    """The error a legal computation may add per output value by moving quantised intermediate values
+    to neighbouring codes (float64, the output's shape, absolute), or None: for ops whose quantised
+    values are computed inside the op from fp32 intermediates (the official expert math:
+    ``moe.moved_code_allowance``)."""
+    if spec.name != "moe_experts":
+        return None
+    from .ops.moe import moved_code_allowance
+
+    return moved_code_allowance(**kw)
+
+
+def moved_codes_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor,
+                      allow: torch.Tensor) -> Check:
+    """``tolerance_check``'s bound (in units of the whole output's max |exact|), plus per value the
+    allowance of its moved codes; every value must be within it."""
+    g, r, e = (t.detach().cpu().to(torch.float64).reshape(max(1, t.shape[0]), -1) for t in (got, ref, exact))
+    if not e.numel():
+        return tolerance_check(name, tol, floor, got, ref, exact)
+    fin = torch.isfinite(e)
+    scale = e[fin].abs().max().item() if fin.any() else 0.0
+    scale = scale if scale > 0 else 1.0
+    zero = torch.zeros_like(e)
+    db = torch.where(fin, (g - e).abs(), zero) / scale           # NaN stays NaN: never within
+    e_r = error(tol.metric, ref, exact)
+    base = tol.k * e_r + floor + (output_rounding(tol.metric, got.dtype, exact) if tol.floor else 0.0)
+    bound = base + allow.detach().cpu().to(torch.float64).reshape(e.shape) / scale
+    within = db <= bound
+    ratio = (db / bound.clamp(min=1e-300)).nan_to_num(float("inf")).reshape(-1)
+    worst = int(ratio.argmax())
+    ok = bool(within.all())
+    moved = int((db > base).sum())
+    detail = (f"{moved} of {e.numel()} values within the allowance of moved codes" if ok else
+              f"{int((~within).sum())} of {e.numel()} values beyond the bound plus the allowance of moved codes "
+              f"(worst: value {worst}, allowance {float(bound.reshape(-1)[worst]) - base:.3g})")
+    return Check(name, "max_rel_moved", float(db.reshape(-1)[worst]), e_r, float(bound.reshape(-1)[worst]), ok, detail)
+
+
 def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
     """The checks of one output ``raw`` of ``spec`` on arguments ``kw`` (by name), given the
     reference's output in the case dtype (``ref``) and the fp64 evaluation (``exact``), both
@@ -494,7 +532,10 @@ def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.d
                 checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                                     "" if ok else "integer output differs from the reference"))
                 continue
-            if tol.quantized_rows and g.dim() and _quantized_call(spec, kw):
+            allow = _moved_code_allowance(spec, kw) if g.dim() else None
+            if allow is not None:
+                checks.append(moved_codes_check(name, tol, floor, g, r, e, allow))
+            elif tol.quantized_rows and g.dim() and _quantized_call(spec, kw):
                 checks.append(quantized_rows_check(name, tol, floor, g, r, e))
             else:
                 checks.append(tolerance_check(name, tol, floor, g, r, e))

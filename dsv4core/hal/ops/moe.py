@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant import (E8M0, FP4_GROUP, FP4_PACKED_DTYPES, OFFICIAL_ACT_DTYPE, fake_quant, quantize_fp4,
+from ..quant import (E8M0, FP4_GROUP, FP4_PACKED_DTYPES, OFFICIAL_ACT_DTYPE, act_scale, fake_quant, quantize_fp4,
                      quantize_fp8_block, scale_to_float32, unpack_fp4)
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
@@ -106,8 +106,9 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, ct: torc
     why="two chained fp32 GEMMs (length H then I) and a k-term weighted sum: more roundings "
         "than linear, ordered freely by grouped kernels; quantised weights are dequantised exactly. "
         "The official math (act_block) rounds gate / up to bf16 and quantises h to e4m3: a legal fp32 "
-        "difference that moves one h code changes one term of an I-term sum, below the output's own "
-        "rounding, so the same bound holds"))
+        "difference can move a fragile h value to a neighbouring code, so each output value may in "
+        "addition be off by the moved codes' effect (moved_code_allowance: from the fp64 evaluation, "
+        "only the values whose code changes within the legal error of g, u and h)"))
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, swiglu_limit: float, w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None, act_block: int | None = None) -> torch.Tensor:
@@ -137,10 +138,63 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
             y = h @ _expert_weight(w2, w2_scale, e, ct).T
             out.index_add_(0, tok, y * weights[tok, slot].to(ct)[:, None])
             continue
-        h = swiglu(gu.to(OFFICIAL_ACT_DTYPE).to(ct), swiglu_limit) * weights[tok, slot].to(ct)[:, None]
-        h = fake_quant(h.to(OFFICIAL_ACT_DTYPE), "fp8", act_block).to(ct)
+        h = _official_h(gu, weights[tok, slot].to(ct), swiglu_limit, act_block, ct)
         out.index_add_(0, tok, h @ _expert_weight(w2, w2_scale, e, ct).T)
     return out.to(x.dtype)
+
+
+def _official_h(gu: torch.Tensor, w: torch.Tensor, limit: float, act_block: int, ct: torch.dtype) -> torch.Tensor:
+    """The official down-projection input of pairs with raw gate / up sums ``gu`` and routing weights
+    ``w``: g and u rounded to bf16, the SwiGLU times the routing weight, rounded to bf16 and
+    fake-quantised per ``act_block`` columns to e4m3 (values in ``ct``)."""
+    h = swiglu(gu.to(OFFICIAL_ACT_DTYPE).to(ct), limit) * w[:, None]
+    return fake_quant(h.to(OFFICIAL_ACT_DTYPE), "fp8", act_block).to(ct)
+
+
+#: the legal error of a fp32 gate / up sum of K products (any summation order, FMA or not), in
+#: standard deviations of a random-walk rounding error: sqrt(K) * 2^-24 * ||products||_2 each
+GU_SIGMAS = 8.0
+#: the legal relative error of h before its bf16 rounding (silu's exp and two products: a few fp32 ulps)
+H_REL = 2.0 ** -20
+
+
+def moved_code_allowance(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None,
+                         act_block=None) -> torch.Tensor | None:
+    """How far a legal computation of the official expert math may be from the fp64 evaluation
+    beyond rounding (float64 [T, H], absolute, per output value; None for exact numerics).
+
+    h is quantised from computed values: g and u are rounded to bf16 and h to e4m3, so two legal
+    fp32 computations (another summation order, another exp) now and then put a value on the other
+    side of a decision boundary, which moves that h value to a neighbouring code. Such a value is
+    *fragile*: its code changes when g and u move by their legal error (GU_SIGMAS random-walk
+    deviations of a fp32 sum) and h by H_REL. Each pair's h is recomputed at the corners of that
+    box; ``delta`` is the largest code change of each value (0 for all but the fragile ones), and
+    output n of token t may move by ``sum over its pairs and columns j of delta * |W2_e[n, j]|``.
+    A wrong computation (a scale off by two, the routing weight after the projection, a missed
+    rounding) moves values that are not fragile and fails."""
+    if act_block is None:
+        return None
+    ct = torch.float64
+    xf = quantized_activation(x.to(ct), act_block, ct)
+    allow = torch.zeros(x.shape, dtype=ct, device=x.device)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        w13e = _expert_weight(w13, w13_scale, e, ct)
+        gu = xf[tok] @ w13e.T
+        eps = GU_SIGMAS * w13e.shape[1] ** 0.5 * 2.0 ** -24 * ((xf[tok] ** 2) @ (w13e ** 2).T).sqrt()
+        w = weights[tok, slot].to(ct)
+        h0 = _official_h(gu, w, swiglu_limit, act_block, ct)
+        delta = torch.zeros_like(h0)
+        g, u = gu.chunk(2, -1)
+        eg, eu = eps.chunk(2, -1)
+        for sg in (-1.0, 1.0):
+            for su in (-1.0, 1.0):
+                for sh in (1.0 - H_REL, 1.0 + H_REL):
+                    h = _official_h(torch.cat((g + sg * eg, u + su * eu), -1), w * sh, swiglu_limit, act_block, ct)
+                    delta = torch.maximum(delta, (h - h0).abs())
+        allow.index_add_(0, tok, delta @ _expert_weight(w2, w2_scale, e, ct).abs().T)
+    return allow
+
 
 
 def _check_expert(d: Dims, arg: str, w, scale, rows: str, cols: str) -> tuple:
