@@ -102,8 +102,8 @@ class DecodeGraphs:
         return (replay, inputs, out, *stream)
 
     def _replay(self, ids, pos, slot, rows=None):
-        """Stage the inputs of B = len(ids) requests in the graph of their bucket and queue its
-        replay: (bucket, graph entry), or None (no bucket, or no graph: the caller runs eagerly)."""
+        """Stage the inputs of B = len(ids) requests in the graph of their bucket (recorded on first
+        use), queued: (bucket, graph entry) to replay, or None (no bucket, or no graph: eager)."""
         B = ids.shape[0]
         b = self.bucket(B)
         if b is None:
