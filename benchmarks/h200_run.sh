@@ -20,6 +20,8 @@
 #   tune    benchmarks/tune_triton.py: launch-config sweeps (TUNE_OPS: comma list of sweep labels; TUNE_SET: a list of
 #           sweeps, default all; FLUSH=read|write)
 #   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes; FLUSH=read|write)
+#   spec    benchmarks/spec_decode_bench.py: decode / verify / MTP draft step costs and the speedup they predict
+#           (flash dims, 4 layers; E2E_WEIGHTS=official as for e2e; SPEC_BATCHES, default 1,2,4,8,16,32)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -107,6 +109,12 @@ bench() {
     timeout ${BENCH_LIMIT:-300} python3 -m dsv4core bench --backend cuda --shapes flash --no-compile --flush ${FLUSH:-read} \
     ${BENCH_OPS:+--ops $BENCH_OPS} --json "$RES/bench/cuda-ops-flash-${FLUSH:-read}-flush.json" --markdown "$RES/bench/cuda-ops-flash-${FLUSH:-read}-flush.md" \
     2>&1 | tail -${BENCH_LINES:-50}
+}
+spec() {
+  local w=${E2E_WEIGHTS:-bf16}
+  timeout ${SPEC_LIMIT:-420} python3 benchmarks/spec_decode_bench.py --device cuda --model flash --layers 4 --backend cuda \
+    --weights "$w" --batches ${SPEC_BATCHES:-1,2,4,8,16,32} --json "$RES/bench/spec-decode-flash-4layers-$w.json" \
+    --markdown "$RES/bench/spec-decode-flash-4layers-$w.md" 2>&1 | tail -30
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

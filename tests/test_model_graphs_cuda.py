@@ -79,3 +79,22 @@ def test_queued_decode_never_waits_for_the_device_and_equals_the_serial_one():
     for s in sts:
         s.release()
     assert torch.equal(torch.stack(out), serial)
+
+
+def test_speculative_generate_replays_draft_graphs():
+    """Speculative generation whose MTP draft steps replay graphs: the tokens of plain greedy
+    decoding (the verifier's guarantee, whatever the drafts), the draft graphs replayed, none of
+    their recordings failed."""
+    model = dsv4core.load_model("tiny-mtp", backend="cuda", device="cuda")
+    model.configure_cache(max_requests=4, max_tokens=8192, max_request_tokens=1024)
+    if model.graph_status():
+        pytest.skip(f"graphs off: {model.graph_status()}")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30, 2, 9)]
+    model.use_graphs = False
+    want = model.generate(prompts, 12)
+    model.use_graphs = True
+    for k in (1, 3):
+        model.configure_cache(max_requests=4, max_tokens=8192, max_request_tokens=1024)
+        got = model.generate(prompts, 12, speculative_tokens=k)
+        assert got == want and got.speculation["rounds"] > 0
+        assert model._graphs.variants["mtp_draft"].replays > 0 and not model.graph_failures()

@@ -393,3 +393,130 @@ def test_cli_generate_speculative_tokens(capsys):
     assert main(["generate", "--model", "tiny", "--backend", "reference", "--input-ids", "3,4",
                  "--speculative-tokens", "1"]) == 2
     assert "speculative decoding is unavailable" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# draft steps as device graphs (the CPU stand-in capture)
+
+
+class _Rerun:
+    """A stand-in graph capture for the CPU: the 'replay' re-runs the recorded function, which reads
+    the static inputs and refills the static outputs (a tensor or a tuple of them), as a device graph would."""
+
+    def __init__(self, fail=None):
+        self.fail, self.recorded = fail, 0
+
+    def new_pool(self, device):
+        return None
+
+    def capture(self, fn, device, pool=None):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.recorded += 1
+        out = fn()
+        outs = out if isinstance(out, tuple) else (out,)
+        return (lambda: [o.copy_(n) for o, n in zip(outs, (lambda r: r if isinstance(r, tuple) else (r,))(fn()))]), out
+
+
+def _pools(m):
+    c = m.cache
+    return [t.clone() for t in c.rows + [k for k in c.keys if k is not None]
+            + [r for rp in c.ring_pairs if rp for r in rp.values()]]
+
+
+class _Keep(MTPProposer):
+    def propose(self, model, batch):
+        self.mtp = getattr(self, "mtp", []) + [super().propose(model, batch)]
+        return self.mtp[-1]
+
+
+class _KeepDrafts(Scripted, _Keep):
+    """Scripted drafts (rounds accepting 0..k), the MTP block's own drafts kept (`mtp`)."""
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_graphs_equal_eager_drafting(k):
+    """Speculative generation with the MTP block's decode-shaped forwards replayed from recorded
+    graphs (bucket padding) gives the MTP drafts, tokens, acceptance statistics and pool contents
+    (every row ever written, bit for bit) of eager drafting; the replays counted are the
+    decode-shaped MTP forwards eager drafting runs. fp64-evaluated ops (`_F64`): a padded bucket
+    computes its rows with other GEMM shapes."""
+    m = load_model("tiny-mtp", backend="reference")
+    m.bind_ops(_F64(m.ops))
+    m.configure_cache(**CC)
+    prompts = [p for p in _prompts() if len(p) in (1, 5, 16, 17, 33)]
+    m.use_graphs = False
+    want = m.generate(prompts, 9)
+    blk, shapes = m.model.mtp[0], []
+
+    def spy(e, h, step):
+        shapes.append(step.decode)
+        return type(blk).forward(blk, e, h, step)
+
+    runs = []
+    for graphs in (False, True):
+        m.configure_cache(**CC)
+        m.use_graphs = graphs
+        if graphs:
+            m._graph_why = ((id(m.ops), m.device), "", _Rerun())
+        sc = _KeepDrafts(prompts, want)
+        blk.forward = spy
+        try:
+            got = m.generate(prompts, 9, speculative_tokens=k, proposer=sc)
+        finally:
+            del blk.forward
+        runs.append((got, got.speculation, sc.mtp, _pools(m), shapes.copy()))
+        shapes.clear()
+    (t0, s0, d0, p0, calls), (t1, s1, d1, p1, _) = runs
+    assert t1 == t0 == want and s1 == s0 and s0["accepted_tokens"] > 0 and d1 == d0
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    g = m._graphs.variants["mtp_draft"]
+    assert g.replays == sum(calls) > 0 and g.eager == 0 and m._graphs.replays == 0
+    assert {key[0] for key in g.graphs} <= {1, 2, 4} and not m.graph_failures()
+
+
+def test_failed_draft_replay_changes_nothing_and_failed_recording_runs_eagerly(spec):
+    """A draft replay that fails (the catch-up's: call 1, a draft past the length: call 2) leaves
+    the request as it was and the retry drafts what eager drafting does; a recording that fails
+    is reported (`graph_failures`) and its steps run eagerly."""
+    ids = torch.randint(2, 256, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    a = spec.new_state(mtp=True)
+    spec.use_graphs = False
+    _, h = spec.forward_batch(torch.tensor(ids[:19]), torch.arange(19), torch.zeros(19, dtype=torch.long), [a],
+                              hidden_rows=torch.arange(19))
+    spec.mtp_draft([a], [ids[1:20]], [h], 0)
+    _, h = spec.forward_batch(torch.tensor(ids[19:20]), torch.tensor([19]), torch.tensor([0]), [a],
+                              hidden_rows=torch.tensor([0]))          # the MTP rows one behind: a one-row catch-up
+    b, c = a.fork(), a.fork()
+    want = spec.mtp_draft([b], [ids[20:]], [h], 3)
+    assert len(want[0]) == 3
+    spec.use_graphs = True
+    for fail_at in (1, 2):
+        spec._graphs = None
+        spec._graph_why = ((id(spec.ops), spec.device), "", _Rerun())
+        f = a.fork()
+        assert spec.mtp_draft([f], [ids[20:]], [h], 3) == want          # records the graph of bucket 1
+        f.release()
+        g = spec._graphs.variants["mtp_draft"]
+        assert g.replays == 3 and list(g.graphs) == [(1, None)]
+        calls = []
+
+        def boom(replay=g.graphs[(1, None)][0]):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("injected replay failure")
+            replay()
+
+        g.graphs[(1, None)] = (boom, *g.graphs[(1, None)][1:])
+        before = _book(spec, [a, c])
+        with pytest.raises(RuntimeError, match="injected"):
+            spec.mtp_draft([a], [ids[20:]], [h], 3)
+        assert len(calls) == fail_at and _same(_book(spec, [a, c]), before)
+    spec._graphs = None
+    assert spec.mtp_draft([a], [ids[20:]], [h], 3) == want and a.mtp_length == 20
+    assert spec._graphs.variants["mtp_draft"].replays == 3
+    spec._graphs = None
+    spec._graph_why = ((id(spec.ops), spec.device), "", _Rerun(fail="no capture here"))
+    assert spec.mtp_draft([c], [ids[20:]], [h], 3) == want
+    assert spec.graph_failures() == {("mtp_draft", 1, None): "RuntimeError: no capture here"}
+    assert spec._graphs.variants["mtp_draft"].eager == 3

@@ -8,6 +8,11 @@ entry tables, so a step over short requests does not pay for the cache's full ca
 write they would make is skipped (-1), so padding never changes state. Warm-up and recording run
 with padding only, which is why recording changes no request either.
 
+Other decode-shaped forwards over the same cache (the MTP block's draft step) are recorded the
+same way by a variant (`DecodeGraphs.variant`): its own forward, one more static input (the
+stream the block continues, [bucket, hc_mult, hidden]), the same buckets, padding rule and memory
+pool.
+
 Backend-neutral: the recording itself comes from the HAL (`dsv4core.hal.graph_capture`: a
 plugin serving the device type provides it), and the model records only when every bound op
 declares itself capturable (`OpTable.capturable()`).
@@ -26,18 +31,40 @@ log = logging.getLogger("dsv4core.model")
 
 
 class DecodeGraphs:
-    """Lazily recorded decode graphs of one model + cache, keyed by bucket size."""
+    """Lazily recorded decode graphs of one model + cache, keyed by bucket size (and context bucket)."""
 
     def __init__(self, model, buckets, capture) -> None:
         self.model, self.capture = model, capture
         self.cache = model.cache
         self.buckets = tuple(sorted({int(b) for b in buckets if int(b) >= 1}))
-        self.graphs: dict[tuple, tuple] = {}   # (bucket, context) -> (replay, static inputs, static logits)
+        self.graphs: dict[tuple, tuple] = {}   # (bucket, context) -> (replay, static inputs, static outputs[, stream])
         self.replays = 0
         self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
         self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why
         self.pool = None                        # the memory these graphs share (made at the first recording)
         self._host: dict[int, np.ndarray] = {}    # bucket -> host values of the static inputs
+        self.forward = lambda step, *stream: model._forward(step)   # what a graph records: the logits
+        self.name, self.root, self.contexts = "decode", self, True
+        self.variants: dict[str, DecodeGraphs] = {}
+
+    def variant(self, name: str, forward, contexts: bool = True) -> "DecodeGraphs":
+        """The graphs (made once per name) of another decode-shaped forward over this cache, sharing
+        this one's memory pool: `forward(step, stream)` -> a tuple of tensors [bucket, ...], `stream`
+        the static input [bucket, hc_mult, hidden] (act dtype); `contexts` False: the forward reads no
+        entry table (sliding-window layers only), one recording per batch bucket."""
+        v = self.variants.get(name)
+        if v is None:
+            v = self.variants[name] = DecodeGraphs(self.model, self.buckets, self.capture)
+            v.forward, v.name, v.root, v.contexts = forward, name, self, contexts
+        return v
+
+    def failures(self) -> dict[tuple, str]:
+        """{(name, bucket, context): why} of every recording that failed, variants included (those
+        steps run eagerly)."""
+        out = {(self.name, *k): why for k, why in self.failed.items()}
+        for v in self.variants.values():
+            out.update(v.failures())
+        return out
 
     def bucket(self, B: int) -> int | None:
         for b in self.buckets:
@@ -61,28 +88,28 @@ class DecodeGraphs:
                     widths={r: (ctx or c.max_request_tokens) // r for r in c.ratios}, inv_freq=m._freqs(inputs.device),
                     decode=True, keep_ring_rows=False)
 
-    def _record(self, b: int, ctx: int):
+    def _record(self, b: int, ctx: int | None):
         # rows: ids, positions, slots, valid (0: padding only while recording), and the logits
-        # rows to return (read after the replay, not by the graph)
-        inputs = torch.zeros(5, b, dtype=torch.int64, device=self.model.device)
-        if self.pool is None:
-            self.pool = self.capture.new_pool(self.model.device)
-        replay, logits = self.capture.capture(lambda: self.model._forward(self._step(inputs, b, ctx)),
-                                              self.model.device, self.pool)
-        return replay, inputs, logits
+        # rows to return (read after the replay, not by the graph); a variant: the stream too
+        m = self.model
+        inputs = torch.zeros(5, b, dtype=torch.int64, device=m.device)
+        stream = () if self.root is self else (
+            torch.zeros(b, m.config.hc_mult, m.config.hidden_size, dtype=m.act_dtype, device=m.device),)
+        if self.root.pool is None:
+            self.root.pool = self.capture.new_pool(m.device)
+        replay, out = self.capture.capture(lambda: self.forward(self._step(inputs, b, ctx), *stream),
+                                           m.device, self.root.pool)
+        return (replay, inputs, out, *stream)
 
-    def run(self, ids, pos, slot, rows=None) -> torch.Tensor | None:
-        """Replay the decode step for B = len(ids) requests (host int64 numpy vectors: positions,
-        slots; ids host numpy too, or a device tensor (`DeviceTokens`) copied on the device;
-        `rows`: the logits rows to return, default all); None when B is larger than the largest
-        bucket (the caller runs it eagerly). Nothing here waits for the device: the inputs go
-        over in one queued copy (`KVCache.uploads`), the replay is queued after it."""
+    def _replay(self, ids, pos, slot, rows=None):
+        """Stage the inputs of B = len(ids) requests in the graph of their bucket (recorded on first
+        use), queued: (bucket, graph entry) to replay, or None (no bucket, or no graph: eager)."""
         B = ids.shape[0]
         b = self.bucket(B)
         if b is None:
             self.eager += 1
             return None
-        key = (b, self.context_bucket(int(pos.max()) + 1))
+        key = (b, self.context_bucket(int(pos.max()) + 1) if self.contexts else None)
         if key in self.failed:
             self.eager += 1
             return None
@@ -91,11 +118,12 @@ class DecodeGraphs:
                 self.graphs[key] = self._record(*key)
             except Exception as e:  # e.g. a fallback that synchronises was reached while recording
                 self.failed[key] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                log.warning("decode graph for batch bucket %d, context %d not recorded (%s); running eagerly",
-                            b, key[1], self.failed[key])
+                log.warning("%s graph for batch bucket %d, context %s not recorded (%s); running eagerly",
+                            self.name, b, key[1], self.failed[key])
                 self.eager += 1
                 return None
-        replay, inputs, logits = self.graphs[key]
+        g = self.graphs[key]
+        inputs = g[1]
         h = self._host.get(b)
         if h is None:
             h = self._host[b] = np.zeros((5, b), dtype=np.int64)
@@ -104,16 +132,42 @@ class DecodeGraphs:
         h[1, :B], h[2, :B] = pos, slot
         h[3, :B] = 1
         h[:4, B:] = 0                              # padding: every write skipped
-        R = b + 1 if rows is None else rows.shape[0]
-        if R <= b:
-            h[4, :R] = np.where(rows < 0, rows + B, rows)
+        if rows is not None and rows.shape[0] <= b:
+            h[4, :rows.shape[0]] = np.where(rows < 0, rows + B, rows)
         self.cache.uploads.copy(inputs, h)         # one host->device copy, queued
         if on_dev:
             inputs[0, :B].copy_(ids)               # device ids: a device-side copy, in stream order
+        return b, g
+
+    def run(self, ids, pos, slot, rows=None) -> torch.Tensor | None:
+        """Replay the decode step for B = len(ids) requests (host int64 numpy vectors: positions,
+        slots; ids host numpy too, or a device tensor (`DeviceTokens`) copied on the device;
+        `rows`: the logits rows to return, default all); None when B is larger than the largest
+        bucket (the caller runs it eagerly). Nothing here waits for the device: the inputs go
+        over in one queued copy (`KVCache.uploads`), the replay is queued after it."""
+        got = self._replay(ids, pos, slot, rows)
+        if got is None:
+            return None
+        b, (replay, inputs, logits) = got
+        B = ids.shape[0]
         replay()
         self.replays += 1
         if rows is None:
             return logits[:B].clone()
-        if R <= b:
-            return logits.index_select(0, inputs[4, :R])
+        if rows.shape[0] <= b:
+            return logits.index_select(0, inputs[4, :rows.shape[0]])
         return logits[:B][self.cache.uploads.to_device(rows)]
+
+    def run_stream(self, ids, pos, slot, stream: torch.Tensor) -> tuple | None:
+        """A variant's replay (as `run`) with its stream input [B, hc_mult, hidden] (on the device;
+        the padding rows are zeroed): the first B rows of each output (copies), or None (eager)."""
+        got = self._replay(ids, pos, slot)
+        if got is None:
+            return None
+        B = ids.shape[0]
+        _, (replay, _, outs, buf) = got
+        buf[:B].copy_(stream)
+        buf[B:].zero_()
+        replay()
+        self.replays += 1
+        return tuple(o[:B].clone() for o in outs)

@@ -194,6 +194,11 @@ class DSV4ForCausalLM(nn.Module):
             self._graph_why = (key, why, cap)
         return self._graph_why[1]
 
+    def graph_failures(self) -> dict[tuple, str]:
+        """{(graph kind, batch bucket, context bucket): why} of each graph whose recording failed (its
+        steps run eagerly): the decode step's ("decode") and the MTP draft step's ("mtp_draft")."""
+        return {} if self._graphs is None else self._graphs.failures()
+
     # ------------------------------------------------------------------ validation
     def _segments(self, T, ids, pos, rid, states):
         """Validate a step on host metadata (numpy int64 vectors, vectorised over the tokens; ids

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .cache import PoolFullError, RequestState
+from .graphs import DecodeGraphs
 from .inputs import InputError
 from .scheduler import Scheduler
 
@@ -59,7 +60,8 @@ def mtp_draft(model, states: Sequence[RequestState], tokens: Sequence[Sequence[i
     forwards (the block re-run on its own stream and the previous draft, at positions length ..
     length + k - 2; rows past the length, not kept). Returns the greedy drafts [d_1..d_k] of each
     request. Bad input raises before anything changes; a failure inside leaves every request
-    as it was."""
+    as it was. The forwards of one token a request (the drafts past d_1; the catch-up when every
+    request is one row behind) replay device graphs when the model uses graphs (`_draft_graphs`)."""
     _check_mtp(model, "mtp_draft")
     cache = model.cache
     n = len(states)
@@ -114,20 +116,33 @@ def mtp_draft(model, states: Sequence[RequestState], tokens: Sequence[Sequence[i
         pos = np.concatenate([np.arange(states[i].mtp_length, states[i].length) for i in cu])
         ends = np.cumsum(counts) - 1
         last = np.array([ends[cu.index(i)] for i in dr], dtype=np.int64)
-        step, (rows,) = model._make_step(ids, pos, counts, plan.slots, starts, (last,))
-        X = blk(model._embed(step.input_ids), torch.cat([hidden[i] for i in cu]).to(model.act_dtype), step)
-        X = X[rows]                                          # [len(dr), hc, H]: each drafter's last row
-        d = model._lm_head(blk.head(X)).argmax(-1)
+        stream = torch.cat([hidden[i] for i in cu]).to(model.act_dtype)
+        graphs = _draft_graphs(model)
+        got = None
+        if graphs is not None and counts.size == ids.size:      # one row a request: decode-shaped
+            got = graphs.run_stream(ids, pos, plan.slots, stream)
+        if got is not None:
+            X, d = got
+            if len(dr) < len(cu):
+                at = cache.uploads.to_device(last)
+                X, d = X[at], d[at]
+        else:
+            step, (rows,) = model._make_step(ids, pos, counts, plan.slots, starts, (last,))
+            X = blk(model._embed(step.input_ids), stream, step)
+            X = X[rows]                                      # [len(dr), hc, H]: each drafter's last row
+            d = model._lm_head(blk.head(X)).argmax(-1)
         drafts = [(list(range(len(dr))), d)]
         slot = {i: states[i].slot for i in dr}
         for j in range(2, max(ks[i] for i in dr) + 1 if dr else 0):
             sel = [a for a in range(len(dr)) if ks[dr[a]] >= j]
             sel_t = torch.tensor(sel, device=model.device)
             p = np.array([states[dr[a]].length + j - 2 for a in sel], dtype=np.int64)
-            step, _ = model._make_step(d[sel_t], p, np.ones(len(sel), dtype=np.int64),
-                                       np.array([slot[dr[a]] for a in sel], dtype=np.int64), p)
-            Xj = blk(model._embed(step.input_ids), X[sel_t], step)
-            dj = model._lm_head(blk.head(Xj)).argmax(-1)
+            sl = np.array([slot[dr[a]] for a in sel], dtype=np.int64)
+            got = None if graphs is None else graphs.run_stream(d[sel_t], p, sl, X[sel_t])
+            if got is None:
+                step, _ = model._make_step(d[sel_t], p, np.ones(len(sel), dtype=np.int64), sl, p)
+                got = _draft_step(model, step, X[sel_t])
+            Xj, dj = got
             X, d = X.index_copy(0, sel_t, Xj), d.index_copy(0, sel_t, dj)
             drafts.append((sel, dj))
         for sel, dj in drafts:
@@ -144,6 +159,24 @@ def mtp_draft(model, states: Sequence[RequestState], tokens: Sequence[Sequence[i
         states[i].mtp_length = states[i].length
     plan.commit()                    # frees the window blocks the MTP rows no longer need either
     return out
+
+
+def _draft_step(model, step, stream: torch.Tensor):
+    """The MTP block over a step continuing `stream` [T, hc, H]: (its stream, the greedy token of
+    each row). Eager, and what the draft graphs record."""
+    blk = model.model.mtp[0]
+    X = blk(model._embed(step.input_ids), stream, step)
+    return X, model._lm_head(blk.head(X)).argmax(-1)
+
+
+def _draft_graphs(model):
+    """The graphs of the draft steps (one token a request: a variant of the model's decode graphs,
+    sharing their memory pool; the block is sliding-window only), or None when graphs are off."""
+    if model.graph_status():
+        return None
+    if model._graphs is None:
+        model._graphs = DecodeGraphs(model, model.graph_buckets, model._graph_why[2])
+    return model._graphs.variant("mtp_draft", lambda step, stream: _draft_step(model, step, stream), contexts=False)
 
 
 # --------------------------------------------------------------------------------------------
