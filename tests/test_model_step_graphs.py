@@ -8,8 +8,9 @@ token's rounding depends on those shapes (GEMMs of fewer than 4 rows take anothe
 vectorised elementwise loops round the last < 16 values of a tensor in scalar code; the batched
 products of attention and indexer block their contraction by the table width), the same fp32
 rounding that separates two eager steps of different sizes: logits and stored rows agree to 2e-5 x
-their largest magnitude (measured ~1e-6, test_model_engine's bound). What padding must not do,
-write anything outside the step's own requests, is checked bit for bit."""
+their largest magnitude (measured ~1e-6, test_model_engine's bound). A step with the eager
+step's shapes is checked bit for bit, and so is what padding must not do: write anything outside
+the step's own requests."""
 
 from __future__ import annotations
 
@@ -195,6 +196,23 @@ def test_padding_writes_nothing_outside_the_steps_requests(m):
         for (old, keep), (t, _) in zip(before, _kept(m.cache, [by])):
             assert torch.equal(t[keep], old[keep])
     assert by.length == 37 and m._step_graphs.replays == 3 and len(m._step_graphs.graphs) == 2
+    # and no expert work: every moe_experts call of a replay gets ids -1 in the padding rows
+    seen, table = [], m._ops.t
+
+    class Spy:
+        def __getattr__(self, name):
+            f = getattr(table, name)
+            if name != "moe_experts":
+                return f
+            return lambda x, ids, *a, **k: (seen.append(ids.clone()), f(x, ids, *a, **k))[1]
+
+    m._ops.t = Spy()
+    m._graph_why = ((id(m._ops.t), m.device), "", _ReplayByRerun())
+    ids, pos, rid, part = _batch(sts, [2, 3], 90)
+    m.forward_batch(ids, pos, rid, part)
+    m._ops.t = table
+    assert len(seen) == 2 * m.config.num_hidden_layers and all(s.shape[0] == 16 for s in seen)
+    assert all((s[5:] == -1).all() and (s[:5] >= 0).all() for s in seen)
 
 
 def test_steps_no_graph_serves_run_eagerly_and_say_why(m):
@@ -269,3 +287,48 @@ def test_speculative_generate_with_step_graphs_equals_eager_generate():
     assert got == want and got.speculation == want.speculation
     sg = m._step_graphs
     assert sg.replays >= 4 and sg.eager == 0 and any(k[3] for k in sg.graphs)    # hidden-row graphs
+
+
+def _same_state_bitwise(m, eager, graph):
+    c = m.cache
+    for a, b in zip(eager, graph):
+        assert (a.length, a.ring_hi, a.win_lo) == (b.length, b.ring_hi, b.win_lo)
+        L = a.length
+        win = np.arange(max(0, L - c.window_keep), L)
+        for i in range(len(c.layer_kind)):
+            wa, wb = (c.window_table[s.slot, win // c.window_block].astype(np.int64) * c.window_block
+                      + win % c.window_block for s in (a, b))
+            assert torch.equal(c.rows[i][wa], c.rows[i][wb])
+            r = m.config.compress_ratio(i)
+            if not r:
+                continue
+            e, epb = np.arange(L // r), c.epb[i]
+            ea, eb = (c.comp_table[s.slot, e // epb].astype(np.int64) * epb + e % epb for s in (a, b))
+            assert torch.equal(c.rows[i][c.Rw + ea], c.rows[i][c.Rw + eb])
+            if c.keys[i] is not None:
+                assert torch.equal(c.keys[i][ea], c.keys[i][eb])
+            cap = c.ring_cap[i]
+            held = np.arange(max(0, L - cap), L) % cap
+            for ring in c.ring_pairs[i].values():
+                assert torch.equal(ring[a.slot * cap + held], ring[b.slot * cap + held])
+
+
+@pytest.mark.parametrize("counts", [[13, 1, 2], [10, 1, 5], [7, 20, 5]])
+def test_a_step_of_the_graphs_shapes_is_the_eager_step_bit_for_bit(m, counts):
+    """A step that fills its token bucket and whose longest request ends at its context bucket
+    (256: an HCA window, a block and CSA windows complete there) has the eager step's shapes:
+    then the graph step gives the eager logits and state bit for bit (the static metadata, every
+    token an emission and ring candidate, is the eager step's formula exactly)."""
+    m.use_graphs = False
+    base = [m.new_state() for _ in range(3)]
+    for k, (s, n) in enumerate(zip(base, (256 - counts[0], 30, 57))):
+        m.forward_batch(_ids(n, k), torch.arange(n), torch.zeros(n, dtype=torch.long), [s])
+    eager, graph = [s.fork() for s in base], [s.fork() for s in base]
+    out = []
+    for use, sts in ((False, eager), (True, graph)):
+        m.use_graphs = use
+        ids, pos, rid, part = _batch(sts, counts, 7)
+        out.append(m.forward_batch(ids, pos, rid, part))
+    assert m.graph_status(last_step=True) == "" and list(m._step_graphs.graphs)[0][:2] == (sum(counts), 256)
+    assert torch.equal(out[0], out[1])
+    _same_state_bitwise(m, eager, graph)
