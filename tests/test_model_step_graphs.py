@@ -225,7 +225,18 @@ def test_steps_no_graph_serves_run_eagerly_and_say_why(m):
     out = m.forward_batch(ids, torch.arange(20), torch.zeros(20, dtype=torch.long), [st])
     assert m.graph_status() == ""
     assert "a step of 20 tokens exceeds the largest step graph bucket" in m.graph_status(last_step=True)
+    m.step_graph_buckets = (16, 32)
+    m._step_graphs.max_rows = 16                       # every row of 20 tokens: 32 rows > 16
+    twin = st.fork()
+    out2 = m.forward_batch(ids, torch.arange(20, 40), torch.zeros(20, dtype=torch.long), [st])
+    assert m.graph_status(last_step=True) == ("a step graph computes at most 16 logits rows; this step over 20 "
+                                              "tokens asks for every row")
+    m.forward_batch(ids[:3], torch.arange(40, 43), torch.zeros(3, dtype=torch.long), [st],
+                    logits_rows=torch.tensor([2]))
+    assert m.graph_status(last_step=True) == "" and m._step_graphs.replays == 1
     m.use_graphs = False
+    assert torch.equal(out2, m.forward_batch(ids, torch.arange(20, 40), torch.zeros(20, dtype=torch.long), [twin]))
+    twin.release()
     ref = m.logits(ids)
     assert m.graph_status(last_step=True) == "disabled (model.use_graphs = False)"
     assert torch.equal(out, ref)

@@ -17,7 +17,8 @@ and replayed with new inputs. Every shape in the recorded step is a function of 
 - logits-rows bucket Rb: the smallest power of two >= the number of logits rows asked for
   (<= Tb); 0 ("all rows": logits of every token) when the step asks for all of them or for more
   rows than Tb (rows may repeat). The rows are gathered inside the graph, so the head runs on
-  Rb rows only; padding rows read token 0 and are dropped.
+  Rb rows only; padding rows read token 0 and are dropped. A graph computes at most
+  `MAX_LOGITS_ROWS` rows (its logits output is held with it); a step that needs more runs eagerly.
 - hidden: whether the step returns the residual stream before the hc_head (`hidden_rows`: the
   MTP proposer's input); then the graph returns the stream of every token and the host picks
   the rows asked for (a device gather).
@@ -55,6 +56,10 @@ DEFAULT_STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 _ROWS = 6   # rows of the static buffer: ids, positions, slots, start, end, valid (then the logits rows)
 
+#: The most logits rows a step graph computes (its logits output stays allocated with the graph:
+#: rows x vocab fp32); a step asking for more (e.g. every row of a long prefill) runs eagerly.
+MAX_LOGITS_ROWS = 1024
+
 
 class StepGraphs:
     """Lazily recorded graphs of prefill / mixed / verify steps of one model + cache (see the
@@ -69,6 +74,7 @@ class StepGraphs:
         self.failed: dict[tuple, str] = {}      # keys whose recording failed -> why
         self.why = ""                           # why the last step offered here ran eagerly ('' replayed)
         self._host: dict[tuple, np.ndarray] = {}   # (Tb, Rb) -> host values of the static inputs
+        self.max_rows = MAX_LOGITS_ROWS
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -93,7 +99,11 @@ class StepGraphs:
         if Tb is None:
             return (f"a step of {T} tokens exceeds the largest step graph bucket (model.step_graph_buckets = "
                     f"{self.buckets})")
-        return (Tb, self.decode.context_bucket(longest), self.rows_bucket(R, Tb), bool(hidden))
+        Rb = self.rows_bucket(R, Tb)
+        if (Rb or Tb) > self.max_rows:
+            return (f"a step graph computes at most {self.max_rows} logits rows; this step over {T} tokens "
+                    f"asks for {'every row' if R is None else R}")
+        return (Tb, self.decode.context_bucket(longest), Rb, bool(hidden))
 
     def _step(self, inputs: torch.Tensor, Tb: int, ctx: int) -> Step:
         """The step of a recorded graph, read from its static input buffer (see `_ROWS`)."""
