@@ -25,8 +25,8 @@ and replayed with new inputs. Every shape in the recorded step is a function of 
 
 Padding rule: a padding token has valid = 0, position 0, slot 0. It is marked in `Step.pad`, so
 its window write, compressed-entry emission, indexer-key emission and compressor-ring write all
-get the row -1 (skipped by `cache_store`), its reads see no entry, and no request's state
-changes; every real token reads only rows of its own request and this step's rows of its own
+get the row -1 (skipped by `cache_store`), its reads see no entry, its expert ids are -1 (no
+expert work: `Step.no_padding`), and no request's state changes; every real token reads only rows of its own request and this step's rows of its own
 request (flat index t + (q - pos[t]), unchanged by the padding after it). Every token is a
 candidate for compressor emission and for a ring write (the eager step pre-selects the ones that
 write; here the index builder turns the others into -1), so those lists are static too.
