@@ -244,14 +244,23 @@ def test_steps_no_graph_serves_run_eagerly_and_say_why(m):
 
     class Refuses(_ReplayByRerun):
         def capture(self, fn, device, pool=None):
+            fn()                                       # the warm-up ran (padding only), then the recording failed
             raise RuntimeError("a synchronising op was reached")
 
     m._graph_why = ((id(m.ops), m.device), "", Refuses())
     m._graphs = None
-    for _ in range(2):
-        m.forward_batch(_ids(3, 6), torch.arange(st.length, st.length + 3), torch.zeros(3, dtype=torch.long), [st])
+    twin = st.fork()
+    for j in range(2):
+        got = m.forward_batch(_ids(3, 6 + j), torch.arange(st.length, st.length + 3), torch.zeros(3, dtype=torch.long),
+                              [st])
         why = m.graph_status(last_step=True)
         assert "could not be recorded: RuntimeError: a synchronising op was reached" in why, why
+        m.use_graphs = False
+        want = m.forward_batch(_ids(3, 6 + j), torch.arange(twin.length, twin.length + 3),
+                               torch.zeros(3, dtype=torch.long), [twin])
+        m.use_graphs = True
+        assert torch.equal(got, want)                  # the eager step, on a state the failed recording left alone
+    twin.release()
     assert len(m._step_graphs.failed) == 1 and m._step_graphs.replays == 0
 
     m._graph_why = ((id(m.ops), m.device), "", _ReplayByRerun())
