@@ -18,6 +18,7 @@ from torch import nn
 from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
+from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs
 from .inputs import DeviceTokens, InputError, _host_long, eos_ids, token_ids
 from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, OpsRef, RMSNorm
 from .step import Step
@@ -92,6 +93,10 @@ class DSV4ForCausalLM(nn.Module):
         #: Graph decode: on where the device and every bound op allow it (see graph_status()).
         self.use_graphs = True
         self.graph_buckets: tuple[int, ...] = DEFAULT_GRAPH_BUCKETS
+        #: Token counts of the recorded prefill / mixed / verify steps (`step_graphs.py`).
+        self.step_graph_buckets: tuple[int, ...] = DEFAULT_STEP_BUCKETS
+        self._step_graphs: StepGraphs | None = None   # valid while its decode graphs are self._graphs
+        self._step_why = "no step has run"            # why the last step ran eagerly ('' replayed)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -177,12 +182,16 @@ class DSV4ForCausalLM(nn.Module):
             raise InputError(f"new_state(mtp=True): speculative decoding is unavailable: {self.speculation_why}")
         return self.cache.new_request(track_mtp=mtp)
 
-    def graph_status(self) -> str:
-        """'' when decode steps are recorded as device graphs and replayed, else why they run
-        eagerly (graphs disabled, no graph capture for the device, an op not capturable). Decided
-        once per op table and device (a step only reads the cached answer)."""
+    def graph_status(self, last_step: bool = False) -> str:
+        """'' when steps are recorded as device graphs and replayed, else why they run eagerly
+        (graphs disabled, no graph capture for the device, an op not capturable). Decided once per
+        op table and device (a step only reads the cached answer). `last_step`: why the last
+        `forward_batch` step ran eagerly ('' when it replayed a graph): that reason, or the step's
+        own (no bucket holds it, its graph could not be recorded)."""
         if not self.use_graphs:
             return "disabled (model.use_graphs = False)"
+        if last_step:
+            return self.graph_status() or self._step_why
         key = (id(self._ops.t), self.device)
         if self._graph_why is None or self._graph_why[0] != key:
             from dsv4core.hal import graph_capture
@@ -316,12 +325,17 @@ class DSV4ForCausalLM(nn.Module):
         plan = cache.prepare(seg_states, counts)     # raises with nothing changed
         try:
             cache.sync_tables()
-            logits = None
-            if starts.size == T and hrows is None and not self.graph_status():     # decode: one token a request
-                if self._graphs is None:
-                    self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
+            logits, graphs = None, not self.graph_status()
+            if graphs and self._graphs is None:
+                self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
+            if starts.size == T and hrows is None and graphs:     # decode: one token a request
                 logits = self._graphs.run(ids, pos, plan.slots, rows)
-            if logits is None:                        # prefill / mixed steps, or no graph for this batch
+            if logits is None and graphs:             # prefill / mixed / verify, or no decode graph
+                if self._step_graphs is None or self._step_graphs.decode is not self._graphs:
+                    self._step_graphs = StepGraphs(self, self._graphs, self._graph_why[2])
+                logits = self._step_graphs.run_batch(ids, pos, counts, plan.slots, start_len, rows, hrows)
+            self._step_why = "" if logits is not None else self._step_graphs.why if graphs else self.graph_status()
+            if logits is None:                        # no graph for this step
                 logits = self._eager(ids, pos, counts, plan.slots, start_len, rows, hrows)
         except BaseException:
             plan.rollback()

@@ -318,9 +318,7 @@ class HCACompressor(Compressor):
         super().__init__(cfg, layer, int(cfg.compress_rates[HCA]), cfg.head_dim, False, dtype, ops)
 
 
-# --------------------------------------------------------------------------------------------
-# attention
-
+# -- attention ------------------------------------------------------------------------------
 
 class GroupedLinear(nn.Module):
     """`o_a_proj`: weight `[G*R, h*d/G]`, used as `[G, R, h*d/G]` by the `wo_a` op."""
@@ -420,9 +418,7 @@ class Attention(nn.Module):
         return ops.all_reduce(out, self.par.tp_group) if self.par.tp > 1 else out
 
 
-# --------------------------------------------------------------------------------------------
-# MoE
-
+# -- MoE ------------------------------------------------------------------------------------
 
 class Router(nn.Module):
     """`gate.weight [E,H]` + `e_score_correction_bias [E]` (top-k layers) or `tid2eid [V,k]` (hash)."""
@@ -502,8 +498,9 @@ class SharedMLP(nn.Module):
         routing, ids 0 and weights 1, is built once per step for every layer)."""
         T, dev = x.shape[0], x.device
 
-        def route():
-            return torch.zeros(T, 1, dtype=torch.int32, device=dev), torch.ones(T, 1, dtype=FP32, device=dev)
+        def route():                           # (padding rows: -1, no expert work)
+            ids = torch.zeros(T, 1, dtype=torch.int32, device=dev)
+            return (ids if step is None else step.no_padding(ids)), torch.ones(T, 1, dtype=FP32, device=dev)
 
         ids, wts = route() if step is None else step.memo(("shared", T), route)
         w13, w2 = self.w13(), self._expert_view("w2", self.down_proj.weight)
@@ -531,6 +528,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         weights, ids = self.gate(x, step.input_ids)
+        ids = step.no_padding(ids)             # bucket padding: no expert work
         if self.par.ep > 1:                    # global expert ids -> this rank's, -1 elsewhere
             e0, e1 = self.expert_range
             ids = torch.where((ids >= e0) & (ids < e1), ids - e0, -1).to(ids.dtype)

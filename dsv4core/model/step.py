@@ -54,6 +54,10 @@ class Step:
             v = self._memo[key] = build()
         return v
 
+    def no_padding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] with -1 (skipped by `moe_experts`) in the padding rows."""
+        return ids if self.pad is None else ids.masked_fill(self.pad[:, None], -1)
+
     def window_writes(self) -> torch.Tensor:
         """[T] the window row of each token (-1 for padding): the last column of `window_reads`
         (window >= 1), a strided view."""

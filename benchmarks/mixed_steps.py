@@ -1,0 +1,124 @@
+"""Prefill, mixed and verification steps: step time replaying the step graphs against eager.
+
+Model: `--config tiny` (the built-in tiny dims) or `mid` (bench_model's: real head / rope / indexer
+dims, 4 layers sliding / CSA 4 / HCA 128 / CSA 4); random weights drawn on `--device`, bound to
+`--backend`. B requests of `--context` tokens are prefilled once; every timed step runs on forks
+of them (released after it), so each step starts from the same state:
+
+  prefill  one request, a chunk of C new tokens, the logits of its last row;
+  mixed    B - 1 decode tokens + one chunk of C (logits rows: each request's last, as `generate`);
+  verify   B requests x (1 + k) tokens, every row's logits and hidden rows (speculative verification).
+
+step ms: the median over `--steps` steps (after one warm-up step, which records the graph) of the
+wall time from `forward_batch` to its logits on the host. Mode "graph" (`use_graphs`; the JSON's
+`graph_status` is `graph_status(last_step=True)`: '' when the step replayed a graph, else why it
+ran eagerly), then "eager" (`use_graphs = False`).
+
+    python benchmarks/mixed_steps.py --device cpu --config tiny --steps 3
+    python benchmarks/mixed_steps.py --device cuda --backend cuda --config mid --json FILE
+
+Measured, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build(name: str, device: str, backend: str, dtype: torch.dtype):
+    from bench_model import CONFIGS
+
+    from dsv4core.model.api import TINY_CONFIG, build_model
+
+    cfg = dict(TINY_CONFIG, **(CONFIGS[name] or {}))
+    return build_model(cfg, dtype=dtype, device=device, backend=backend, seed=0)
+
+
+def _step(m, base, case: str, C: int, k: int):
+    """(ids, positions, request ids, states, logits rows, hidden rows) of one step on forks of base."""
+    sts = [s.fork() for s in (base[:1] if case == "prefill" else base)]
+    V = m.config.vocab_size
+    counts = {"prefill": [C], "mixed": [1] * (len(sts) - 1) + [C], "verify": [1 + k] * len(sts)}[case]
+    pos = torch.cat([torch.arange(s.length, s.length + c) for s, c in zip(sts, counts)])
+    rid = torch.cat([torch.full((c,), j) for j, c in enumerate(counts)])
+    ids = torch.randint(2, V, (pos.numel(),), generator=torch.Generator().manual_seed(1))
+    ends = torch.cumsum(torch.tensor(counts), 0) - 1
+    if case == "verify":
+        return ids, pos, rid, sts, None, torch.arange(pos.numel())
+    return ids, pos, rid, sts, ends, None
+
+
+def measure(m, base, case: str, C: int, k: int, steps: int) -> dict:
+    row = {"case": case, "requests": 1 if case == "prefill" else len(base), "chunk": C, "k": k}
+    for mode in ("graph", "eager"):
+        m.use_graphs = mode == "graph"
+        ts = []
+        for i in range(steps + 1):
+            ids, pos, rid, sts, rows, hrows = _step(m, base, case, C, k)
+            t0 = time.perf_counter()
+            out = m.forward_batch(ids, pos, rid, sts, logits_rows=rows, hidden_rows=hrows)
+            (out[0] if isinstance(out, tuple) else out).sum().item()      # the logits on the host
+            if i:
+                ts.append(time.perf_counter() - t0)
+            for s in sts:
+                s.release()
+        row[f"{mode}_ms"] = round(1e3 * statistics.median(ts), 3)
+        if mode == "graph":
+            row["graph_status"] = m.graph_status(last_step=True)
+        row["tokens"] = int(pos.numel())
+    row["eager_over_graph"] = round(row["eager_ms"] / row["graph_ms"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="tiny", choices=["tiny", "mid"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--chunks", default="64,512", help="prefill chunk sizes C")
+    ap.add_argument("--k", type=int, default=3, help="drafts per request in the verify case")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    m = build(args.config, args.device, args.backend, getattr(torch, args.dtype))
+    chunks = [int(c) for c in args.chunks.split(",")]
+    m.configure_cache(max_requests=3 * args.requests, max_tokens=4 * args.requests * (args.context + max(chunks)),
+                      max_request_tokens=args.context + max(chunks) + args.k + 1, max_step_tokens=max(8192, max(chunks)))
+    m.use_graphs = False
+    base = [m.new_state() for _ in range(args.requests)]
+    for j, s in enumerate(base):
+        n = args.context
+        ids = torch.randint(2, m.config.vocab_size, (n,), generator=torch.Generator().manual_seed(10 + j))
+        for a in range(0, n, 4096):
+            b = min(n, a + 4096)
+            m.forward_batch(ids[a:b], torch.arange(a, b), torch.zeros(b - a, dtype=torch.long), [s])
+    rows = [measure(m, base, c, C, args.k, args.steps) for C in chunks for c in ("prefill", "mixed")]
+    rows.append(measure(m, base, "verify", 0, args.k, args.steps))
+    res = {"what": "prefill / mixed / verify step time, step graphs against eager (median ms)",
+           "config": args.config, "device": str(m.device), "backend": m.hal_report()[0].get("backend"),
+           "dtype": args.dtype, "requests": args.requests, "context": args.context,
+           "step_graph_buckets": list(m.step_graph_buckets), "torch": torch.__version__,
+           "python": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "rows": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
