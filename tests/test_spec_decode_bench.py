@@ -77,5 +77,5 @@ def test_verify_step_is_a_forward_batch_of_1_plus_k_tokens_and_the_graphs_are_ti
     m._graph_why = ((id(m.ops), m.device), "", Rerun())
     a = argparse.Namespace(warmup=1, reps=1, context=9, prefill_chunk=8)
     rows = b.measure(m, 2, [2], a, torch.device("cpu"))
-    assert [(r["decode_path"], r["verify_path"], r["draft_path"]) for r in rows] == [("graph", "eager", "graph")]
+    assert [(r["decode_path"], r["verify_path"], r["draft_path"]) for r in rows] == [("graph", "graph", "graph")]   # verify: the step graphs
     assert not m.cache.live
