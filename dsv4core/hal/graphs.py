@@ -8,7 +8,9 @@ A backend plugin may provide graph capture for the device types it serves
 
 ``capture`` warms ``fn`` up (on the device's side stream, so lazy initialisation and kernel compilation
 happen outside the recording), records one call of ``fn`` and returns a callable replaying it plus
-the outputs of the recorded call (their storage is reused by every replay). The model core
+the outputs of the recorded call (their storage is reused by every replay). The replay callable
+keeps ``fn`` alive: a tensor ``fn`` closes over (a static input made before the recording) is
+read by the graph at its recorded address, so it must live as long as the graph does. The model core
 asks :func:`graph_capture` for the device it runs on; whether the *ops* bound for that device
 can be recorded is a separate question, answered by ``OpTable.capturable()``.
 """

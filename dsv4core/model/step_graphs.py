@@ -124,7 +124,7 @@ class StepGraphs:
             self.decode.pool = self.capture.new_pool(self.model.device)
         replay, out = self.capture.capture(lambda: self.model._forward(self._step(inputs, Tb, ctx), rows, every),
                                            self.model.device, self.decode.pool)
-        return replay, inputs, out
+        return replay, inputs, out, every     # every: read by the graph, kept with it
 
     def run_batch(self, ids, pos, counts, slots, start_len, rows=None, hrows=None):
         """`run` for a step given per request (as `forward_batch` has it): counts[k] tokens of
@@ -154,7 +154,7 @@ class StepGraphs:
                 log.warning("step graph %s not recorded (%s); running eagerly", key, self.failed[key])
                 return self._eager(f"the step graph {key} could not be recorded: {self.failed[key]}")
         Tb, _, Rb, _ = key
-        replay, inputs, out = self.graphs[key]
+        replay, inputs, out, _ = self.graphs[key]
         h = self._host.get((Tb, Rb))
         if h is None:
             h = self._host[(Tb, Rb)] = np.zeros(_ROWS * Tb + Rb, dtype=np.int64)

@@ -24,4 +24,9 @@ class CudaGraphCapture:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
             out = fn()
-        return g.replay, out
+
+        def replay(_g=g, _fn=fn):
+            # _fn is held so that every tensor it closes over (static inputs made before the
+            # recording) lives as long as the graph that reads its memory
+            _g.replay()
+        return replay, out
