@@ -10,7 +10,7 @@ from dsv4core.conformance import FAILED, PASSED
 from dsv4core.conformance.model_check import BF16_K, check_model
 
 from _model_hf import _one_thread  # noqa: F401 (autouse: one torch thread)
-from conformance_backends import ALT_IMPLS, make_alt_backend, make_backend
+from conformance_backends import ALT_IMPLS, QUANT_BROKEN, make_alt_backend, make_backend
 
 
 def _runs(m):
@@ -38,6 +38,13 @@ def test_legal_backend_passes_every_run_with_the_bf16_bound_stated():
     assert m["status"] == PASSED, m
     off = runs["bfloat16-official"]
     assert off["model"] == "tiny-official" and off["numerics"] == "official"
+    # what the official model computes: FP8 projections, packed FP4 experts, FP8 KV rows, FP4 keys
+    # (read off the judged model's parameters and cache); the float32 reference stores float32 rows
+    assert off["weights"] == "fp8+fp4" and off["kv_dtype"] == "fp8" and off["reference_kv_dtype"] == "float32"
+    assert off["kv_formats"] == {"rows": "fp8", "indexer_keys": "fp4"}
+    assert (runs["float32"]["weights"], runs["float32"]["kv_dtype"]) == ("float32", "float32")
+    assert (runs["bfloat16"]["weights"], runs["bfloat16"]["kv_dtype"]) == ("bfloat16", "bfloat16")
+    assert "kv_formats" not in runs["bfloat16"]
     for p in off["per_prompt"]:          # the official numerics assembled alike: ~1x the reference's
         assert p["error"] <= 1.2 * p["reference_error"], p
     bf = runs["bfloat16"]
@@ -49,11 +56,25 @@ def test_legal_backend_passes_every_run_with_the_bf16_bound_stated():
 
 def test_bf16_accumulating_norm_fails_the_bf16_run_only():
     m = check_model(make_backend("bf16norm", dict(ALT_IMPLS, rms_norm=rms_norm_bf16_accumulation)), "tiny",
-                    ("float32", "bfloat16"), steps=8, fp8=False)
+                    ("float32", "bfloat16"), steps=8, fp8=False, official=False)
     runs = _runs(m)
     assert runs["float32"]["status"] == PASSED
     assert runs["bfloat16"]["status"] == FAILED and m["status"] == FAILED
     assert "the reference's own bf16 error" in runs["bfloat16"]["message"]
+
+
+def test_official_run_reads_fp8_kv_rows_through_the_backend():
+    """An attention that decodes FP8 KV rows without their UE8M0 scales is right on bf16 rows, so
+    only a run whose state is stored as FP8 rows can catch it: the bfloat16-official run does."""
+    op, fn = QUANT_BROKEN["kv-fp8-read-without-scales"]
+    m = check_model(make_backend("fp8-read-no-scales", dict(ALT_IMPLS, **{op: fn})), "tiny", ("bfloat16-official",))
+    runs = _runs(m)
+    assert set(runs) == {"bfloat16-official"}
+    off = runs["bfloat16-official"]
+    assert off["kv_dtype"] == "fp8" and off["weights"] == "fp8+fp4"
+    assert off["status"] == FAILED and m["status"] == FAILED, off
+    assert "the reference's own bf16 error" in off["message"]
+    assert m["calls"]["sparse_mqa_attention"] > 0 and not m["fallbacks"]
 
 
 def linear_fp8_first_row_of_scales(x, weight, weight_scale=None, out_dtype=None, act_block=None):

@@ -15,15 +15,28 @@ which can fail:
   compared with the float32 reference's (relative RMS error). Per prompt, ``e_b <= BF16_K * e_ref``.
   Top-1 agreement with the float32 greedy tokens along the same sequence must be at least the
   reference bfloat16's own minus BF16_AGREEMENT_SLACK (averaged over the prompts).
-* ``bfloat16-official`` (model ``tiny`` only, with ``bfloat16``) - the ``tiny-official`` model
-  (dims that carry the official numerics: W8A8 projections and experts, FP8 KV rows, the FP4
-  indexer) in official numerics, judged like ``bfloat16`` against its own float32 run. The
-  backend's kernels serve what they accept; the quantised calls they decline go to the reference
-  (counted as fallbacks).
+* ``bfloat16-official`` (model ``tiny`` only, with ``bfloat16``) - what the official DeepSeek-V4
+  model computes, at the dims of ``tiny-official`` (which carry the official numerics' blocks): its
+  weights written as an official checkpoint (FP8 e4m3 projections with e8m0 128x128 block scales
+  that differ from block to block, FP4 routed experts; a temporary directory) and loaded with
+  numerics auto (-> official: W8A8 projections and experts, FP8-rounded KV rows, the FP4 indexer),
+  the bfloat16 model keeping the FP8 projections and the packed FP4 experts
+  (``quantized="keep"``) and storing its state as FP8 KV rows and FP4 indexer keys
+  (``configure_cache(kv_dtype="fp8")``); judged like ``bfloat16`` against the float32 run of the
+  same checkpoint (weights dequantised: the same values). That run stores its rows in float32
+  (``kv_dtype="fp8"`` is for bfloat16 models only); the comparison stays valid because under the
+  official numerics the FP8 row format stores exactly the rows a bfloat16 state would hold
+  (lossless), so the bf16 model's own error is unchanged by it. The backend's kernels serve what
+  they accept; the quantised calls they decline go to the reference (counted as fallbacks).
 * ``float32-fp8`` (model ``tiny`` only) - the tiny model written as an official FP8 checkpoint
-  (e4m3 weights, e8m0 128x128 block scales that differ from block to block) and loaded with
-  ``quantized="keep"``, so the backend's ``linear`` / ``wo_a`` get FP8 weights and block scales;
-  judged like ``float32``.
+  (e4m3 weights, e8m0 128x128 block scales that differ from block to block; packed FP4 routed
+  experts) and loaded with ``quantized="keep"``, so the backend's ``linear`` / ``wo_a`` get FP8
+  weights and block scales and ``moe_experts`` the FP4 experts; judged like ``float32``.
+
+Every run reports the model it judged: ``weights`` (the activation dtype's name, or the kept
+formats: ``"fp8"`` FP8 projections, ``"fp8+fp4"`` with packed FP4 experts) and ``kv_dtype`` (how
+its state is stored: the activation dtype's name, or ``"fp8"`` with ``kv_formats`` naming the
+row formats of the KV rows and the indexer keys).
 """
 
 from __future__ import annotations
@@ -113,6 +126,47 @@ def _load_tiny_fp8(device: str):
 
 def _is_projection(name: str, t: torch.Tensor) -> bool:
     return name.endswith("proj.weight") and "experts" not in name and t.dim() == 2 and t.is_floating_point()
+
+
+def _load_official(device: str):
+    """``tiny-official``'s weights as an official checkpoint (FP8 projections, FP4 experts; written
+    to a temporary directory) loaded twice with numerics auto (-> official): float32 with the
+    weights dequantised (the reference run) and bfloat16 keeping them quantised, its cache storing
+    FP8 KV rows and FP4 indexer keys."""
+    from dsv4core.checkpoint.writer import write_official
+
+    m = _load("tiny-official", torch.float32, "cpu")
+    sd = {k: (block_varied(v, levels=3) if _is_projection(k, v) else v) for k, v in m.state_dict().items()}
+    with tempfile.TemporaryDirectory(prefix="dsv4core-official-tiny-") as d:
+        write_official(sd, m.config.to_hf_dict(), d, reference=False)
+        m32 = _load(d, torch.float32, device, quantized="dequantize")
+        m16 = _load(d, torch.bfloat16, device, quantized="keep")
+    m16.configure_cache(kv_dtype="fp8")
+    return m32, m16
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _formats(m) -> dict[str, Any]:
+    """What the judged model computes with: its weights' kept formats and its state's storage."""
+    from dsv4core.hal.quant import FP4_BYTE_DTYPES, FP8_E4M3
+
+    kept = set()
+    for name, p in m.named_parameters():
+        if p.dtype == FP8_E4M3 and "experts" not in name:
+            kept.add("fp8")
+        elif "experts" in name and name.endswith(("gate_up_proj", "down_proj")):
+            kept.add("fp4" if p.dtype in FP4_BYTE_DTYPES else "fp8" if p.dtype == FP8_E4M3 else None)
+    kept.discard(None)
+    act = _dtype_name(m.act_dtype)
+    out: dict[str, Any] = {"weights": "+".join(f for f in ("fp8", "fp4") if f in kept) or act}
+    c = m.cache
+    out["kv_dtype"] = c.cc.kv_dtype or act
+    if c.kv_format:
+        out["kv_formats"] = {"rows": c.kv_format, "indexer_keys": c.key_format}
+    return out
 
 
 def _prompt(V: int, seed: int) -> list[int]:
@@ -212,7 +266,8 @@ def check_model(backend: Backend, model: str = "tiny", dtypes=("float32", "bfloa
     """Run the model-level check; returns a JSON-able dict with ``status`` passed / failed /
     unavailable, one entry per run in ``runs``, and per-op ``calls`` / ``fallbacks`` counts.
     ``fp8``: add the float32-fp8 run (model ``tiny`` only); ``official``: add the
-    bfloat16-official run (model ``tiny`` with bfloat16 only)."""
+    bfloat16-official run (model ``tiny`` with bfloat16 only). ``dtypes`` may also name
+    ``"float32-fp8"`` / ``"bfloat16-official"`` (model ``tiny``): that run on its own."""
     try:
         import dsv4core  # noqa: F401
         from dsv4core.model.api import load_model  # noqa: F401
@@ -232,9 +287,9 @@ def _check(backend, model, dtypes, device, seed, steps, fp8, official=True) -> d
     counter = _Counter()
     table = backend_table(backend, device, counter)
     plan = [d for d in dtypes if d in ("float32", "bfloat16")]
-    if official and model == "tiny" and "bfloat16" in plan:
+    if model == "tiny" and ("bfloat16-official" in dtypes or official and "bfloat16" in plan):
         plan.append("bfloat16-official")
-    if fp8 and model == "tiny" and "float32" in plan:
+    if model == "tiny" and ("float32-fp8" in dtypes or fp8 and "float32" in plan):
         plan.append("float32-fp8")
     runs, models = [], {}
     status = PASSED
@@ -244,8 +299,7 @@ def _check(backend, model, dtypes, device, seed, steps, fp8, official=True) -> d
             if label == "float32-fp8":
                 m = _load_tiny_fp8(device)
             elif label == "bfloat16-official":
-                m32 = _load("tiny-official", torch.float32, device)
-                m = _load("tiny-official", torch.bfloat16, device)
+                m32, m = _load_official(device)
             else:
                 for dt_name in ("float32", label):
                     if dt_name not in models:
@@ -261,12 +315,14 @@ def _check(backend, model, dtypes, device, seed, steps, fp8, official=True) -> d
         try:
             run = (_bf16_run(models["float32"], m, model, table, seed) if label == "bfloat16"
                    else dict(_bf16_run(m32, m, "tiny-official", table, seed), dtype="bfloat16-official",
-                             numerics="official") if label == "bfloat16-official"
+                             numerics=m.numerics, reference_kv_dtype=_formats(m32)["kv_dtype"])
+                   if label == "bfloat16-official"
                    else _exact_run(m, label, model if label == "float32" else f"{model} (FP8 weights kept)",
                                    table, seed, steps))
         except Exception as e:
             run = {"model": model, "dtype": label, "steps": steps, "logits_error": None, "logits_bound": None,
                    "greedy_agreement": 0.0, "status": FAILED, "message": f"raised {type(e).__name__}: {e}"}
+        run.update(_formats(m))
         run["fallbacks"] = {k: v - before.get(k, 0) for k, v in counter.fallbacks.items() if v != before.get(k, 0)}
         run["seconds"] = round(time.perf_counter() - t0, 2)
         if run["status"] == FAILED:

@@ -57,7 +57,10 @@ def format_model(m: dict) -> str:
     parts = [m.get("status", "?")]
     for run in m.get("runs", []):
         err, bound = run.get("logits_error"), run.get("logits_bound")
-        s = f"{run['model']} {run['dtype']}: logits error " + ("-" if err is None else f"{err:.3g}")
+        s = f"{run['model']} {run['dtype']}"
+        if "weights" in run:
+            s += f" ({run['weights']} weights, {run.get('kv_dtype', '?')} KV)"
+        s += ": logits error " + ("-" if err is None else f"{err:.3g}")
         if bound is not None:
             s += f" (bound {bound:.3g}" + (f" = {run['bound_k']:g} x the reference's own bf16 error"
                                            if "bound_k" in run else "") + ")"

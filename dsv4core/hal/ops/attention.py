@@ -140,3 +140,10 @@ def _(shapes, dtype, device, gen):
                                          indices=_window_indices(T, N, K, gen, device, empty_rows=min(T - 1, 1)),
                                          sink=randn((h,), gen, torch.float32, device), scale=scale, kv_format="fp8"),
                        ("format",))
+        # the FP8 rows with a softmax scale other than d^-0.5 (an FP8-row kernel of its own that
+        # hard-codes the model's scale fails)
+        rows = randn((N, d), gen, torch.float32, "cpu") * levels
+        yield Case("fp8-scale-sharp", dict(q=randn((4, h, d), gen, dtype, device), kv=pack("fp8", rows).to(device),
+                                           indices=_window_indices(4, N, K, gen, device),
+                                           sink=randn((h,), gen, torch.float32, device), scale=4.0 * scale,
+                                           kv_format="fp8"), ("format", "scale"))

@@ -322,6 +322,12 @@ def _(shapes, dtype, device, gen):
         yield Case(f"fp4-T{T}-L{L}", dict(q=randn((T, nI, dI), gen, dtype, device), k=pack("fp4", keys).to(device),
                                           weights=randn((T, nI), gen, torch.float32, device, nI ** -0.5),
                                           rows=rows.to(device), scale=dI ** -0.5, k_format="fp4"), ("format",))
+    # the FP4 keys with a scale other than dI^-0.5 (an FP4-key kernel that hard-codes it fails)
+    keys = hadamard(randn((N, dI), gen, torch.float32, "cpu")) * levels
+    rows = torch.stack([torch.randperm(N, generator=gen)[:12] for _ in range(3)]).long()
+    yield Case("fp4-scale", dict(q=randn((3, nI, dI), gen, dtype, device), k=pack("fp4", keys).to(device),
+                                 weights=randn((3, nI), gen, torch.float32, device, nI ** -0.5),
+                                 rows=rows.to(device), scale=0.37, k_format="fp4"), ("format",))
 
 
 @op(family="compression", tolerance=Tolerance(

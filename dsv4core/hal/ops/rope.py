@@ -223,3 +223,9 @@ def _(shapes, dtype, device, gen):
     yield Case("fp8-row-T1", dict(kv=randn((1, D["d"]), gen, dtype, device, 2.0), weight=wq,
                                   positions=positions(1, gen, device), inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device),
                                   eps=1e-6, nope_quant_block=64), ("fp8-row",))
+    # the official row with an eps that shows (small rows): a quantised kernel of its own that
+    # hard-codes eps = 1e-6 fails
+    yield Case("fp8-row-eps-visible", dict(kv=randn((3, D["d"]), gen, dtype, device, 3e-2), weight=wq,
+                                           positions=positions(3, gen, device),
+                                           inv_freq=main_inv_freq(D["d_r"], 10000.0).to(device), eps=1e-3,
+                                           nope_quant_block=64), ("fp8-row", "eps"))

@@ -92,7 +92,12 @@ def to_out(y, out_ptr, RNE: tl.constexpr):
 
 def rne(out: torch.Tensor) -> bool:
     """RNE constexpr: True only for bf16 outputs under the interpreter (CPU tensors)."""
-    return out.device.type == "cpu" and out.dtype == torch.bfloat16
+    return rne_for(out.device, out.dtype)
+
+
+def rne_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """``rne`` of an output of ``dtype`` on ``device`` (no tensor needed)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
 
 
 def interp(t: torch.Tensor) -> bool:

@@ -9,10 +9,13 @@ distinct (the HAL input check), so no two programs write one element: the pool e
 to the reference's (bf16 and fp32 widen exactly to fp32; the one rounding is round-to-nearest-even).
 
 ``row_format`` "fp8" / "fp4" (``hal.rowformats``): one program per source row encodes it - the
-official rule's power-of-two scale per group read off the fp32 bits of ``amax * fl32(1/qmax)``,
-the codes rounded to nearest even by integer arithmetic on the fp32 bits (e4m3) or by comparison
-with the grid's midpoints (e2m1), not by a float8 cast (the interpreter's e4m3 cast does not
-round to nearest) - and writes its bytes: the same bytes as the reference's.
+official rule's power-of-two scale per group read off the fp32 bits of ``amax * fl32(1/qmax)``
+(``_util.group_scale_exp``, as in the other quantising kernels), the codes rounded to nearest even
+by integer arithmetic on the fp32 bits (e4m3) or by comparison with the grid's midpoints (e2m1),
+not by a float8 cast (the interpreter's e4m3 cast does not round to nearest) - and writes its
+bytes: the same bytes as the reference's. (The codes are computed here rather than read off
+``_util.e4m3_rne`` / ``e2m1_rne``'s rounded values, which give other bytes for a NaN - the
+interpreter's clamp lets one through - in a group whose scale byte already reads back as NaN.)
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import triton.language as tl
 
 from dsv4core.hal.rowformats import ROPE_DIM
 
-from ._util import cdiv, np2, rne, to_out
+from ._util import cdiv, exp2_int, group_scale_exp, np2, rne, rne_for, to_out
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -44,15 +47,6 @@ def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r,
     x = tl.load(rows_ptr + src, mask=m, other=0.0).to(tl.float32)   # bf16 and fp32 are exact in fp32
     dst_off = tl.where(ok, dst, 0)[:, None] * sp_r + cols[None, :] * sp_c
     tl.store(pool_ptr + dst_off, to_out(x, pool_ptr, RNE), mask=m)
-
-
-@triton.jit
-def _pow2_scale(amax, QMAX: tl.constexpr, AMIN: tl.constexpr):
-    """(s, 1 / s, UE8M0 byte) of the official rule: s = 2^ceil(log2(fl32(max(amax, AMIN) * fl32(1/QMAX))))."""
-    v = tl.maximum(amax, AMIN) * (1.0 / QMAX)
-    bits = v.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)      # the biased exponent of s
-    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True), e
 
 
 @triton.jit
@@ -94,13 +88,13 @@ def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c,
         ch = g[:, None] * 64 + j[None, :]
         gm = (g < G)[:, None]
         x = tl.load(rows_ptr + e * sr_r + ch * sr_c, mask=gm, other=0.0).to(tl.float32)
-        s, inv, eb = _pow2_scale(tl.max(tl.abs(x), axis=1), 448.0, 1e-4)
-        v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+        se = group_scale_exp(tl.max(tl.abs(x), axis=1), 1e-4, 1.0 / 448.0)   # the scale's exponent
+        v = tl.minimum(tl.maximum(x * exp2_int(-se)[:, None], -448.0), 448.0)
         out = pool_ptr + dst * sp_r
         tl.store(out + ch, _e4m3_code(v), mask=gm)
         rope_ptr = (out + NOPE).to(tl.pointer_type(tl.bfloat16))
         tl.store(rope_ptr + j, to_out(tl.load(rows_ptr + e * sr_r + (NOPE + j) * sr_c).to(tl.float32), rope_ptr, RNE))
-        tl.store(out + NOPE + 128 + g, tl.where(g < G, eb, 0).to(tl.uint8), mask=g < PAD)
+        tl.store(out + NOPE + 128 + g, tl.where(g < G, se + 127, 0).to(tl.uint8), mask=g < PAD)
 
 
 @triton.jit
@@ -117,12 +111,13 @@ def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, D: tl.c
         lo = tl.load(rows_ptr + e * sr_r + (2 * pair) * sr_c, mask=gm, other=0.0).to(tl.float32)
         hi = tl.load(rows_ptr + e * sr_r + (2 * pair + 1) * sr_c, mask=gm, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
-        s, inv, eb = _pow2_scale(amax, 6.0, 6.0 * 2.0 ** -126)
+        se = group_scale_exp(amax, 6.0 * 2.0 ** -126, 1.0 / 6.0)
+        inv = exp2_int(-se)
         clo = _e2m1_code(tl.minimum(tl.maximum(lo * inv[:, None], -6.0), 6.0))
         chi = _e2m1_code(tl.minimum(tl.maximum(hi * inv[:, None], -6.0), 6.0))
         out = pool_ptr + dst * sp_r
         tl.store(out + pair, (clo | (chi << 4)).to(tl.uint8), mask=gm)
-        tl.store(out + D // 2 + g, eb.to(tl.uint8), mask=g < G)
+        tl.store(out + D // 2 + g, (se + 127).to(tl.uint8), mask=g < G)
 
 
 def _store_format(pool, index, rows, row_format):
@@ -133,7 +128,7 @@ def _store_format(pool, index, rows, row_format):
     if row_format == "fp8":
         G = (D - ROPE_DIM) // 64
         _store_fp8_kernel[(E,)](*args, NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
-                                RNE=rne(pool.new_empty((0,), dtype=torch.bfloat16)),   # the rope channels' rounding
+                                RNE=rne_for(pool.device, torch.bfloat16),   # the rope channels' rounding
                                 num_warps=TUNE.get("num_warps", 4))
     else:
         _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), num_warps=TUNE.get("num_warps", 4))
