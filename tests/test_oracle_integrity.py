@@ -49,7 +49,13 @@ def test_the_clean_oracle_matches_the_files_and_is_recorded(tmp_path, capsys):
     assert main(["--backend", "reference", *ARGS, "--json", str(j)]) == 0
     data = json.loads(j.read_text())
     assert data["oracle"] == {"digest": oracle.digest(fp), "isolated": False}
-    assert f"oracle: {oracle.digest(fp)}" in capsys.readouterr().out
+    assert f"oracle: {oracle.digest(fp)}\n" in capsys.readouterr().out
+    # a full-conformance claim takes the expected outputs from a process that loads no plugin
+    assert main(["--backend", "reference", *ARGS, "--require-all", "--json", str(j)]) == 0
+    iso = json.loads(j.read_text())
+    assert iso["oracle"] == {"digest": oracle.digest(fp), "isolated": True}
+    assert f"oracle: {oracle.digest(fp)} (isolated)" in capsys.readouterr().out
+    assert [c["worst_ratio"] for c in iso["ops"][0]["cases"]] == [c["worst_ratio"] for c in data["ops"][0]["cases"]]
 
 
 @pytest.mark.parametrize("kind,field", [("setattr", "op rms_norm.tolerance"), ("class", "module spec.OpSpec"),
@@ -81,6 +87,7 @@ def test_a_change_after_loading_names_the_field(restore):
         object.__setattr__(spec, "tolerance", good)
 
 
+@pytest.mark.filterwarnings("ignore:Warning only once for all operators")
 def test_the_isolated_oracle_fails_a_backend_that_agrees_with_an_overridden_kernel():
     """A kernel registered over torch's own ``aten::rsqrt`` (below what the fingerprint sees) bends
     the in-process reference and fp64 evaluation alike: a backend computing the same wrong values

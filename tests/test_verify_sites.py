@@ -133,3 +133,19 @@ def test_the_summary_lists_every_site_of_a_tiny_model_step_and_names_the_bad_one
     bad = sites["layers.2.self_attn.q_b_proj:linear"]
     assert bad["calls"] == 20 and bad["checked"] == 1 and bad["divergences"] == 1
     assert [k for k, v in sites.items() if v["divergences"]] == ["layers.2.self_attn.q_b_proj:linear"]
+
+
+def test_the_wrapper_checks_the_calls_its_sampler_picks():
+    spec = catalogue()["rms_norm"]
+    x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+    stats = VerifyStats(0.1, 5)
+    f = wrap(spec, spec.reference, stats, True, "ref").at("norm")
+    picked = []
+    for i in range(100):
+        before = stats.checked
+        f(x, w, 1e-6)
+        if stats.checked > before:
+            picked.append(i)
+    draw = Sampler(sampler(5, "rms_norm", "norm"), 0.1)
+    assert picked == [i for i in range(100) if draw()] and len(picked) == 10
+    assert stats.sites["norm:rms_norm"].as_dict() == {"op": "rms_norm", "calls": 100, "checked": 10, "divergences": 0}

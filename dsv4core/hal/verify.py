@@ -116,25 +116,27 @@ class Sampler:
     each block's checked call is drawn uniformly from it when the block starts. ``sampler()``
     (one call per op call, after the call returned) says whether this call is checked."""
 
-    __slots__ = ("_rng", "_f", "_n", "_block", "_end", "_pick")
+    __slots__ = ("_rng", "_f", "_n", "_block", "end", "pick")
 
     def __init__(self, rng: random.Random, fraction: float) -> None:
         self._rng, self._f = rng, fraction
-        self._n = self._block = self._end = 0
-        self._pick = -1
+        self._n = self._block = self.end = 0
+        #: the current block ends before call ``end``; its checked call is ``pick``
+        self.pick = -1
 
-    def _edge(self, b: int) -> int:
-        return math.ceil(b / self._f - 1e-9)
+    def advance(self) -> None:
+        """Start the next block: [old end, new end), and draw its checked call."""
+        start = self.end
+        self._block += 1
+        self.end = max(math.ceil(self._block / self._f - 1e-9), start + 1)
+        self.pick = start + self._rng.randrange(self.end - start)
 
     def __call__(self) -> bool:
         n = self._n
         self._n = n + 1
-        if n >= self._end:                       # a new block [start, end) and its one checked call
-            start = self._end
-            self._block += 1
-            self._end = max(self._edge(self._block), start + 1)
-            self._pick = start + self._rng.randrange(self._end - start)
-        return n == self._pick
+        if n >= self.end:
+            self.advance()
+        return n == self.pick
 
 
 class SiteStats:
@@ -247,11 +249,15 @@ def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -
         def verified(*args, **kwargs):
             # The backend is called before anything about this call is decided or copied: the frame it
             # runs under (this one: args, kwargs and the closure) is the same on checked and unchecked
-            # calls, so it cannot tell whether it is being judged.
+            # calls, so it cannot tell whether it is being judged. (The Sampler's draw, inlined:
+            # call i of the site is checked when it is its block's pick.)
             stats.calls += 1
-            site.calls += 1
             out = call(*args, **kwargs)
-            if draw():
+            i = site.calls
+            site.calls = i + 1
+            if i >= draw.end:
+                draw.advance()
+            if i == draw.pick:
                 check(args, kwargs, out, site)
             return None if writes else out
 
