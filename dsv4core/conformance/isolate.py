@@ -30,9 +30,6 @@ import torch
 
 from .results import ConformanceError
 
-#: ``(op, shapes, dtype name) -> [(case, (ref names, ref tensors), (exact names, exact tensors)) or
-#: (case, None, "error")]``, or a str when the generator itself failed.
-
 
 def _child(request: str, out: str) -> int:
     from dsv4core.hal import catalogue, compare, oracle
@@ -44,7 +41,8 @@ def _child(request: str, out: str) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    req = json.loads(open(request).read())
+    with open(request) as f:
+        req = json.load(f)
     specs = catalogue()
     found: dict = {}
     for op in req["ops"]:
@@ -72,7 +70,9 @@ def _child(request: str, out: str) -> int:
 def expected_cases(ops: Sequence[str], shapes: Sequence[str], dtypes: Sequence[str], device: str, seed: int,
                    timeout: float | None = None) -> tuple[str, dict]:
     """Run the isolated oracle process; return (its oracle digest, the cases by
-    ``"op/shapes/dtype"``). Raises ConformanceError when it fails."""
+    ``"op/shapes/dtype"``: a list of ``(case, (reference Outputs, fp64 Outputs), "")``, or
+    ``(case, None, error)`` for a case whose expected outputs could not be computed; a str when
+    the case generator itself failed). Raises ConformanceError when the process fails."""
     from dsv4core.hal.compare import Outputs
     from dsv4core.hal.spec import Case
 
