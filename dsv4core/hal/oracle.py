@@ -19,7 +19,8 @@ names.
 * ``torch <ns>.<name>`` for every name the oracle's code objects load that is an attribute of
   ``torch``, ``torch.nn.functional``, ``torch.linalg``, ``torch.special`` or ``torch.Tensor``:
   ``ok`` while it is the object it was when this module was imported (the HAL imports it before
-  any plugin loads), else what replaced it and from which module.
+  any plugin loads) or torch's own wrapper of it (code in torch's package, ``__wrapped__`` leading
+  to it), else what replaced it and from which module.
 
 **The expected fingerprint** (:func:`expected`) is the same function applied to a private copy
 of the oracle modules executed afresh from the installed files on disk (cached per process: one
@@ -232,6 +233,22 @@ def _torch_snapshot(names) -> dict[str, object]:
 _TORCH_AT_IMPORT = _torch_snapshot(_loaded_names(_LIVE))
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _torch_wrapper_of(now, orig) -> bool:
+    """``now`` is ``orig``, or torch's own wrapper of it (``__wrapped__`` chain of functions whose
+    code lies in torch's package: ``torch._dynamo`` wraps ``torch.manual_seed`` when imported)."""
+    for _ in range(8):
+        if now is orig:
+            return True
+        code = getattr(now, "__code__", None)
+        if not isinstance(code, types.CodeType) or not code.co_filename.startswith(_TORCH_DIR):
+            return False
+        now = getattr(now, "__wrapped__", None)
+    return False
+
+
 def _origin(obj) -> str:
     mod = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", "?")
     return f"{mod}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
@@ -256,7 +273,7 @@ def fingerprint(modules: dict[str, types.ModuleType] | None = None, catalogue_: 
         for key, obj in _TORCH_AT_IMPORT.items():
             ns_name, _, n = key.rpartition(".")
             now = _torch_attr(_TORCH_NS[ns_name], n)
-            out[f"torch {key}"] = "ok" if now is obj else f"replaced by {_origin(now)}"
+            out[f"torch {key}"] = "ok" if _torch_wrapper_of(now, obj) else f"replaced by {_origin(now)}"
     return out
 
 
