@@ -195,7 +195,7 @@ class _SiteTable(OpTable):
         object.__setattr__(self, "site", site)
 
     def __getattr__(self, name):  # first use of an op at this site
-        b = self.bindings.get(name)
+        b = self.__dict__.get("bindings", {}).get(name)
         if b is None:
             return OpTable.__getattr__(self, name)
         at = getattr(b.call, "at", None)

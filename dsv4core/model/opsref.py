@@ -35,7 +35,7 @@ class OpsRef:
 
     def __setattr__(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
-        for s in self._sites.values():          # a site ref follows its root (rebinding, numerics)
+        for s in getattr(self, "_sites", {}).values():   # a site ref follows its root (rebinding, numerics)
             s._follow(name, value)
 
     def _follow(self, name: str, value) -> None:
