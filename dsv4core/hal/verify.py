@@ -113,8 +113,9 @@ def sampler(seed: int, op: str, site: str | None = None) -> random.Random:
 class Sampler:
     """Which calls of one site are checked: call ``n`` (from 0) lies in block ``b`` when
     ``ceil(b / f) <= n < ceil((b + 1) / f)`` (blocks of ``floor(1/f)`` or ``ceil(1/f)`` calls), and
-    each block's checked call is drawn uniformly from it when the block starts. ``sampler()``
-    (one call per op call, after the call returned) says whether this call is checked."""
+    each block's checked call is drawn uniformly from it when the block starts. Called once per
+    op call (after the call returned), it says whether that call is checked; the verify wrapper
+    does the same inline with :meth:`advance`, ``end`` and ``pick``."""
 
     __slots__ = ("_rng", "_f", "_n", "_block", "end", "pick")
 
