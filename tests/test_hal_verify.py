@@ -49,28 +49,33 @@ def test_off_is_the_plain_table():
 
 
 def test_fraction_is_reproducible_per_seed_and_correct_ops_never_diverge(monkeypatch):
-    # sampling is random per call (not every 4th call), so the count is that of the seeded draws
+    # sampling is stratified per call site: one call of every block of 1 / 0.25 = 4 calls, drawn at
+    # random within the block (not every 4th call), so the seed picks the calls, not their number
     x, w = torch.randn(3, 16), torch.rand(16) + 0.5
 
     def checked(**kw):
         t = bind("cpu", backend="reference", verify="25%", **kw)
-        for _ in range(200):
+        st, picked = t.bindings["rms_norm"].verify, []
+        for i in range(200):
+            before = st.checked
             t.rms_norm(x, w, 1e-6)
-        st = t.bindings["rms_norm"].verify
+            if st.checked > before:
+                picked.append(i)
         assert (st.calls, st.divergences) == (200, 0)
         assert t.bindings["rms_norm"].call is not t.bindings["rms_norm"].impl.fn      # wrapped
         s = t.verify_summary()
         assert s["checked"] == st.checked and s["ops"]["rms_norm"] == {"calls": 200, "checked": st.checked}
+        assert s["sites"] == {"rms_norm": {"op": "rms_norm", "calls": 200, "checked": st.checked, "divergences": 0}}
         assert not s["diverged"]
-        return st.checked, s["seed"]
+        return tuple(picked), s["seed"]
 
     monkeypatch.setenv("DSV4CORE_VERIFY_SEED", "7")
-    n7, seed = checked()
-    assert seed == 7 and checked() == (n7, 7) and checked(verify_seed=7) == (n7, 7)
-    # 200 draws at p = 0.25: mean 50, sd 6.1; a fixed seed, so this is one exact number
-    assert 25 <= n7 <= 75
-    counts = {checked(verify_seed=s)[0] for s in range(8)}
-    assert len(counts) > 1                     # the seed picks the calls
+    p7, seed = checked()
+    assert seed == 7 and checked() == (p7, 7) and checked(verify_seed=7) == (p7, 7)
+    assert [i // 4 for i in p7] == list(range(50))          # exactly one call of each block of 4
+    picks = {checked(verify_seed=s)[0] for s in range(8)}
+    assert len(picks) == 8                      # the seed picks the calls
+    assert {i % 4 for p in picks for i in p} == {0, 1, 2, 3}
     monkeypatch.delenv("DSV4CORE_VERIFY_SEED")
     assert checked()[1] != checked()[1]         # no seed given: a fresh one per table, reported
 

@@ -2,13 +2,15 @@
 
 Exit codes: 0 every implemented op (and the model check) passes; 1 any case fails (or, with
 ``--require-all``, a selected op is not implemented, a case was declined, or the model check
-handed a call to the reference); 2 the backend cannot be loaded or the arguments are wrong; 3
+handed a call to the reference); 2 the backend cannot be loaded, the arguments are wrong, or the
+oracle differs from the installed files (a plugin changed it: the run refuses to judge); 3
 nothing was verified (every selected op not implemented or every case declined: not a pass).
 See docs/conformance.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import time
@@ -45,6 +47,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--require-all", action="store_true",
                    help="a full-conformance claim: also exit 1 when a selected op is not implemented, a case is "
                         "declined, or the model check hands a call to the reference")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="take the cases and their reference / fp64 outputs from a separate process that loads no "
+                        "plugin (defeats a plugin's patches to torch or the oracle; costs one more process start "
+                        "and a temporary file of every case: see docs/conformance.md). Default: on with "
+                        "--require-all, off otherwise")
     p.add_argument("--world-sizes", default="2,4", metavar="N,N",
                    help="check the collectives over this many spawned ranks each (default 2,4; 'none' = one "
                         "process only, listed as a gap)")
@@ -97,10 +104,12 @@ def run(args) -> int:
     if progress:
         progress.note(f"dsv4core conformance: backend {backend.name!r} {backend.version}, device {args.device}, "
                       f"shapes {args.shapes}, dtypes {args.dtype}, seed {args.seed}")
+    isolate = args.require_all if args.isolate is None else args.isolate
     try:
         report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
                             seed=args.seed, progress=progress, world_sizes=world_sizes,
-                            dist_backend=args.dist_backend, dist_device=args.dist_device, dist_ref=args.backend)
+                            dist_backend=args.dist_backend, dist_device=args.dist_device, dist_ref=args.backend,
+                            isolate=isolate)
     except ConformanceError as e:
         return err(str(e))
     report.require_all = args.require_all
@@ -111,6 +120,11 @@ def run(args) -> int:
             progress(f"model check ({args.model}) ...")
         report.model = check_model(backend, args.model, tuple(str(d).replace("torch.", "") for d in dtypes),
                                    args.device, args.seed)
+        from dsv4core.hal import oracle
+
+        refusal = oracle.refusal(f"it changed during the model check of backend {backend.name!r}")
+        if refusal:
+            return err(refusal)
     if progress:
         progress.end()
     write_table(report, sys.stdout)    # the one copy of every result line

@@ -350,8 +350,13 @@ def run(args) -> int:
     summary = model.ops.verify_summary() if hasattr(model.ops, "verify_summary") else None
     if summary is not None:
         diverged = ", ".join(f"{op} {v['divergences']}/{v['checked']}" for op, v in summary["diverged"].items())
+        sites = summary.get("sites", {})
+        bad_sites = [k for k, v in sites.items() if v["divergences"]]
         print(f"verify: {summary['checked']} of {summary['calls']} op calls checked against the reference "
-              f"(fraction {summary['fraction']:g}, seed {summary['seed']}), {summary['divergences']} diverged"
-              + (f" ({diverged})" if diverged else "") + ("; DSV4CORE_VERIFY_STRICT=1 makes the first one an error"
-                                                           if summary["divergences"] else ""), file=sys.stderr)
+              f"(fraction {summary['fraction']:g}, seed {summary['seed']}; "
+              f"{sum(1 for v in sites.values() if v['checked'])} of {len(sites)} call sites checked), "
+              f"{summary['divergences']} diverged"
+              + (f" ({diverged}; at {', '.join(bad_sites[:5])}{', ...' if len(bad_sites) > 5 else ''})"
+                 if diverged else "") + ("; DSV4CORE_VERIFY_STRICT=1 makes the first one an error"
+                                         if summary["divergences"] else ""), file=sys.stderr)
     return 0

@@ -10,14 +10,14 @@ Python::
 """
 
 __all__ = ["run", "run_case", "iter_cases", "load_backend", "parse_ops", "parse_shapes", "parse_dtypes", "Report",
-           "OpResult", "CaseResult", "ConformanceError", "SHAPE_SETS", "PASSED", "FAILED", "DECLINED",
+           "OpResult", "CaseResult", "ConformanceError", "OracleChanged", "SHAPE_SETS", "PASSED", "FAILED", "DECLINED",
            "NOT_IMPLEMENTED", "EXIT_PASSED", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NOTHING_VERIFIED",
            "parse_world_sizes"]
 
 #: the module each public name lives in (imported on first use)
 _HOME = {"run": "runner", **{n: "cases" for n in ("run_case", "iter_cases", "load_backend", "parse_ops", "parse_shapes",
                                                   "parse_dtypes", "parse_world_sizes", "SHAPE_SETS")},
-         **{n: "results" for n in ("Report", "OpResult", "CaseResult", "ConformanceError", "PASSED", "FAILED",
+         **{n: "results" for n in ("Report", "OpResult", "CaseResult", "ConformanceError", "OracleChanged", "PASSED", "FAILED",
                                    "DECLINED", "NOT_IMPLEMENTED", "EXIT_PASSED", "EXIT_FAILED", "EXIT_USAGE",
                                    "EXIT_NOTHING_VERIFIED")}}
 

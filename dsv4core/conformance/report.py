@@ -32,6 +32,9 @@ def write_table(report: Report, file: TextIO) -> None:
           f"{report.seconds:.1f}s)", file=file)
     if report.sources:
         print("sources: " + format_sources(report.sources), file=file)
+    if report.oracle:
+        print(f"oracle: {report.oracle['digest']}" + (" (isolated)" if report.oracle.get("isolated") else ""),
+              file=file)
     print_table(HEADERS, table_rows(report), file=file)
     fails = report.failures()
     if fails:

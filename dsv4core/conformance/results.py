@@ -34,6 +34,11 @@ class ConformanceError(Exception):
     """Bad arguments or a backend that cannot be loaded (exit code 2)."""
 
 
+class OracleChanged(ConformanceError):
+    """The live oracle (references, tolerances, checks, cases, comparison code, the torch
+    functions they call) differs from the installed files: the run refuses to judge (exit code 2)."""
+
+
 @dataclass
 class CaseResult:
     op: str
@@ -146,6 +151,10 @@ class Report:
     single_process_collectives: list[str] = field(default_factory=list)
     #: which code ran: a digest of the Python sources of each package involved (source_digests)
     sources: dict[str, str] = field(default_factory=dict)
+    #: the oracle judged with: {"digest": dsv4core.hal.oracle digest of the installed files (the
+    #: live oracle matched it before and after the run), "isolated": whether the expected outputs
+    #: came from a process that loaded no plugin}
+    oracle: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -221,7 +230,7 @@ class Report:
                 "backend": self.backend, "backend_version": self.backend_version, "device": self.device,
                 "shapes": list(self.shapes), "dtypes": list(self.dtypes), "seed": self.seed,
                 "dsv4core_version": dsv4core.__version__, "torch_version": torch.__version__,
-                "date": self.date, "sources": self.sources,
+                "date": self.date, "sources": self.sources, "oracle": self.oracle,
                 "failed": self.failed, "complete": self.complete, "verified": self.verified,
                 "all_ops": self.all_ops, "require_all": self.require_all, "world_sizes": list(self.world_sizes), "verdict": self.verdict(),
                 "exit_code": self.exit_code(), "seconds": round(self.seconds, 2),

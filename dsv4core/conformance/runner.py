@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dsv4core.hal import Backend, catalogue
+from dsv4core.hal import Backend, catalogue, oracle
 from dsv4core.hal.compare import dtype_name
 
 from .cases import _exc, iter_cases, load_backend, parse_dtypes, parse_ops, parse_shapes, run_case
 from .provenance import source_digests
-from .results import DECLINED, FAILED, PASSED, CaseResult, ConformanceError, OpResult, Report
+from .results import DECLINED, FAILED, PASSED, CaseResult, ConformanceError, OpResult, OracleChanged, Report
 
 
 
@@ -40,7 +40,8 @@ from .results import DECLINED, FAILED, PASSED, CaseResult, ConformanceError, OpR
 def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shapes: str | Sequence[str] = "small",
         dtypes: str | Sequence[Any] = ("float32", "bfloat16"), device: str = "cpu", seed: int = 0,
         progress: Callable[[str], None] | None = None, world_sizes: Sequence[int] = (),
-        dist_backend: str = "gloo", dist_device: str = "cpu", dist_ref: str | None = None) -> Report:
+        dist_backend: str = "gloo", dist_device: str = "cpu", dist_ref: str | None = None,
+        isolate: bool = False) -> Report:
     """Run the op conformance suite for ``backend`` (a discovered backend name or a
     :class:`~dsv4core.hal.Backend` object, e.g. one built in a test) and return the Report.
 
@@ -49,6 +50,13 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     ranks find the backend by name, or through ``dist_ref`` (``"module:function"``) for an
     in-process Backend. Without it the collectives are checked in one process only, which the
     report lists as a gap (not complete).
+
+    ``isolate``: take the cases and their expected outputs from a process that loads no plugin
+    (:mod:`.isolate`; its cost is described there).
+
+    Before judging and again after, the live oracle is compared with the installed files
+    (:mod:`dsv4core.hal.oracle`): if a plugin (or anything else) changed it, the run raises
+    :class:`OracleChanged` (a ConformanceError: exit code 2) instead of judging.
 
     Raises ConformanceError for an unknown/unloadable backend or bad arguments.
     """
@@ -65,7 +73,17 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         torch.device(device)
     except Exception as e:
         raise ConformanceError(f"bad --device {device!r}: {e}") from None
+    refusal = oracle.refusal()
+    if refusal:
+        raise OracleChanged(refusal)
     specs = catalogue()
+    expected, oracle_digest = None, oracle.digest(oracle.expected())
+    if isolate:
+        todo = [n for n in op_names if n in be.impls]
+        child_digest, expected = _isolated(todo, shape_sets, dts, device, seed)
+        if child_digest != oracle_digest:
+            raise OracleChanged(f"the isolated oracle process has oracle digest {child_digest}, this process "
+                                f"{oracle_digest} (refusing to judge)")
     report = Report(be.name, be.version, device, shape_sets, tuple(dtype_name(d) for d in dts), seed,
                     all_ops=set(op_names) == set(specs), sources=source_digests(be),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -83,6 +101,9 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         if impl is not None:
             for sh in shape_sets:
                 for dt in dts:
+                    if expected is not None:
+                        opres.cases += _run_expected(spec, impl, expected[f"{name}/{sh}/{dtype_name(dt)}"], dt, sh)
+                        continue
                     try:
                         cases = iter_cases(spec, sh, dt, device, seed)
                         for case in cases:
@@ -108,7 +129,32 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     elif dist_ops:
         report.single_process_collectives = [o.op for o in dist_ops]
     report.seconds = time.perf_counter() - t_all
+    refusal = oracle.refusal(f"it changed while backend {be.name!r} ran")
+    if refusal:
+        raise OracleChanged(refusal)
+    report.oracle = {"digest": oracle_digest, "isolated": bool(isolate)}
     return report
+
+
+def _isolated(op_names, shape_sets, dts, device, seed):
+    from .isolate import expected_cases
+
+    return expected_cases(op_names, shape_sets, [dtype_name(d) for d in dts], device, seed)
+
+
+def _run_expected(spec, impl, entries, dt, sh) -> list[CaseResult]:
+    """The cases of one (op, shapes, dtype) judged against the isolated oracle's outputs."""
+    if isinstance(entries, str):
+        return [CaseResult(spec.name, dtype_name(dt), sh, "<generate cases>", FAILED,
+                           message=f"conformance harness error: {entries}", failure="harness")]
+    out = []
+    for case, exp, err in entries:
+        if exp is None:
+            out.append(CaseResult(spec.name, dtype_name(dt), sh, case.name, FAILED, tuple(case.tags), failure="harness",
+                                  message=f"conformance harness error (isolated oracle): {err}"))
+        else:
+            out.append(run_case(spec, impl, case, dt, sh, expected=exp))
+    return out
 
 
 def _progress_line(o: OpResult, secs: float) -> str:

@@ -43,6 +43,11 @@ def pytest_generate_tests(metafunc):
         raise pytest.UsageError("dsv4core conformance: give the backend to check with --dsv4core-backend NAME "
                                 f"(or ${'DSV4CORE_CONFORMANCE_BACKEND'}); if the option is unknown, add "
                                 "-p dsv4core.conformance.pytest_plugin")
+    from dsv4core.hal import oracle
+
+    refusal = oracle.refusal()
+    if refusal:
+        raise pytest.UsageError(f"dsv4core conformance: {refusal}")
     try:
         be = _backend(s)
         ops = cases.parse_ops(s["ops"])

@@ -149,8 +149,22 @@ class OpTable(TypedOps):
         (and the verify-mode counts when it is on)."""
         return [b.as_dict() for b in self.bindings.values()]
 
+    def at(self, site: str) -> "OpTable":
+        """The table a call site uses (``site``: where in the model the calls are made, e.g.
+        ``layers.3.self_attn.q_a_proj``; named once, when the model is built). With the verify mode on, its
+        ops are the site's own callables (sampled and counted per site, see
+        :mod:`dsv4core.hal.verify`), made on first use; off, it is this table itself."""
+        if not any(b.verify is not None for b in self.bindings.values()):
+            return self
+        views = self.__dict__.setdefault("_sites", {})
+        if site not in views:
+            views[site] = _SiteTable(self, site)
+        return views[site]
+
     def verify_summary(self) -> dict[str, Any] | None:
-        """Verify-mode totals and the ops that diverged (None when the verify mode is off)."""
+        """Verify-mode totals, the ops that diverged, the counts per op and per call site
+        (``"sites": {"<module path>:<op>": {"op", "calls", "checked", "divergences"}}``; a call
+        made on the table directly counts under the op's own name). None when the verify mode is off."""
         stats = {n: b.verify for n, b in self.bindings.items() if b.verify is not None}
         if not stats:
             return None
@@ -160,13 +174,37 @@ class OpTable(TypedOps):
                 "divergences": sum(v.divergences for v in stats.values()),
                 "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences},
                 # per op: how many calls there were and how many of them were checked
-                "ops": {n: {"calls": v.calls, "checked": v.checked} for n, v in stats.items() if v.calls}}
+                "ops": {n: {"calls": v.calls, "checked": v.checked} for n, v in stats.items() if v.calls},
+                "sites": {site: c.as_dict() for v in stats.values() for site, c in v.sites.items() if c.calls}}
 
     def __repr__(self) -> str:
         served = {}
         for b in self.bindings.values():
             served.setdefault(b.backend, []).append(b.op)
         return f"OpTable(device_type={self.device_type!r}, policy={self.policy!r}, served={served})"
+
+
+class _SiteTable(OpTable):
+    """One call site's view of a verified table (:meth:`OpTable.at`): the same bindings, and per
+    op the site's own callable, made on first access and then a plain attribute."""
+
+    def __init__(self, table: OpTable, site: str):
+        object.__setattr__(self, "device_type", table.device_type)
+        object.__setattr__(self, "policy", table.policy)
+        object.__setattr__(self, "bindings", table.bindings)
+        object.__setattr__(self, "site", site)
+
+    def __getattr__(self, name):  # first use of an op at this site
+        b = self.__dict__.get("bindings", {}).get(name)
+        if b is None:
+            return OpTable.__getattr__(self, name)
+        at = getattr(b.call, "at", None)
+        call = at(self.site) if at is not None else b.call
+        object.__setattr__(self, name, call)
+        return call
+
+    def at(self, site: str) -> "OpTable":
+        raise HALError(f"the op table of call site {self.site!r} has no call sites of its own ({site!r})")
 
 
 def parse_ops_override(text: str | dict[str, str] | None) -> dict[str, str]:

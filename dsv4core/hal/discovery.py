@@ -30,7 +30,7 @@ from importlib import metadata
 
 import pluggy
 
-from . import hookspecs
+from . import hookspecs, oracle
 from .backend import HAL_API_VERSION, Backend, check_fields
 
 log = logging.getLogger("dsv4core.hal")
@@ -175,9 +175,15 @@ def discover() -> dict[str, PluginStatus]:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     seen = set()
+    # the oracle's fingerprint before the plugins load and after each one: a plugin that changes
+    # it (a spec, a helper, a torch function) is named when conformance refuses to judge
+    oracle_before, previous = oracle.fingerprint(), None
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist else "?"
         source = f"{dist} ({ep.value})"
+        if previous is not None:
+            oracle_before = oracle.note_plugin(previous, oracle_before)
+        previous = source
         seen.add(ep.name)
         if only is not None and ep.name not in only:
             failed(ep.name, source, None, "not loaded: DSV4CORE_PLUGINS does not name it")
@@ -229,6 +235,8 @@ def discover() -> dict[str, PluginStatus]:
             kept = [b.name for b in registered if isinstance(b, Backend)]
             failed(ep.name, source, hook_error, f"registration failed: {type(hook_error).__name__}: {hook_error}"
                    + (f" (after registering {', '.join(map(repr, kept))}, which are kept)" if kept else ""))
+    if previous is not None:
+        oracle.note_plugin(previous, oracle_before)
     for missing in sorted((only or set()) - seen):
         log.warning("DSV4CORE_PLUGINS names %r, but no installed plugin has that entry-point name", missing)
     return found

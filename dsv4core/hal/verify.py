@@ -5,10 +5,21 @@ every op of the bound table check that fraction of its calls: after the call ret
 reference math is run on its (read-only) inputs (in the call's dtype and in float64 - on the same
 device, or on the CPU where the device has no float64) and the output is judged exactly as the
 conformance suite judges a case (the op's Tolerance: ``k x`` the reference's own error + floor;
-index sets and routes as sets). Sampling is random and independent per call: each op has its own
-``random.Random`` seeded from the run's seed and the op's name, and every call of the op is checked
-with probability ``fraction`` (1: every call), so every call site of an op - whatever the model's
-fixed pattern of calls - is checked at the requested rate. Whether a call is checked is drawn
+index sets and routes as sets). Sampling is per call site: a call site is where in the model an
+op is called, the module making the call and the op (``layers.3.self_attn.q_a_proj:linear``; the
+attention module's own calls ``layers.3.self_attn:rope``, ...), named once when the model is built
+(:meth:`~dsv4core.hal.binding.OpTable.at`: each module gets its own callables, so the unchecked
+path does no lookup and no stack inspection). Calls made on the table directly belong to the
+op's own site (the op's name). Each site has its own stream, ``random.Random`` seeded from the
+run's seed, the op and the site (:func:`sampler`), and is sampled stratified
+(:class:`Sampler`): its calls are cut into consecutive blocks of ``1 / fraction`` calls and
+exactly one call of each block, chosen uniformly at random, is checked. So every site - however
+rarely it is called next to the others - is checked at the requested rate, and a site called
+``n >= 1 / fraction`` times is checked at least ``floor(n * fraction)`` times, whatever the seed:
+a bug confined to it is caught with certainty (at 5 %: within 20 calls of that site). The price
+of that guarantee: a backend that could tell a checked call from an unchecked one would know
+the rest of that block is unchecked; it cannot tell from the frame (below), and the verify mode
+is a guard against bugs - conformance is the judge of a backend. Whether a call is checked is drawn
 after the backend returns, and nothing is bound or copied before it: the frame a backend can
 inspect is the same on checked and unchecked calls. An op that writes in place (``cache_store``)
 is judged on the buffer it left: the written rows must hold the bits the reference writes from
@@ -32,7 +43,7 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -93,9 +104,52 @@ def parse_seed(value: int | str | None = None) -> int:
     return seed
 
 
-def sampler(seed: int, op: str) -> random.Random:
-    """The per-op random stream the verify mode draws from (one ``random()`` per call)."""
-    return random.Random(f"dsv4core-verify:{seed}:{op}")
+def sampler(seed: int, op: str, site: str | None = None) -> random.Random:
+    """The random stream of one call site (``site`` None: the op's own, for calls made on the
+    table directly); :class:`Sampler` draws one ``randrange`` per block of calls from it."""
+    return random.Random(f"dsv4core-verify:{seed}:{op}" + ("" if site is None else f"@{site}"))
+
+
+class Sampler:
+    """Which calls of one site are checked: call ``n`` (from 0) lies in block ``b`` when
+    ``ceil(b / f) <= n < ceil((b + 1) / f)`` (blocks of ``floor(1/f)`` or ``ceil(1/f)`` calls), and
+    each block's checked call is drawn uniformly from it when the block starts. Called once per
+    op call (after the call returned), it says whether that call is checked; the verify wrapper
+    does the same inline with :meth:`advance`, ``end`` and ``pick``."""
+
+    __slots__ = ("_rng", "_f", "_n", "_block", "end", "pick")
+
+    def __init__(self, rng: random.Random, fraction: float) -> None:
+        self._rng, self._f = rng, fraction
+        self._n = self._block = self.end = 0
+        #: the current block ends before call ``end``; its checked call is ``pick``
+        self.pick = -1
+
+    def advance(self) -> None:
+        """Start the next block: [old end, new end), and draw its checked call."""
+        start = self.end
+        self._block += 1
+        self.end = max(math.ceil(self._block / self._f - 1e-9), start + 1)
+        self.pick = start + self._rng.randrange(self.end - start)
+
+    def __call__(self) -> bool:
+        n = self._n
+        self._n = n + 1
+        if n >= self.end:
+            self.advance()
+        return n == self.pick
+
+
+class SiteStats:
+    """One call site's counts (``verify_summary()["sites"][site]``)."""
+
+    __slots__ = ("op", "calls", "checked", "divergences")
+
+    def __init__(self, op: str) -> None:
+        self.op, self.calls, self.checked, self.divergences = op, 0, 0, 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "calls": self.calls, "checked": self.checked, "divergences": self.divergences}
 
 
 @dataclass
@@ -109,6 +163,8 @@ class VerifyStats:
     divergences: int = 0
     worst_ratio: float = 0.0
     first: str = ""                 # the first divergence, as logged
+    #: per call site (the op's own name for calls made on the table directly): SiteStats
+    sites: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"fraction": self.fraction, "seed": self.seed, "calls": self.calls, "checked": self.checked,
@@ -134,20 +190,22 @@ def _call_dtype(kw: dict) -> torch.dtype:
 
 
 def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -> Callable:
-    """``call`` with the verify mode: every call counted, each judged with probability
-    ``stats.fraction`` (draws from :func:`sampler` of ``stats.seed`` and the op's name)."""
+    """``call`` with the verify mode: every call counted, the calls of each site sampled at
+    ``stats.fraction`` (:class:`Sampler` over :func:`sampler` of ``stats.seed``, the op and the
+    site). The returned callable serves the op's own site; ``.at(site)`` makes (once per site)
+    the callable of a named call site."""
     from . import compare
 
     sig = spec.signature
     fraction = stats.fraction
-    draw = sampler(stats.seed, spec.name).random
 
-    def check(args, kwargs, out):
+    def check(args, kwargs, out, site):
         """The shadow check of one call, after it returned, from its arguments and output."""
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         kw = dict(bound.arguments)
         stats.checked += 1
+        site.checked += 1
         problem, ratio = "", 0.0
         try:
             # inputs are read-only by contract, so the reference runs on them as they are now; an
@@ -167,24 +225,50 @@ def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -
         stats.worst_ratio = max(stats.worst_ratio, ratio)
         if problem:
             stats.divergences += 1
-            msg = (f"verify: {spec.name} (backend {backend!r}) diverged from the reference on call "
-                   f"{stats.calls} ({_shapes(kw)}): {problem}")
+            site.divergences += 1
+            where = "" if site is own else f" at {site_name[id(site)]}"
+            msg = (f"verify: {spec.name} (backend {backend!r}) diverged from the reference{where} on call "
+                   f"{site.calls} ({_shapes(kw)}): {problem}")
             if strict:
                 raise VerifyError(msg + f" — {ENV_STRICT}=1")
             if not stats.first:
                 stats.first = msg
                 log.warning(msg)
 
-    def verified(*args, **kwargs):
-        # The backend is called before anything about this call is decided or copied: the frame it
-        # runs under (this one: args, kwargs and the closure) is the same on checked and unchecked
-        # calls, so it cannot tell whether it is being judged.
-        stats.calls += 1
-        out = call(*args, **kwargs)
-        if draw() < fraction:          # random() is in [0, 1): fraction 1 checks every call
-            check(args, kwargs, out)
-        return None if spec.writes else out
+    made: dict[str | None, Callable] = {}
+    site_name: dict[int, str] = {}
 
-    verified.__name__ = spec.name
-    verified.__wrapped__ = call
-    return verified
+    def make(name: str | None) -> Callable:
+        if name in made:
+            return made[name]
+        key = spec.name if name is None else f"{name}:{spec.name}"
+        site = stats.sites[key] = SiteStats(spec.name)
+        site_name[id(site)] = key
+        draw = Sampler(sampler(stats.seed, spec.name, name), fraction)
+        writes = bool(spec.writes)
+
+        def verified(*args, **kwargs):
+            # The backend is called before anything about this call is decided or copied: the frame it
+            # runs under (this one: args, kwargs and the closure) is the same on checked and unchecked
+            # calls, so it cannot tell whether it is being judged. (The Sampler's draw, inlined:
+            # call i of the site is checked when it is its block's pick.)
+            stats.calls += 1
+            out = call(*args, **kwargs)
+            i = site.calls
+            site.calls = i + 1
+            if i >= draw.end:
+                draw.advance()
+            if i == draw.pick:
+                check(args, kwargs, out, site)
+            return None if writes else out
+
+        verified.__name__ = spec.name
+        verified.__wrapped__ = call
+        verified.at = make
+        verified.site = site_name[id(site)]
+        made[name] = verified
+        return verified
+
+    own_callable = make(None)
+    own = stats.sites[spec.name]             # noqa: F841 (read by check)
+    return own_callable

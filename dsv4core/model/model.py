@@ -20,7 +20,8 @@ from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs
 from .inputs import DeviceTokens, InputError, _host_long, eos_ids, token_ids
-from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, OpsRef, RMSNorm
+from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, RMSNorm
+from .opsref import OpsRef, name_sites
 from .step import Step
 from .parallel import SINGLE, Parallel
 
@@ -81,6 +82,9 @@ class DSV4ForCausalLM(nn.Module):
             why = ""
         self.speculation_why = why
         self.model = DSV4Model(config, dtype, self._ops, par, mtp=not why)
+        name_sites(self.model, self._ops)           # each module calls the ops as its own call site
+        #: the call sites of the ops this class calls itself (verify coverage: dsv4core.model.opsref)
+        self._site = {k: self._ops.site(k) for k in ("embed", "lm_head", "ring_store")}
         v0, v1 = par.vocab(config)
         self.lm_head = nn.Linear(config.hidden_size, v1 - v0, bias=False, dtype=dtype)
         self.lm_head.weight.requires_grad_(False)
@@ -400,7 +404,7 @@ class DSV4ForCausalLM(nn.Module):
             for pool, index, values in step.deferred:
                 if step.keep_ring_rows:
                     saved.append((pool, index, pool[index.clamp_min(0)]))
-                self.ops.cache_store(pool, index, values)
+                self._site["ring_store"].t.cache_store(pool, index, values)
         except BaseException:
             for pool, index, old in reversed(saved):   # glue, error path only
                 keep = index >= 0
@@ -420,19 +424,19 @@ class DSV4ForCausalLM(nn.Module):
         local = ids - v0
         mine = (local >= 0) & (local < v1 - v0)
         h = w[local.clamp(0, max(v1 - v0 - 1, 0))] * mine.unsqueeze(-1).to(w.dtype)
-        return self.ops.all_reduce(h, par.tp_group)
+        return self._site["embed"].t.all_reduce(h, par.tp_group)
 
     def _lm_head(self, y: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, V]. Vocabulary-parallel: this rank's chunk, padded to ceil(V/tp)
         columns, all-gathered over the tp group and trimmed to V."""
-        logits = self.ops.linear(y, self.lm_head.weight, None, FP32)
+        logits = self._site["lm_head"].t.linear(y, self.lm_head.weight, None, FP32)
         par = self.parallel
         if par.tp == 1:
             return logits
         pad = par.vocab_chunk(self.config) - logits.shape[-1]
         if pad:
             logits = torch.nn.functional.pad(logits, (0, pad))
-        return self.ops.all_gather(logits, -1, par.tp_group)[:, :self.config.vocab_size].contiguous()
+        return self._site["lm_head"].t.all_gather(logits, -1, par.tp_group)[:, :self.config.vocab_size].contiguous()
 
     # ------------------------------------------------------------------ public API
     def greedy_tokens(self, logits: torch.Tensor) -> DeviceTokens:

@@ -1,7 +1,7 @@
 """DSV4 modules: parameters laid out exactly as transformers 5.23.0 `DeepseekV4ForCausalLM`
 (same attribute paths, names, shapes), math done only through the bound HAL op table.
 
-Each module holds an `OpsRef` (shared by the whole model, rebindable) and exposes a forward
+Each module holds an `OpsRef` (its call site's: `dsv4core.model.opsref`) and exposes a forward
 over *flattened* tokens of several requests (`Step`, built by the model). Plain torch appears
 only as glue: embedding lookup, cat / slicing / views, index-list construction.
 
@@ -18,34 +18,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4core.hal.binding import OpTable
 from dsv4core.hal.ops.projections import ACT_BLOCKS
 from dsv4core.hal.ops.rope import NOPE_QUANT_BLOCKS
 from dsv4core.hal.util import cdiv
 
 from . import indexing as ix
+from .opsref import OpsRef
 from .step import Step
 from .config import CSA, HASH_MOE, HCA, SLIDING, DSV4Config
 from .parallel import SINGLE, Parallel
 
 FP32 = torch.float32
-
-
-class OpsRef:
-    """Shared, rebindable holder of the bound op table (`dsv4core.hal.OpTable`) and of the
-    numerics the model calls it with (`"exact"` or `"official"`: `dsv4core.model.numerics`)."""
-
-    __slots__ = ("t", "numerics")
-    t: OpTable     # ``self._ops.t.rms_norm(...)``: the op's typed attribute (dsv4core.hal.typed_ops)
-    numerics: str
-
-    def __init__(self, table: OpTable | None = None, numerics: str = "exact") -> None:
-        self.t = table
-        self.numerics = numerics
-
-    @property
-    def official(self) -> bool:
-        return self.numerics == "official"
 
 
 #: the official numerics' block sizes (the HAL's): W8A8 activations, FP8 KV rows (non-rope channels)

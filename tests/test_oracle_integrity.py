@@ -1,0 +1,111 @@
+"""An oracle plugins cannot bend: conformance compares the live oracle (references, tolerances,
+checks, cases, comparison code, the torch functions they call) with the installed files and
+refuses to judge (exit 2, naming the plugin) when a plugin changed it; the isolated oracle (a
+process that loads no plugin) fails a backend that agrees with a kernel registered over torch's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+
+import pytest
+import torch
+
+import oracle_tamper_plugins as tamper
+from dsv4core.commands.conformance import main
+from dsv4core.conformance import FAILED, PASSED, run
+from dsv4core.hal import Backend, catalogue, discovery, oracle, reset
+
+ARGS = ["--ops", "rms_norm", "--dtype", "float32", "--no-model", "--world-sizes", "none", "-q"]
+
+
+def _install(monkeypatch, kinds):
+    eps = []
+    for kind in kinds:
+        mod = tamper.module(kind)
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        eps.append(metadata.EntryPoint(name=f"tamper-{kind}", value=mod.__name__, group=discovery.ENTRY_POINT_GROUP))
+    monkeypatch.setattr(discovery.metadata, "entry_points", lambda group: eps)
+    monkeypatch.setattr(oracle, "CHANGED_BY", [])
+    reset()
+
+
+@pytest.fixture
+def restore():
+    yield
+    for kind in tamper.KINDS:
+        tamper.undo(kind)
+    reset()
+    assert oracle.problems() == []
+
+
+def test_the_clean_oracle_matches_the_files_and_is_recorded(tmp_path, capsys):
+    assert oracle.problems() == [] and oracle.refusal() is None
+    fp = oracle.expected()
+    assert {"op rms_norm.tolerance", "op rms_norm.reference", "op rms_norm.cases", "module compare.judge",
+            "torch torch.rsqrt"} <= set(fp)
+    j = tmp_path / "r.json"
+    assert main(["--backend", "reference", *ARGS, "--json", str(j)]) == 0
+    data = json.loads(j.read_text())
+    assert data["oracle"] == {"digest": oracle.digest(fp), "isolated": False}
+    assert f"oracle: {oracle.digest(fp)}\n" in capsys.readouterr().out
+    # a full-conformance claim takes the expected outputs from a process that loads no plugin
+    assert main(["--backend", "reference", *ARGS, "--require-all", "--json", str(j)]) == 0
+    iso = json.loads(j.read_text())
+    assert iso["oracle"] == {"digest": oracle.digest(fp), "isolated": True}
+    assert f"oracle: {oracle.digest(fp)} (isolated)" in capsys.readouterr().out
+    assert [c["worst_ratio"] for c in iso["ops"][0]["cases"]] == [c["worst_ratio"] for c in data["ops"][0]["cases"]]
+
+
+@pytest.mark.parametrize("kind,field", [("setattr", "op rms_norm.tolerance"), ("class", "module spec.OpSpec"),
+                                        ("torch", "torch torch.rsqrt")])
+def test_a_plugin_that_bends_the_oracle_is_named_and_nothing_is_judged(monkeypatch, capsys, restore, kind, field):
+    _install(monkeypatch, [kind])
+    assert discovery.discover()[f"tamper-{kind}"].available
+    rc = main(["--backend", f"tamper-{kind}", *ARGS])
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    assert "refusing to judge" in err and f"changed by plugin ? (_dsv4core_tamper_{kind})" in err, err
+    assert field in err, err
+    assert "result:" not in out                                # no verdict was given
+    if kind == "torch":
+        assert "replaced by oracle_tamper_plugins._wrong_rsqrt" in err
+
+
+def test_a_change_after_loading_names_the_field(restore):
+    spec = catalogue()["rms_norm"]
+    good = spec.tolerance
+    object.__setattr__(spec, "tolerance", tamper.LOOSE)
+    try:
+        with pytest.raises(Exception) as e:
+            run("reference", ops=["rms_norm"], dtypes="float32")
+        assert type(e.value).__name__ == "OracleChanged"
+        assert "changed after the plugins loaded" in str(e.value) and "op rms_norm.tolerance: expected" in str(e.value)
+        assert "k=1e+30" in str(e.value)
+    finally:
+        object.__setattr__(spec, "tolerance", good)
+
+
+@pytest.mark.filterwarnings("ignore:Warning only once for all operators")
+def test_the_isolated_oracle_fails_a_backend_that_agrees_with_an_overridden_kernel():
+    """A kernel registered over torch's own ``aten::rsqrt`` (below what the fingerprint sees) bends
+    the in-process reference and fp64 evaluation alike: a backend computing the same wrong values
+    passes in-process, and fails against the isolated oracle."""
+    b = Backend(name="agrees", version="0", device_types=("cpu",))
+    b.add("rms_norm", tamper._agreeing_rms_norm)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("rsqrt", lambda x: 1.5 / torch.sqrt(x), "CPU")
+        x = torch.full((2,), 4.0)
+        assert torch.equal(torch.rsqrt(x), torch.full((2,), 0.75))         # the override is live
+        assert oracle.problems() == []                                    # and invisible to the fingerprint
+        bent = run(b, ops=["rms_norm"], shapes="small", dtypes="float32")
+        assert [o.status for o in bent.ops] == [PASSED]                   # judged by the bent oracle
+        iso = run(b, ops=["rms_norm"], shapes="small", dtypes="float32", isolate=True)
+    finally:
+        lib._destroy()
+    assert [o.status for o in iso.ops] == [FAILED] and iso.oracle["isolated"]
+    judged = [c for c in iso.ops[0].cases if not c.case.startswith("T0-")]     # T0: empty, nothing to bend
+    assert len(judged) >= 5 and all(c.status == FAILED and c.failure == "numeric" for c in judged)
+    assert torch.equal(torch.rsqrt(torch.full((2,), 4.0)), torch.full((2,), 0.5))
