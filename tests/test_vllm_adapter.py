@@ -1,0 +1,283 @@
+"""The vLLM adapter without vLLM (dsv4core/engines/vllm): the caches described as an engine's
+allocator sees them and their bytes (against `state_bytes`), the pool views over engine-owned
+block memory, and the step builder. The builder is driven by a small engine stand-in that pages
+like vLLM (one packed backing allocation, one block table per cache group, block ids handed out
+in a shuffled order, blocks below a sliding window released to the null block, slot mappings
+`block * block_tokens + offset`, -1 for padding); its steps must give logits bit-identical to
+dsv4core's own path on the same requests (fp32, reference backend: the same rows read in the same
+order, so the same arithmetic)."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from dsv4core.engines.vllm import (EnginePools, allocate_packed, build_step, cache_parts, kv_bytes_per_token,
+                                   request_bytes, rows_view)
+from dsv4core.engines.vllm.layout import block_stride_alignment
+from dsv4core.model import CacheConfig, DSV4Config, state_bytes
+from dsv4core.model.api import load_model
+
+
+def _flash() -> DSV4Config:
+    return DSV4Config.from_dict({"num_hidden_layers": 43, "num_hash_layers": 3,
+                                 "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]})
+
+
+# ------------------------------------------------------------------ bytes
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"])
+def test_flash_parts_and_bytes_per_token_match_state_bytes(kv):
+    cfg = _flash()
+    parts = cache_parts(cfg, torch.bfloat16, kv)
+    by = {(p.layer, p.part): p for p in parts}
+    row, key = (584, 68) if kv else (1024, 256)
+    # the page sizes of ENGINES.md section 1.1 (before vLLM's 576 B FlashMLA padding, which the
+    # row-major dsv4core rows do not need): a window / C4 page 64 rows, a C128 page 2 rows
+    assert by[(0, "window")].page_bytes == 64 * row and by[(2, "entries")].page_bytes == 64 * row
+    assert by[(3, "entries")].page_bytes == 2 * row and by[(2, "keys")].page_bytes == 64 * key
+    assert (by[(2, "state")].page_bytes, by[(2, "index_state")].page_bytes, by[(3, "state")].page_bytes) == \
+        (4 * 8192, 4 * 2048, 8 * 4096)
+    n_c4, n_c128 = 21, 20
+    per = kv_bytes_per_token(parts)
+    assert per["compressed"] == Fraction(n_c4 * (row + key), 4) + Fraction(n_c128 * row, 128)
+    assert per["window"] == 43 * row
+    # the growing part: every 256 tokens add one block of entries and keys, in both
+    cc = CacheConfig(kv_dtype=kv, block_tokens=256, window_block=64, max_rollback=1)
+    t = 65536
+    a, b = state_bytes(cfg, t, cc), state_bytes(cfg, t + 256, cc)
+    grow = (b["compressed_entries"] + b["indexer_keys"]) - (a["compressed_entries"] + a["indexer_keys"])
+    assert grow == 256 * per["compressed"]
+    # what a request holds: the window rows as state_bytes with max_rollback = the tokens in flight
+    eng = request_bytes(parts, t, in_flight=1)
+    for k in ("window_rows", "compressed_entries", "indexer_keys"):
+        assert eng[k] == a[k], k
+    # the compressor states: a sliding window of (1 + o) m positions plus one partial block, where
+    # dsv4core keeps a ring of (1 + o) m + max_rollback rows: 12 / 136 rows against 9 / 129
+    ring = a["compressor_rings"]
+    assert ring == n_c4 * 9 * (8192 + 2048) + n_c128 * 129 * 4096
+    assert eng["compressor_states"] == n_c4 * 12 * (8192 + 2048) + n_c128 * 136 * 4096
+
+
+def test_tiny_parts_and_bytes_per_token_match_state_bytes():
+    m = load_model("tiny", backend="reference")
+    cfg = m.config
+    parts = cache_parts(cfg, torch.bfloat16)            # tiny: 4 layers, d = 64, d_I = 32, rates 4 / 16
+    per = kv_bytes_per_token(parts)
+    assert per["compressed"] == 2 * Fraction(128 + 64, 4) + Fraction(128, 16)
+    assert per["window"] == 4 * 128 and per["state"] == 2 * (1024 + 512) + 512
+    cc = CacheConfig(block_tokens=256, window_block=64, max_rollback=1)
+    for t in (5, 300, 4096):
+        s, e = state_bytes(cfg, t, cc), request_bytes(parts, t)
+        assert (s["window_rows"], s["compressed_entries"], s["indexer_keys"]) == \
+            (e["window_rows"], e["compressed_entries"], e["indexer_keys"]), t
+
+
+def test_cache_parts_refuse_bad_blocks():
+    cfg = _flash()
+    with pytest.raises(ValueError, match="block_tokens=200.*\\[128\\]"):
+        cache_parts(cfg, torch.bfloat16, block_tokens=200)
+    with pytest.raises(ValueError, match="state_block\\(4\\) must be an int >= 1"):
+        cache_parts(cfg, torch.bfloat16, state_block=lambda m: 0)
+
+
+# ------------------------------------------------------------------ pool views
+
+
+def test_rows_view_addresses_block_rows_through_the_block_stride():
+    buf = torch.arange(5 * 40, dtype=torch.float32)
+    blocks = torch.as_strided(buf, (5, 3, 4), (40, 4, 1), 8)       # 3 rows of 4 a block, blocks 40 apart
+    view, per = rows_view(blocks)
+    assert per == 10 and view.shape == (43, 4)
+    for b in range(5):
+        for o in range(3):
+            assert torch.equal(view[b * per + o], blocks[b, o])
+    view[2 * per + 1] = -1.0                                       # a write through the view lands in the block
+    assert (blocks[2, 1] == -1).all()
+    bad = torch.as_strided(buf, (4, 3, 4), (42, 4, 1))
+    with pytest.raises(ValueError, match="keys: block stride 168 B is not a multiple of the row stride 16 B"):
+        rows_view(bad, "keys")
+
+
+# ------------------------------------------------------------------ an engine stand-in
+
+
+class MiniEngine:
+    """Pages the requests like vLLM: per cache group a block table, blocks drawn from one shuffled
+    pool of ids (0 is the null block), sliding groups releasing blocks below their window."""
+
+    def __init__(self, parts, groups, num_blocks, seed=0, order=1):
+        self.info = {}
+        for p in parts:
+            g = groups[p.key]
+            self.info[g] = (p.block_tokens, p.window if p.paging == "sliding" else None)
+        # the pages in `parts` order or reversed (a layer's entries before its window rows); NaN
+        # rows everywhere, so a read of a row no step wrote shows
+        self.buf, self.tensors = allocate_packed(parts[::order], num_blocks, fill=0xFF)
+        for t in self.tensors.values():
+            t[0] = 0         # the null block: zeros, as in vLLM's zero-filled allocation (never handed out)
+        ids = list(range(1, num_blocks))
+        random.Random(seed).shuffle(ids)
+        self.free = ids
+        self.tables = {g: {} for g in self.info}
+        self.computed = {}
+
+    def step(self, sched, pad_to=None, slot_mappings=True):
+        """sched: [(request id, tokens)]; returns build_step's engine inputs."""
+        ids, pos, qsl, lens = [], [], [0], []
+        for rid, toks in sched:
+            c = self.computed.get(rid, 0)
+            ids += toks
+            pos += range(c, c + len(toks))
+            qsl.append(qsl[-1] + len(toks))
+            lens.append(c + len(toks))
+        n = len(pos)
+        T = pad_to or n
+        tables, slots = {}, {}
+        for g, (bs, _) in self.info.items():
+            rows = []
+            for (rid, _), L in zip(sched, lens):
+                t = self.tables[g].setdefault(rid, [])
+                while len(t) * bs < L:
+                    t.append(self.free.pop())
+                rows.append(t)
+            width = max(len(r) for r in rows) + 1
+            tables[g] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+            sm = torch.full((T,), -1, dtype=torch.int64)
+            k = 0
+            for r, (rid, toks) in zip(rows, sched):
+                for j in range(len(toks)):
+                    p = pos[k]
+                    sm[k] = r[p // bs] * bs + p % bs
+                    k += 1
+            slots[g] = sm
+        ids += [0] * (T - n)
+        pos += [0] * (T - n)
+        for (rid, toks), L in zip(sched, lens):
+            self.computed[rid] = L
+            for g, (bs, win) in self.info.items():
+                if win is None:
+                    continue
+                t = self.tables[g][rid]
+                for j in range(len(t)):
+                    if t[j] and (j + 1) * bs <= L - win + 1:     # no position of it readable any more
+                        self.free.append(t[j])
+                        t[j] = 0
+        return dict(input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl),
+                    seq_lens=torch.tensor(lens), block_tables=tables, slot_mappings=slots if slot_mappings else None)
+
+
+def _groups(parts):
+    """vLLM-like cache groups: the window rows in two groups (so layers differ in their tables),
+    every compressed part in one 256-token group, the states by block size."""
+    out = {}
+    for p in parts:
+        if p.part == "window":
+            out[p.key] = f"swa{p.layer % 2}"
+        elif p.paging == "full":
+            out[p.key] = "compressed"
+        else:
+            out[p.key] = f"state{p.block_tokens}"
+    return out
+
+
+@pytest.fixture()
+def tiny():
+    m = load_model("tiny", backend="reference")
+    m.use_graphs = False
+    return m
+
+
+def _tokens(n, seed):
+    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["window-first", "entries-first"])
+def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
+    m = tiny
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = _groups(parts)
+    eng = MiniEngine(parts, groups, num_blocks=256, order=order)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    # layers 0 / 2 (window tables swa0) and 1 / 3 (swa1, CSA): the CSA layers share their index
+    # lists (same tables, same relative page layout), every other pair differs
+    assert len(set(pools.signature)) == 3 and pools.signature[1] == pools.signature[3]
+    assert (pools.addr[1]["window"].base > 0) == (order == -1) and (pools.views[1].Rw > 0) == (order == 1)
+    prompts = {r: _tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    at = {r: 0 for r in prompts}
+
+    def chunk(r, k):
+        toks = prompts[r][at[r]:at[r] + k]
+        at[r] += k
+        return (r, toks)
+
+    plan = [[chunk(0, 100), chunk(1, 70), chunk(2, 5)],
+            [chunk(0, 130), (1, _tokens(1, 11)), (2, _tokens(1, 12)), chunk(3, 40)],
+            [chunk(0, 70), (1, _tokens(1, 13)), (2, _tokens(1, 14)), chunk(3, 100)]]
+    plan += [[(r, _tokens(1, 20 + 4 * s + r)) for r in range(4)] for s in range(6)]
+    for s, sched in enumerate(plan):
+        inp = eng.step(sched, slot_mappings=s % 2 == 0)      # the write rows from the slot mappings, or the tables
+        n = int(inp["query_start_loc"][-1])
+        want = _native(m, states, sched, inp["positions"])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert got.shape == (n, m.config.vocab_size) and torch.isfinite(want).all()
+        assert torch.equal(got, want), (s, (got - want).abs().max().item())
+    # the final hidden states and the head, split (vLLM's forward / compute_logits)
+    sched = [(r, _tokens(1, 90 + r)) for r in range(4)]
+    inp = eng.step(sched)
+    want = _native(m, states, sched, inp["positions"])
+    hidden = m.forward_step(build_step(m, pools, **inp), head=False)
+    assert hidden.shape == (4, m.config.hidden_size)
+    assert torch.equal(m.head_logits(hidden), want)
+    # a decode step padded to 8 tokens (slot -1, past query_start_loc[-1]), then one more: the
+    # padding writes nothing. More rows through the GEMMs and the experts may round differently in
+    # fp32 (and so the state this step writes): bound as in tests/test_model_engine.py, 2e-5 x
+    # max|logit| (measured ~1e-6)
+    for s in range(2):
+        sched = [(r, _tokens(1, 95 + 4 * s + r)) for r in range(4)]
+        inp = eng.step(sched, pad_to=8 if s == 0 else None)
+        want = _native(m, states, sched, inp["positions"][:4])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert got.shape == (8 if s == 0 else 4, m.config.vocab_size)
+        assert (got[:4] - want).abs().max() <= 2e-5 * want.abs().max(), s
+
+
+def _native(m, states, sched, positions):
+    ids = torch.tensor([t for _, toks in sched for t in toks])
+    rid = torch.tensor([k for k, (_, toks) in enumerate(sched) for _ in toks])
+    return m.forward_batch(ids, positions, rid, [states[r] for r, _ in sched])
+
+
+def test_build_step_refuses_inconsistent_inputs(tiny):
+    m = tiny
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = _groups(parts)
+    eng = MiniEngine(parts, groups, num_blocks=16)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    inp = eng.step([(0, _tokens(6, 1))])
+    bad = dict(inp, positions=inp["positions"] + 1)
+    with pytest.raises(ValueError, match="request 0: token 0 has position 1, expected 0"):
+        build_step(m, pools, **bad)
+    with pytest.raises(ValueError, match="query_start_loc must be \\[2\\]"):
+        build_step(m, pools, **dict(inp, query_start_loc=torch.tensor([0, 9])))
+    tables = dict(inp["block_tables"])
+    del tables["compressed"]
+    with pytest.raises(ValueError, match="block table 'compressed' must be"):
+        build_step(m, pools, **dict(inp, block_tables=tables))
+    with pytest.raises(ValueError, match="no block tensor / cache group for \\['layers.0.window'"):
+        EnginePools(m.config, parts, {}, groups)
+
+
+def test_block_stride_alignment_is_a_multiple_of_every_row():
+    parts = cache_parts(_flash(), torch.bfloat16, "fp8")
+    a = block_stride_alignment(parts)
+    assert all(a % p.row_bytes == 0 for p in parts)
+    _, t = allocate_packed(cache_parts(_flash(), torch.bfloat16)[:6], 3)
+    for x in t.values():
+        rows_view(x)                                        # every part's block stride is a whole number of rows
