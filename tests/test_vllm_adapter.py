@@ -9,7 +9,6 @@ order, so the same arithmetic)."""
 
 from __future__ import annotations
 
-import random
 from fractions import Fraction
 
 import pytest
@@ -20,6 +19,8 @@ from dsv4core.engines.vllm import (EnginePools, allocate_packed, build_step, cac
 from dsv4core.engines.vllm.layout import block_stride_alignment
 from dsv4core.model import CacheConfig, DSV4Config, state_bytes
 from dsv4core.model.api import load_model
+
+from _vllm_engine import MiniEngine, groups_like_vllm, native_logits, step_plan, tokens
 
 
 def _flash() -> DSV4Config:
@@ -106,85 +107,6 @@ def test_rows_view_addresses_block_rows_through_the_block_stride():
 # ------------------------------------------------------------------ an engine stand-in
 
 
-class MiniEngine:
-    """Pages the requests like vLLM: per cache group a block table, blocks drawn from one shuffled
-    pool of ids (0 is the null block), sliding groups releasing blocks below their window."""
-
-    def __init__(self, parts, groups, num_blocks, seed=0, order=1):
-        self.info = {}
-        for p in parts:
-            g = groups[p.key]
-            self.info[g] = (p.block_tokens, p.window if p.paging == "sliding" else None)
-        # the pages in `parts` order or reversed (a layer's entries before its window rows); NaN
-        # rows everywhere, so a read of a row no step wrote shows
-        self.buf, self.tensors = allocate_packed(parts[::order], num_blocks, fill=0xFF)
-        for t in self.tensors.values():
-            t[0] = 0         # the null block: zeros, as in vLLM's zero-filled allocation (never handed out)
-        ids = list(range(1, num_blocks))
-        random.Random(seed).shuffle(ids)
-        self.free = ids
-        self.tables = {g: {} for g in self.info}
-        self.computed = {}
-
-    def step(self, sched, pad_to=None, slot_mappings=True):
-        """sched: [(request id, tokens)]; returns build_step's engine inputs."""
-        ids, pos, qsl, lens = [], [], [0], []
-        for rid, toks in sched:
-            c = self.computed.get(rid, 0)
-            ids += toks
-            pos += range(c, c + len(toks))
-            qsl.append(qsl[-1] + len(toks))
-            lens.append(c + len(toks))
-        n = len(pos)
-        T = pad_to or n
-        tables, slots = {}, {}
-        for g, (bs, _) in self.info.items():
-            rows = []
-            for (rid, _), L in zip(sched, lens):
-                t = self.tables[g].setdefault(rid, [])
-                while len(t) * bs < L:
-                    t.append(self.free.pop())
-                rows.append(t)
-            width = max(len(r) for r in rows) + 1
-            tables[g] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-            sm = torch.full((T,), -1, dtype=torch.int64)
-            k = 0
-            for r, (rid, toks) in zip(rows, sched):
-                for j in range(len(toks)):
-                    p = pos[k]
-                    sm[k] = r[p // bs] * bs + p % bs
-                    k += 1
-            slots[g] = sm
-        ids += [0] * (T - n)
-        pos += [0] * (T - n)
-        for (rid, toks), L in zip(sched, lens):
-            self.computed[rid] = L
-            for g, (bs, win) in self.info.items():
-                if win is None:
-                    continue
-                t = self.tables[g][rid]
-                for j in range(len(t)):
-                    if t[j] and (j + 1) * bs <= L - win + 1:     # no position of it readable any more
-                        self.free.append(t[j])
-                        t[j] = 0
-        return dict(input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl),
-                    seq_lens=torch.tensor(lens), block_tables=tables, slot_mappings=slots if slot_mappings else None)
-
-
-def _groups(parts):
-    """vLLM-like cache groups: the window rows in two groups (so layers differ in their tables),
-    every compressed part in one 256-token group, the states by block size."""
-    out = {}
-    for p in parts:
-        if p.part == "window":
-            out[p.key] = f"swa{p.layer % 2}"
-        elif p.paging == "full":
-            out[p.key] = "compressed"
-        else:
-            out[p.key] = f"state{p.block_tokens}"
-    return out
-
-
 @pytest.fixture()
 def tiny():
     m = load_model("tiny", backend="reference")
@@ -192,46 +114,32 @@ def tiny():
     return m
 
 
-def _tokens(n, seed):
-    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("order", [1, -1], ids=["window-first", "entries-first"])
 def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
     m = tiny
     m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
     parts = cache_parts(m.config, m.act_dtype)
-    groups = _groups(parts)
+    groups = groups_like_vllm(parts)
     eng = MiniEngine(parts, groups, num_blocks=256, order=order)
     pools = EnginePools(m.config, parts, eng.tensors, groups)
     # layers 0 / 2 (window tables swa0) and 1 / 3 (swa1, CSA): the CSA layers share their index
     # lists (same tables, same relative page layout), every other pair differs
     assert len(set(pools.signature)) == 3 and pools.signature[1] == pools.signature[3]
     assert (pools.addr[1]["window"].base > 0) == (order == -1) and (pools.views[1].Rw > 0) == (order == 1)
-    prompts = {r: _tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
     states = {r: m.new_state() for r in prompts}
-    at = {r: 0 for r in prompts}
-
-    def chunk(r, k):
-        toks = prompts[r][at[r]:at[r] + k]
-        at[r] += k
-        return (r, toks)
-
-    plan = [[chunk(0, 100), chunk(1, 70), chunk(2, 5)],
-            [chunk(0, 130), (1, _tokens(1, 11)), (2, _tokens(1, 12)), chunk(3, 40)],
-            [chunk(0, 70), (1, _tokens(1, 13)), (2, _tokens(1, 14)), chunk(3, 100)]]
-    plan += [[(r, _tokens(1, 20 + 4 * s + r)) for r in range(4)] for s in range(6)]
+    plan = step_plan(prompts)
     for s, sched in enumerate(plan):
         inp = eng.step(sched, slot_mappings=s % 2 == 0)      # the write rows from the slot mappings, or the tables
         n = int(inp["query_start_loc"][-1])
-        want = _native(m, states, sched, inp["positions"])
+        want = native_logits(m, states, sched, inp["positions"])
         got = m.forward_step(build_step(m, pools, **inp))
         assert got.shape == (n, m.config.vocab_size) and torch.isfinite(want).all()
         assert torch.equal(got, want), (s, (got - want).abs().max().item())
     # the final hidden states and the head, split (vLLM's forward / compute_logits)
-    sched = [(r, _tokens(1, 90 + r)) for r in range(4)]
+    sched = [(r, tokens(1, 90 + r)) for r in range(4)]
     inp = eng.step(sched)
-    want = _native(m, states, sched, inp["positions"])
+    want = native_logits(m, states, sched, inp["positions"])
     hidden = m.forward_step(build_step(m, pools, **inp), head=False)
     assert hidden.shape == (4, m.config.hidden_size)
     assert torch.equal(m.head_logits(hidden), want)
@@ -240,27 +148,21 @@ def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
     # fp32 (and so the state this step writes): bound as in tests/test_model_engine.py, 2e-5 x
     # max|logit| (measured ~1e-6)
     for s in range(2):
-        sched = [(r, _tokens(1, 95 + 4 * s + r)) for r in range(4)]
+        sched = [(r, tokens(1, 95 + 4 * s + r)) for r in range(4)]
         inp = eng.step(sched, pad_to=8 if s == 0 else None)
-        want = _native(m, states, sched, inp["positions"][:4])
+        want = native_logits(m, states, sched, inp["positions"][:4])
         got = m.forward_step(build_step(m, pools, **inp))
         assert got.shape == (8 if s == 0 else 4, m.config.vocab_size)
         assert (got[:4] - want).abs().max() <= 2e-5 * want.abs().max(), s
 
 
-def _native(m, states, sched, positions):
-    ids = torch.tensor([t for _, toks in sched for t in toks])
-    rid = torch.tensor([k for k, (_, toks) in enumerate(sched) for _ in toks])
-    return m.forward_batch(ids, positions, rid, [states[r] for r, _ in sched])
-
-
 def test_build_step_refuses_inconsistent_inputs(tiny):
     m = tiny
     parts = cache_parts(m.config, m.act_dtype)
-    groups = _groups(parts)
+    groups = groups_like_vllm(parts)
     eng = MiniEngine(parts, groups, num_blocks=16)
     pools = EnginePools(m.config, parts, eng.tensors, groups)
-    inp = eng.step([(0, _tokens(6, 1))])
+    inp = eng.step([(0, tokens(6, 1))])
     bad = dict(inp, positions=inp["positions"] + 1)
     with pytest.raises(ValueError, match="request 0: token 0 has position 1, expected 0"):
         build_step(m, pools, **bad)
