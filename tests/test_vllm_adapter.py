@@ -183,3 +183,16 @@ def test_block_stride_alignment_is_a_multiple_of_every_row():
     _, t = allocate_packed(cache_parts(_flash(), torch.bfloat16)[:6], 3)
     for x in t.values():
         rows_view(x)                                        # every part's block stride is a whole number of rows
+
+
+def test_the_plugin_registers_nothing_unless_switched_on(monkeypatch):
+    """Without DSV4CORE_VLLM=1 the entry point returns before importing vLLM (so it works, and
+    changes nothing, where vLLM is not installed)."""
+    import sys
+
+    from dsv4core.engines.vllm import plugin
+
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    had = "vllm" in sys.modules
+    assert plugin.register() is False
+    assert ("vllm" in sys.modules) == had

@@ -72,6 +72,23 @@ def test_specs_are_vllm_classes_with_the_layout_pages_and_bounds():
                 assert s.num_states == p.rows_per_block and s.block_size == 256, p.key
 
 
+def test_flash_dims_pools_over_vllms_allocation():
+    """bf16 rows at the Flash dims: vLLM's five groups (22 + 21 window layers, 62 compressed parts,
+    42 and 20 states) and a block stride the pool views take; FP8 rows: refused with the reason."""
+    flash = DSV4Config.from_dict({"num_hidden_layers": 43, "num_hash_layers": 3,
+                                  "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]})
+    parts = cache_parts(flash, torch.bfloat16)
+    groups, views, cfg = _allocate(_config(), parts)
+    sizes = sorted(list(groups.values()).count(g) for g in set(groups.values()))
+    assert sizes == [20, 21, 22, 42, 62]
+    pools = EnginePools(flash, parts, {p.key: views[p.key] for p in parts}, groups)
+    assert pools.rows[2].shape[1] == 512 and pools.keys[2].shape[1] == 128
+    parts8 = cache_parts(flash, torch.bfloat16, "fp8")
+    groups8, views8, _ = _allocate(_config(), parts8)
+    with pytest.raises(ValueError, match="layers.3: the entries pages start .* not a multiple of the row stride 584 B"):
+        EnginePools(flash, parts8, {p.key: views8[p.key] for p in parts8}, groups8)
+
+
 def test_vllm_groups_and_allocates_and_the_steps_match_native(tiny):
     m = tiny
     parts = cache_parts(m.config, m.act_dtype)
@@ -103,6 +120,7 @@ def test_the_model_class_runs_in_vllms_forward_context(tiny):
     hf = SimpleNamespace(to_dict=lambda: m.config.to_hf_dict())
     vc_model = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.float32),
                                cache_config=vc.cache_config, compilation_config=vc.compilation_config,
+                               parallel_config=vc.parallel_config,
                                device_config=SimpleNamespace(device=torch.device("cpu")))
     model = DeepseekV4ForCausalLM(vllm_config=vc_model, prefix="model")
     assert model.load_weights(m.state_dict().items()) == set(m.state_dict())
@@ -135,13 +153,17 @@ def test_the_model_class_runs_in_vllms_forward_context(tiny):
         assert not model(torch.zeros(3, dtype=torch.long), torch.arange(3)).any()
 
 
-def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface():
+def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface(monkeypatch):
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces_base import is_text_generation_model, is_vllm_model
 
     from dsv4core.engines.vllm import plugin
 
-    plugin.register()
+    before = ModelRegistry.models[plugin.ARCHITECTURE]
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    assert plugin.register() is False and ModelRegistry.models[plugin.ARCHITECTURE] is before
+    monkeypatch.setenv(plugin.SWITCH, "1")
+    assert plugin.register() is True
     entry = ModelRegistry.models[plugin.ARCHITECTURE]
     assert (entry.module_name, entry.class_name) == tuple(plugin.MODEL_CLASS.split(":"))
     assert is_vllm_model(DeepseekV4ForCausalLM) and is_text_generation_model(DeepseekV4ForCausalLM)

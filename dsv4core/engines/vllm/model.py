@@ -111,6 +111,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
         CacheModule, _ = vllm_classes()
+        pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1
+                               or getattr(pc, "enable_expert_parallel", False)):
+            raise NotImplementedError("DeepseekV4ForCausalLM (dsv4core): tensor / pipeline / expert parallelism is "
+                                      "not mapped (one rank)")
         mc = vllm_config.model_config
         hf = mc.hf_config
         config = DSV4Config.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
