@@ -150,6 +150,8 @@ def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
     for s in range(2):
         sched = [(r, tokens(1, 95 + 4 * s + r)) for r in range(4)]
         inp = eng.step(sched, pad_to=8 if s == 0 else None)
+        if s == 0:      # slot mappings of the real tokens only (the padding then gets -1)
+            inp["slot_mappings"] = {g: sm[:4] for g, sm in inp["slot_mappings"].items()}
         want = native_logits(m, states, sched, inp["positions"][:4])
         got = m.forward_step(build_step(m, pools, **inp))
         assert got.shape == (8 if s == 0 else 4, m.config.vocab_size)
@@ -172,6 +174,9 @@ def test_build_step_refuses_inconsistent_inputs(tiny):
     del tables["compressed"]
     with pytest.raises(ValueError, match="block table 'compressed' must be"):
         build_step(m, pools, **dict(inp, block_tables=tables))
+    sm = dict(inp["slot_mappings"], swa0=inp["slot_mappings"]["swa0"][:3])
+    with pytest.raises(ValueError, match="slot mapping 'swa0' must be a 1-D integer vector of at least the 6"):
+        build_step(m, pools, **dict(inp, slot_mappings=sm))
     with pytest.raises(ValueError, match="no block tensor / cache group for \\['layers.0.window'"):
         EnginePools(m.config, parts, {}, groups)
 

@@ -182,7 +182,15 @@ def build_step(model, pools: EnginePools, input_ids: torch.Tensor, positions: to
     v = torch.split(torch.from_numpy(np.concatenate(parts)).to(dev), [p.shape[0] for p in parts])
     pad = None if not pad_n else torch.from_numpy(~live).to(dev)
     tables = {g: t.to(dev) for g, t in block_tables.items()}
-    slots = None if slot_mappings is None else {g: s.to(dev) for g, s in slot_mappings.items()}
+    slots = None
+    if slot_mappings is not None:
+        slots = {}
+        for g, sm in slot_mappings.items():
+            if sm.dim() != 1 or sm.shape[0] < n or sm.dtype.is_floating_point:
+                raise ValueError(f"build_step: slot mapping {g!r} must be a 1-D integer vector of at least the {n} "
+                                 f"tokens; got {sm.dtype} {tuple(sm.shape)}")
+            sm = sm[:T].to(dev)     # a mapping of the real tokens only: the padding gets -1
+            slots[g] = sm if sm.shape[0] == T else torch.cat((sm, sm.new_full((T - sm.shape[0],), -1)))
     return EngineStep(cache=pools.views[0], input_ids=input_ids.to(dev), positions=v[0], slot=v[1], start=v[2],
                       end=v[3], pad=pad, ring_tok=v[4], emit_tok=dict(zip(ratios, v[5:])),
                       widths={m: need // m for m in ratios}, inv_freq=model._freqs(dev), keep_ring_rows=False,
