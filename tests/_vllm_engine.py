@@ -26,6 +26,7 @@ class MiniEngine:
         if tensors is None:
             _, tensors = allocate_packed(parts[::order], num_blocks, fill=0xFF)
         self.tensors = tensors
+        self.ref = {}
         for t in tensors.values():
             if t.is_floating_point():
                 t[1:] = float("nan")
@@ -55,6 +56,7 @@ class MiniEngine:
                 t = self.tables[g].setdefault(rid, [])
                 while len(t) * bs < L:
                     t.append(self.free.pop())
+                    self.ref[t[-1]] = 1
                 rows.append(t)
             width = max(len(r) for r in rows) + 1
             tables[g] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
@@ -76,10 +78,28 @@ class MiniEngine:
                 t = self.tables[g][rid]
                 for j in range(len(t)):
                     if t[j] and (j + 1) * bs <= L - win + 1:     # no position of it readable any more
-                        self.free.append(t[j])
+                        self._release(t[j])
                         t[j] = 0
         return dict(input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl),
                     seq_lens=torch.tensor(lens), block_tables=tables, slot_mappings=slots if slot_mappings else None)
+
+
+    def _release(self, b):
+        self.ref[b] -= 1
+        if not self.ref[b]:
+            self.free.append(b)
+
+    def share(self, src, dst):
+        """Request `dst` starts as a copy of request `src`'s tokens (a prefix-cache hit on all of
+        them, at a block boundary of every group): its tables list `src`'s blocks, shared."""
+        n = self.computed[src]
+        for g, (bs, _) in self.info.items():
+            assert n % bs == 0, (g, n, bs)
+            self.tables[g][dst] = list(self.tables[g][src])
+            for b in self.tables[g][dst]:
+                if b:
+                    self.ref[b] += 1
+        self.computed[dst] = n
 
 
 def groups_like_vllm(parts):

@@ -158,6 +158,31 @@ def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
         assert (got[:4] - want).abs().max() <= 2e-5 * want.abs().max(), s
 
 
+def test_a_prefix_shared_at_a_block_boundary_continues_exactly(tiny):
+    """Request 1 starts from request 0's 256 tokens, its tables listing request 0's blocks (a
+    prefix-cache hit at a 256-token boundary, which is a block boundary of every group); both then
+    go on writing their own blocks: the logits of dsv4core's fork, bit for bit."""
+    m = tiny
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = groups_like_vllm(parts)
+    eng = MiniEngine(parts, groups, num_blocks=256)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    prompt = tokens(256, 3)
+    states = {0: m.new_state()}
+    for sched in ([(0, prompt[:200])], [(0, prompt[200:])]):
+        inp = eng.step(sched)
+        assert torch.equal(m.forward_step(build_step(m, pools, **inp)), native_logits(m, states, sched, inp["positions"]))
+    states[1] = states[0].fork()
+    eng.share(0, 1)
+    plan = [[(0, tokens(1, 40)), (1, tokens(30, 41))]] + [[(0, tokens(1, 50 + s)), (1, tokens(1, 60 + s))]
+                                                          for s in range(4)]
+    for s, sched in enumerate(plan):
+        inp = eng.step(sched)
+        want = native_logits(m, states, sched, inp["positions"])
+        assert torch.equal(m.forward_step(build_step(m, pools, **inp)), want), s
+
+
 def test_build_step_refuses_inconsistent_inputs(tiny):
     m = tiny
     parts = cache_parts(m.config, m.act_dtype)
