@@ -181,7 +181,7 @@ def build_step(model, pools: EnginePools, input_ids: torch.Tensor, positions: to
     parts = [pos_h, req, start, end, ring_tok, *emit]
     v = torch.split(torch.from_numpy(np.concatenate(parts)).to(dev), [p.shape[0] for p in parts])
     pad = None if not pad_n else torch.from_numpy(~live).to(dev)
-    tables = {g: t.to(dev) for g, t in block_tables.items()}
+    tables = {g: t.to(dev).clamp_min(0) for g, t in block_tables.items()}   # -1 (unused) entries: the null block
     slots = None
     if slot_mappings is not None:
         slots = {}
