@@ -1,5 +1,5 @@
-"""Imports run downward (DESIGN: commands -> conformance / model / checkpoint -> hal; kernels ->
-hal; plugins -> the public HAL API and the kernels), with no import cycle: every import statement
+"""Imports run downward (DESIGN: commands -> conformance / model / checkpoint -> hal; engines ->
+model; kernels -> hal; plugins -> the public HAL API and the kernels), with no import cycle: every import statement
 of the package and of the plugins, at module level or inside a function, read from the source
 (ast), so a lazy upward import is caught too."""
 
@@ -15,12 +15,14 @@ import dsv4core
 ROOT = Path(dsv4core.__file__).parent
 #: package -> the dsv4core subpackages / modules it must not import
 FORBIDDEN = {
-    "hal": ("checkpoint", "model", "conformance", "commands", "cli", "bench", "kernels"),
-    "checkpoint": ("model", "conformance", "commands", "cli", "kernels"),
-    "model": ("conformance", "commands", "cli", "kernels"),    # the model names no backend
-    "conformance": ("commands", "cli"),
+    "hal": ("checkpoint", "model", "conformance", "commands", "cli", "bench", "kernels", "engines"),
+    "checkpoint": ("model", "conformance", "commands", "cli", "kernels", "engines"),
+    "model": ("conformance", "commands", "cli", "kernels", "engines"),    # the model names no backend, no engine
+    "conformance": ("commands", "cli", "engines"),
+    # an engine adapter sits above the model (and names no backend)
+    "engines": ("conformance", "commands", "cli", "kernels", "bench"),
     # a backend's kernels: the HAL and themselves only (never the model, the checkpoint, the suite)
-    "kernels": ("checkpoint", "model", "conformance", "commands", "cli", "bench"),
+    "kernels": ("checkpoint", "model", "conformance", "commands", "cli", "bench", "engines"),
 }
 #: what a vendor plugin (plugins/<vendor>/dsv4core_<vendor>/) may import of dsv4core: the public
 #: HAL API and the shared kernels (a backend never imports the model)

@@ -58,7 +58,8 @@ def test_the_wheel_holds_the_packages_data_entry_points_and_license(tmp_path):
     for line in ("dsv4core = dsv4core.cli:main", "cuda = dsv4core_cuda", "rocm = dsv4core_rocm",
                  "ascend = dsv4core_ascend", "xpu = dsv4core_xpu",
                  "triton-interpret = dsv4core.kernels.triton.interpret_plugin",
-                 "dsv4core_conformance = dsv4core.conformance.pytest_plugin"):
+                 "dsv4core_conformance = dsv4core.conformance.pytest_plugin",
+                 "dsv4core = dsv4core.engines.vllm.plugin:register"):
         assert line in entry, line
 
 

@@ -383,19 +383,33 @@ class DSV4ForCausalLM(nn.Module):
                     inv_freq=self._freqs(dev), decode=counts.size == T)
         return step, extra_dev
 
-    def _forward(self, step: Step, rows: torch.Tensor | None = None, hrows: torch.Tensor | None = None):
+    @torch.no_grad()
+    def forward_step(self, step: Step, logits_rows: torch.Tensor | None = None, *, head: bool = True) -> torch.Tensor:
+        """The layers over a `Step` an engine adapter built (its own pools and block tables,
+        `dsv4core.engines`; no validation, no cache bookkeeping here): float32 logits of the rows
+        `logits_rows` (device int64, default all), or with head=False the final hidden states
+        [rows, hidden] (then `head_logits` gives their logits)."""
+        return self._forward(step, logits_rows, head=head)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of final hidden states [N, hidden] (`forward_step(head=False)`)."""
+        return self._lm_head(hidden)
+
+    def _forward(self, step: Step, rows: torch.Tensor | None = None, hrows: torch.Tensor | None = None,
+                 head: bool = True):
         """The layers over a prepared step; the deferred compressor-ring writes last. With `hrows`
-        (rows of the step): (logits, the residual stream of those rows before the hc_head)."""
+        (rows of the step): (logits, the residual stream of those rows before the hc_head).
+        head=False: the final hidden states instead of the logits."""
         T, n = step.num_tokens, self.config.hc_mult
         h = self._embed(step.input_ids)
         X = h.unsqueeze(1).expand(T, n, h.shape[-1]).contiguous()
-        for layer in self.model.layers:
-            X = layer(X, step)
+        for i, layer in enumerate(self.model.layers):
+            X = layer(X, step.for_layer(i))
         hidden = X[hrows] if hrows is not None else None
         if rows is not None:
             X = X[rows]
         y = self.model.norm(self.model.hc_head(X))
-        logits = self._lm_head(y)
+        logits = self._lm_head(y) if head else y
         # the compressor-ring writes, last: a step overwrites ring rows the committed state may
         # still read (a prefill chunk; a decode step followed by the deepest truncation), so the
         # rows about to be replaced are kept (a few rows per request) and put back if a write fails

@@ -196,12 +196,12 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
     `official` (numerics): the pooled rows are rounded to the activation dtype before their norm,
     and the entries are the official rows: FP8 non-rope channels (`kv_norm_rope`'s
     `nope_quant_block`), or for the `indexer` keys the Hadamard + FP4 simulation."""
-    ratio, w = comp.ratio, comp.kv_proj.weight.shape[0]
+    ratio, w, where = comp.ratio, comp.kv_proj.weight.shape[0], "keys" if indexer else "rows"   # where: Step's `pool`
     out = _project(ops, comp, x, extra)
     both = out[:, :2 * w]                  # a view: the ring write and the window gather read strides
     both[:, w:].add_(comp.position_bias[step.pos_mod(ratio)])
     if step.emit_tok[ratio].numel():       # no candidate (an eager step where no window completes): no pooling
-        win = _gather_window(both, ring, step.sources(ratio, overlap, cap, per_block), step.cache.ring_fill(w))
+        win = _gather_window(both, ring, step.sources(ratio, overlap, cap, per_block, where), step.cache.ring_fill(w))
         pooled = ops.compress_windows(win[..., :w], win[..., w:], overlap)
         if not official:
             ent = ops.kv_norm_rope(pooled, comp.kv_norm.weight, step.entry_starts(ratio, per_block),
@@ -214,9 +214,9 @@ def compress_step(ops, comp: nn.Module, overlap: bool, x: torch.Tensor, step: St
             ent = ops.kv_norm_rope(pooled.to(x.dtype), comp.kv_norm.weight, step.entry_starts(ratio, per_block),
                                    step.inv_freq["compress"], comp.kv_norm.eps, nope_quant_block=KV_QUANT_BLOCK)
         c = step.cache
-        ops.cache_store(entry_pool, step.emissions(ratio, per_block)[1], ent, **(c.key_store if indexer else c.row_store))
+        ops.cache_store(entry_pool, step.emissions(ratio, per_block, where)[1], ent, **(c.key_store if indexer else c.row_store))
     if step.ring_tok.numel():
-        step.deferred.append((ring, step.ring_rows(cap), ix.take(both, step.ring_tok)))
+        step.deferred.append((ring, step.ring_rows(cap, where), ix.take(both, step.ring_tok)))
     return out[:, 2 * w:] if extra is not None else None
 
 
@@ -280,13 +280,13 @@ class Indexer(nn.Module):
         if official:
             q = ops.indexer_rotate_quant(q)
         w = hw * (self.n_heads ** -0.5)
-        rows = step.entry_reads(self.ratio, c.epb[i])                     # [T, L] entry w -> key row
+        rows = step.entry_reads(self.ratio, c.epb[i], pool="keys")        # [T, L] entry w -> key row
         scores = ops.indexer_scores_rows(q, c.keys[i], w, rows, self.head_dim ** -0.5, **c.key_read)
         picks = ops.indexer_topk(scores, step.visible(self.ratio), self.topk)      # int32, -1 = unused
         if not rows.shape[1]:                                             # no entry yet: every pick -1
             return picks
-        got = rows[step.token_col(), picks]       # a -1 pick reads the last column (wrap-around): dropped next
-        return (got + base if base else got).masked_fill(picks < 0, -1)
+        got = step.entry_reads(self.ratio, c.epb[i], base)[step.token_col(), picks]   # entry w -> its row (+ base);
+        return got.masked_fill(picks < 0, -1)     # a -1 pick reads the last column (wrap-around): dropped
 
 
 class CSACompressor(Compressor):

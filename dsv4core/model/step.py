@@ -58,6 +58,11 @@ class Step:
         """Expert ids [T, k] with -1 (skipped by `moe_experts`) in the padding rows."""
         return ids if self.pad is None else ids.masked_fill(self.pad[:, None], -1)
 
+    def for_layer(self, layer: int) -> "Step":
+        """The step as layer `layer` sees it: the step itself here (an engine adapter's step, whose
+        pools and block tables differ per layer, returns that layer's view; dsv4core.engines)."""
+        return self
+
     def window_writes(self) -> torch.Tensor:
         """[T] the window row of each token (-1 for padding): the last column of `window_reads`
         (window >= 1), a strided view."""
@@ -72,7 +77,11 @@ class Step:
         """[T] compressed entries each query sees at rate m."""
         return self.memo(("vis", ratio), lambda: ix.visible_entries(self.positions, self.pad, ratio))
 
-    def entry_reads(self, ratio: int, per_block: int, base: int = 0) -> torch.Tensor:
+    def entry_reads(self, ratio: int, per_block: int, base: int = 0, pool: str = "rows") -> torch.Tensor:
+        """[T, width] rows of the visible entries, plus `base`. `pool` (here, and in `emissions`,
+        `sources`, `ring_rows`): the pool the rows index, "rows" (the layer's row pool, its
+        compressor's ring) or "keys" (the indexer's keys, its compressor's ring); one numbering in
+        the cache's own pools, so it is not read here."""
         c = self.cache
         return self.memo(("er", ratio, base), lambda: ix.entry_reads(
             c.comp_table_dev, self.slot, self.positions, self.pad, ratio, per_block, self.widths[ratio], base,
@@ -107,7 +116,7 @@ class Step:
         """positions % ratio (the compressors' position-bias rows)."""
         return self.memo(("pm", ratio), lambda: self.positions % ratio)
 
-    def emissions(self, ratio: int, per_block: int):
+    def emissions(self, ratio: int, per_block: int, pool: str = "rows"):
         """(entry number [E], destination entry row [E]) of the emission candidates at rate m."""
         c = self.cache
         return self.memo(("em", ratio, per_block), lambda: ix.emissions(
@@ -118,12 +127,12 @@ class Step:
         """[E] the first position of each candidate's entry (its rope position)."""
         return self.memo(("es", ratio), lambda: self.emissions(ratio, per_block)[0] * ratio)
 
-    def sources(self, ratio: int, overlap: bool, cap: int, per_block: int):
+    def sources(self, ratio: int, overlap: bool, cap: int, per_block: int, pool: str = "rows"):
         return self.memo(("src", ratio, overlap, cap), lambda: ix.window_sources(
             self.slot, self.positions, self.start, self.emit_tok[ratio], self.entry_starts(ratio, per_block), ratio,
             overlap, cap, self.decode))
 
-    def ring_rows(self, cap: int) -> torch.Tensor:
+    def ring_rows(self, cap: int, pool: str = "rows") -> torch.Tensor:
         return self.memo(("rw", cap), lambda: ix.ring_writes(self.slot, self.positions, None if self.decode else self.end,
                                                              self.pad, self.ring_tok, cap))
 

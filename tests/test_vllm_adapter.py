@@ -1,0 +1,228 @@
+"""The vLLM adapter without vLLM (dsv4core/engines/vllm): the caches described as an engine's
+allocator sees them and their bytes (against `state_bytes`), the pool views over engine-owned
+block memory, and the step builder. The builder is driven by a small engine stand-in that pages
+like vLLM (one packed backing allocation, one block table per cache group, block ids handed out
+in a shuffled order, blocks below a sliding window released to the null block, slot mappings
+`block * block_tokens + offset`, -1 for padding); its steps must give logits bit-identical to
+dsv4core's own path on the same requests (fp32, reference backend: the same rows read in the same
+order, so the same arithmetic)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from dsv4core.engines.vllm import (EnginePools, allocate_packed, build_step, cache_parts, kv_bytes_per_token,
+                                   request_bytes, rows_view)
+from dsv4core.engines.vllm.layout import block_stride_alignment
+from dsv4core.model import CacheConfig, DSV4Config, state_bytes
+from dsv4core.model.api import load_model
+
+from _vllm_engine import MiniEngine, groups_like_vllm, native_logits, step_plan, tokens
+
+
+def _flash() -> DSV4Config:
+    return DSV4Config.from_dict({"num_hidden_layers": 43, "num_hash_layers": 3,
+                                 "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]})
+
+
+# ------------------------------------------------------------------ bytes
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"])
+def test_flash_parts_and_bytes_per_token_match_state_bytes(kv):
+    cfg = _flash()
+    parts = cache_parts(cfg, torch.bfloat16, kv)
+    by = {(p.layer, p.part): p for p in parts}
+    row, key = (584, 68) if kv else (1024, 256)
+    # the page sizes of ENGINES.md section 1.1 (before vLLM's 576 B FlashMLA padding, which the
+    # row-major dsv4core rows do not need): a window / C4 page 64 rows, a C128 page 2 rows
+    assert by[(0, "window")].page_bytes == 64 * row and by[(2, "entries")].page_bytes == 64 * row
+    assert by[(3, "entries")].page_bytes == 2 * row and by[(2, "keys")].page_bytes == 64 * key
+    assert (by[(2, "state")].page_bytes, by[(2, "index_state")].page_bytes, by[(3, "state")].page_bytes) == \
+        (4 * 8192, 4 * 2048, 8 * 4096)
+    n_c4, n_c128 = 21, 20
+    per = kv_bytes_per_token(parts)
+    assert per["compressed"] == Fraction(n_c4 * (row + key), 4) + Fraction(n_c128 * row, 128)
+    assert per["window"] == 43 * row
+    # the growing part: every 256 tokens add one block of entries and keys, in both
+    cc = CacheConfig(kv_dtype=kv, block_tokens=256, window_block=64, max_rollback=1)
+    t = 65536
+    a, b = state_bytes(cfg, t, cc), state_bytes(cfg, t + 256, cc)
+    grow = (b["compressed_entries"] + b["indexer_keys"]) - (a["compressed_entries"] + a["indexer_keys"])
+    assert grow == 256 * per["compressed"]
+    # what a request holds: the window rows as state_bytes with max_rollback = the tokens in flight
+    eng = request_bytes(parts, t, in_flight=1)
+    for k in ("window_rows", "compressed_entries", "indexer_keys"):
+        assert eng[k] == a[k], k
+    # the compressor states: a sliding window of (1 + o) m positions plus one partial block, where
+    # dsv4core keeps a ring of (1 + o) m + max_rollback rows: 12 / 136 rows against 9 / 129
+    ring = a["compressor_rings"]
+    assert ring == n_c4 * 9 * (8192 + 2048) + n_c128 * 129 * 4096
+    assert eng["compressor_states"] == n_c4 * 12 * (8192 + 2048) + n_c128 * 136 * 4096
+
+
+def test_tiny_parts_and_bytes_per_token_match_state_bytes():
+    m = load_model("tiny", backend="reference")
+    cfg = m.config
+    parts = cache_parts(cfg, torch.bfloat16)            # tiny: 4 layers, d = 64, d_I = 32, rates 4 / 16
+    per = kv_bytes_per_token(parts)
+    assert per["compressed"] == 2 * Fraction(128 + 64, 4) + Fraction(128, 16)
+    assert per["window"] == 4 * 128 and per["state"] == 2 * (1024 + 512) + 512
+    cc = CacheConfig(block_tokens=256, window_block=64, max_rollback=1)
+    for t in (5, 300, 4096):
+        s, e = state_bytes(cfg, t, cc), request_bytes(parts, t)
+        assert (s["window_rows"], s["compressed_entries"], s["indexer_keys"]) == \
+            (e["window_rows"], e["compressed_entries"], e["indexer_keys"]), t
+
+
+def test_cache_parts_refuse_bad_blocks():
+    cfg = _flash()
+    with pytest.raises(ValueError, match="block_tokens=200.*\\[128\\]"):
+        cache_parts(cfg, torch.bfloat16, block_tokens=200)
+    with pytest.raises(ValueError, match="state_block\\(4\\) must be an int >= 1"):
+        cache_parts(cfg, torch.bfloat16, state_block=lambda m: 0)
+
+
+# ------------------------------------------------------------------ pool views
+
+
+def test_rows_view_addresses_block_rows_through_the_block_stride():
+    buf = torch.arange(5 * 40, dtype=torch.float32)
+    blocks = torch.as_strided(buf, (5, 3, 4), (40, 4, 1), 8)       # 3 rows of 4 a block, blocks 40 apart
+    view, per = rows_view(blocks)
+    assert per == 10 and view.shape == (43, 4)
+    for b in range(5):
+        for o in range(3):
+            assert torch.equal(view[b * per + o], blocks[b, o])
+    view[2 * per + 1] = -1.0                                       # a write through the view lands in the block
+    assert (blocks[2, 1] == -1).all()
+    bad = torch.as_strided(buf, (4, 3, 4), (42, 4, 1))
+    with pytest.raises(ValueError, match="keys: block stride 168 B is not a multiple of the row stride 16 B"):
+        rows_view(bad, "keys")
+
+
+# ------------------------------------------------------------------ an engine stand-in
+
+
+@pytest.fixture()
+def tiny():
+    m = load_model("tiny", backend="reference")
+    m.use_graphs = False
+    return m
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["window-first", "entries-first"])
+def test_engine_steps_give_the_native_logits_bit_for_bit(tiny, order):
+    m = tiny
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = groups_like_vllm(parts)
+    eng = MiniEngine(parts, groups, num_blocks=256, order=order)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    # layers 0 / 2 (window tables swa0) and 1 / 3 (swa1, CSA): the CSA layers share their index
+    # lists (same tables, same relative page layout), every other pair differs
+    assert len(set(pools.signature)) == 3 and pools.signature[1] == pools.signature[3]
+    assert (pools.addr[1]["window"].base > 0) == (order == -1) and (pools.views[1].Rw > 0) == (order == 1)
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    plan = step_plan(prompts)
+    for s, sched in enumerate(plan):
+        inp = eng.step(sched, slot_mappings=s % 2 == 0)      # the write rows from the slot mappings, or the tables
+        n = int(inp["query_start_loc"][-1])
+        want = native_logits(m, states, sched, inp["positions"])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert got.shape == (n, m.config.vocab_size) and torch.isfinite(want).all()
+        assert torch.equal(got, want), (s, (got - want).abs().max().item())
+    # the final hidden states and the head, split (vLLM's forward / compute_logits)
+    sched = [(r, tokens(1, 90 + r)) for r in range(4)]
+    inp = eng.step(sched)
+    want = native_logits(m, states, sched, inp["positions"])
+    hidden = m.forward_step(build_step(m, pools, **inp), head=False)
+    assert hidden.shape == (4, m.config.hidden_size)
+    assert torch.equal(m.head_logits(hidden), want)
+    # a decode step padded to 8 tokens (slot -1, past query_start_loc[-1]), then one more: the
+    # padding writes nothing. More rows through the GEMMs and the experts may round differently in
+    # fp32 (and so the state this step writes): bound as in tests/test_model_engine.py, 2e-5 x
+    # max|logit| (measured ~1e-6)
+    for s in range(2):
+        sched = [(r, tokens(1, 95 + 4 * s + r)) for r in range(4)]
+        inp = eng.step(sched, pad_to=8 if s == 0 else None)
+        if s == 0:      # slot mappings of the real tokens only (the padding then gets -1)
+            inp["slot_mappings"] = {g: sm[:4] for g, sm in inp["slot_mappings"].items()}
+        want = native_logits(m, states, sched, inp["positions"][:4])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert got.shape == (8 if s == 0 else 4, m.config.vocab_size)
+        assert (got[:4] - want).abs().max() <= 2e-5 * want.abs().max(), s
+
+
+def test_a_prefix_shared_at_a_block_boundary_continues_exactly(tiny):
+    """Request 1 starts from request 0's 256 tokens, its tables listing request 0's blocks (a
+    prefix-cache hit at a 256-token boundary, which is a block boundary of every group); both then
+    go on writing their own blocks: the logits of dsv4core's fork, bit for bit."""
+    m = tiny
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = groups_like_vllm(parts)
+    eng = MiniEngine(parts, groups, num_blocks=256)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    prompt = tokens(256, 3)
+    states = {0: m.new_state()}
+    for sched in ([(0, prompt[:200])], [(0, prompt[200:])]):
+        inp = eng.step(sched)
+        assert torch.equal(m.forward_step(build_step(m, pools, **inp)), native_logits(m, states, sched, inp["positions"]))
+    states[1] = states[0].fork()
+    eng.share(0, 1)
+    plan = [[(0, tokens(1, 40)), (1, tokens(30, 41))]] + [[(0, tokens(1, 50 + s)), (1, tokens(1, 60 + s))]
+                                                          for s in range(4)]
+    for s, sched in enumerate(plan):
+        inp = eng.step(sched)
+        want = native_logits(m, states, sched, inp["positions"])
+        assert torch.equal(m.forward_step(build_step(m, pools, **inp)), want), s
+
+
+def test_build_step_refuses_inconsistent_inputs(tiny):
+    m = tiny
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = groups_like_vllm(parts)
+    eng = MiniEngine(parts, groups, num_blocks=16)
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    inp = eng.step([(0, tokens(6, 1))])
+    bad = dict(inp, positions=inp["positions"] + 1)
+    with pytest.raises(ValueError, match="request 0: token 0 has position 1, expected 0"):
+        build_step(m, pools, **bad)
+    with pytest.raises(ValueError, match="query_start_loc must be \\[2\\]"):
+        build_step(m, pools, **dict(inp, query_start_loc=torch.tensor([0, 9])))
+    tables = dict(inp["block_tables"])
+    del tables["compressed"]
+    with pytest.raises(ValueError, match="block table 'compressed' must be"):
+        build_step(m, pools, **dict(inp, block_tables=tables))
+    sm = dict(inp["slot_mappings"], swa0=inp["slot_mappings"]["swa0"][:3])
+    with pytest.raises(ValueError, match="slot mapping 'swa0' must be a 1-D integer vector of at least the 6"):
+        build_step(m, pools, **dict(inp, slot_mappings=sm))
+    with pytest.raises(ValueError, match="no block tensor / cache group for \\['layers.0.window'"):
+        EnginePools(m.config, parts, {}, groups)
+
+
+def test_block_stride_alignment_is_a_multiple_of_every_row():
+    parts = cache_parts(_flash(), torch.bfloat16, "fp8")
+    a = block_stride_alignment(parts)
+    assert all(a % p.row_bytes == 0 for p in parts)
+    _, t = allocate_packed(cache_parts(_flash(), torch.bfloat16)[:6], 3)
+    for x in t.values():
+        rows_view(x)                                        # every part's block stride is a whole number of rows
+
+
+def test_the_plugin_registers_nothing_unless_switched_on(monkeypatch):
+    """Without DSV4CORE_VLLM=1 the entry point returns before importing vLLM (so it works, and
+    changes nothing, where vLLM is not installed)."""
+    import sys
+
+    from dsv4core.engines.vllm import plugin
+
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    had = "vllm" in sys.modules
+    assert plugin.register() is False
+    assert ("vllm" in sys.modules) == had

