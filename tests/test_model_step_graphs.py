@@ -267,8 +267,8 @@ def test_steps_no_graph_serves_run_eagerly_and_say_why(m):
     m._graphs = None
     m.forward_batch(_ids(3, 7), torch.arange(st.length, st.length + 3), torch.zeros(3, dtype=torch.long), [st])
     assert m._step_graphs.replays == 1
-    (key, (_, inputs, out)), = m._step_graphs.graphs.items()
-    m._step_graphs.graphs[key] = (lambda: 1 / 0, inputs, out)
+    (key, (_, inputs, out, every)), = m._step_graphs.graphs.items()
+    m._step_graphs.graphs[key] = (lambda: 1 / 0, inputs, out, every)
     c = m.cache
     before = (st.length, st.ring_hi, st.win_lo, c.window_table.copy(), c.comp_table.copy(),
               c.win_pool.ref.copy(), c.comp_pool.ref.copy())
