@@ -87,3 +87,33 @@ class DeviceTokens:
 
     def __repr__(self) -> str:
         return f"DeviceTokens({len(self)} ids on {self.tensor.device})"
+
+
+def checked_prompts(prompts, max_new_tokens, config, encode) -> list[list[int]]:
+    """`generate`'s prompts as token-id lists (`encode(p, i)` for each), checked: a list of prompts
+    (not one str, not a flat list of ints), none empty, ids in the vocabulary, and each with
+    max_new_tokens within max_position_embeddings; InputError naming the prompt otherwise."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str):
+        raise InputError("generate: prompts must be a list (of str or of token-id lists); got one str")
+    if not isinstance(prompts, (list, tuple)):
+        raise InputError(f"generate: prompts must be a list (of str or of token-id lists); got "
+                         f"{type(prompts).__name__}")
+    if prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
+        raise InputError(f"generate: prompts must be a list of prompts; got a flat list of {len(prompts)} ints "
+                         f"(one prompt is written [[1, 2, 3]], not [1, 2, 3])")
+    prompts = [encode(p, i) for i, p in enumerate(prompts)]
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    V, maxpos = config.vocab_size, config.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if not p:
+            raise InputError(f"prompt {i} is empty")
+        bad = [t for t in p if t < 0 or t >= V]
+        if bad:
+            raise InputError(f"prompt {i}: token ids out of vocabulary [0, {V}): {bad[:5]}")
+        if len(p) + max_new_tokens > maxpos:
+            raise InputError(f"prompt {i}: {len(p)} prompt + {max_new_tokens} new tokens exceeds "
+                             f"max_position_embeddings={maxpos}")
+    return prompts

@@ -19,7 +19,7 @@ from .cache import CacheConfig, CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs
-from .inputs import DeviceTokens, InputError, _host_long, eos_ids, token_ids
+from .inputs import DeviceTokens, InputError, _host_long, checked_prompts, eos_ids, token_ids
 from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, RMSNorm
 from .opsref import OpsRef, name_sites
 from .step import Step
@@ -530,30 +530,8 @@ class DSV4ForCausalLM(nn.Module):
             sampling = SamplingParams(temperature, top_p, top_k, seed)
         except ValueError as e:
             raise InputError(f"generate: {e}") from None
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
-        if isinstance(prompts, str):
-            raise InputError("generate: prompts must be a list (of str or of token-id lists); got one str")
-        if not isinstance(prompts, (list, tuple)):
-            raise InputError(f"generate: prompts must be a list (of str or of token-id lists); got "
-                             f"{type(prompts).__name__}")
-        if prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
-            raise InputError(f"generate: prompts must be a list of prompts; got a flat list of {len(prompts)} ints "
-                             f"(one prompt is written [[1, 2, 3]], not [1, 2, 3])")
         eos = eos_ids(eos_token_id)
-        prompts = [self._encode(p, i) for i, p in enumerate(prompts)]
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
-        V, maxpos = self.config.vocab_size, self.config.max_position_embeddings
-        for i, p in enumerate(prompts):
-            if not p:
-                raise InputError(f"prompt {i} is empty")
-            bad = [t for t in p if t < 0 or t >= V]
-            if bad:
-                raise InputError(f"prompt {i}: token ids out of vocabulary [0, {V}): {bad[:5]}")
-            if len(p) + max_new_tokens > maxpos:
-                raise InputError(f"prompt {i}: {len(p)} prompt + {max_new_tokens} new tokens exceeds "
-                                 f"max_position_embeddings={maxpos}")
+        prompts = checked_prompts(prompts, max_new_tokens, self.config, self._encode)
         if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
             raise InputError(f"speculative_tokens must be an int >= 0; got {speculative_tokens!r}")
         if proposer is not None and not speculative_tokens:
@@ -599,7 +577,6 @@ class DSV4ForCausalLM(nn.Module):
         from .speculative import mtp_draft
 
         return mtp_draft(self, states, tokens, hidden, k)
-
 
     def _encode(self, p, i: int) -> list[int]:
         """One prompt as token ids: a str through the tokenizer, else a sequence of ints."""
