@@ -49,7 +49,7 @@ from .registry import implements
 _CPU_PROGRAMS = 264  # under the interpreter; on a GPU: 2 per SM of the device
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BH", "BK", "S", "target", "cBLOCK", "c_num_warps", "num_warps", "num_stages", "pipe"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit

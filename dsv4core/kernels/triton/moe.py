@@ -48,7 +48,7 @@ from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
@@ -441,7 +441,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         if scaled and tiles * cdiv(H, BNd) <= programs:
             BNd = min(BNd, 64)
         cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
-    if TUNE:
+    if TUNE.sets_any():
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]
     ksub = (128 // BK if 128 % BK == 0 else 0) if fp8 else (4 if ieee and f32 else 1)

@@ -6,13 +6,13 @@ split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`) and TUNE (same 
 from __future__ import annotations
 
 from .launch import Tune
-from .linear import GEMM_KEYS, grouped_gemm
+from .linear import grouped_gemm
 from . import predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
-#: linear's (linear.GEMM_KEYS)
-TUNE = Tune(__name__, GEMM_KEYS)
+#: linear's (launch.GEMM_KEYS)
+TUNE = Tune(__name__)
 
 
 def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:

@@ -1,5 +1,5 @@
-"""CUDA launch tables for the portable Triton kernels, per compute capability (see
-dsv4core.kernels.triton.launch).
+"""The CUDA launch table of the portable Triton kernels, per compute capability (the type and the
+precedence of its values: dsv4core.kernels.triton.launch.LaunchTable).
 
 The kernels' built-in defaults were measured on an H200 (sm90, benchmarks/tune_triton.py), so
 the sm90 table keeps them, except for choices that are not portable (a deviation or a speed that
@@ -8,7 +8,14 @@ on that GPU (add an entry here; a key absent from an entry keeps the default).
 """
 from __future__ import annotations
 
-TABLES: dict[str, dict] = {
+from dsv4core.kernels.triton.launch import LaunchTable
+
+
+def _capability(cc: tuple[int, int]) -> str:
+    return f"sm{cc[0]}{cc[1]}"
+
+
+TABLES = LaunchTable("cuda", {
     "sm90": {
         # packed FP4 experts through tl.dot_scaled: 33-39 % faster than the kernel's default "join"
         # at T = 1 / 64 (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json). Deviation (Hopper
@@ -24,15 +31,11 @@ TABLES: dict[str, dict] = {
         "linear": {"fp8": "via_f32"},
         "wo_a": {"fp8": "via_f32"},
     },
-}
-
-
-def table_for(capability: tuple[int, int]) -> dict:
-    return TABLES.get(f"sm{capability[0]}{capability[1]}", TABLES["sm90"])
+}, fallback="sm90", select=_capability)
 
 
 def current() -> dict:
-    """The table for device 0 (read at the first kernel call, never at import)."""
+    """The entries for device 0's compute capability (read at the first kernel call, never at import)."""
     import torch
 
-    return table_for(torch.cuda.get_device_capability(0))
+    return TABLES.resolve(torch.cuda.get_device_capability(0))

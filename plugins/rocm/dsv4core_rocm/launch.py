@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4core.kernels.triton.launch import activation, is_f32
+from dsv4core.kernels.triton.launch import LaunchTable, activation, is_f32
 
 # Entries that depend on the call take (*args, **kwargs) and look only at the activation
 # (launch.activation), so they survive changes of the ops' other arguments.
@@ -88,7 +88,7 @@ def _indexer(f32_stages: int):
 # cache (cache_store) and compress (compress_pool, compress_windows) have no entry: no tl.dot and no
 # pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950
 # (benchmarks/results/rocm-aot/*/aot/<arch>-pool-ops-flash.json, with the indexer entries below).
-TABLES = {
+TABLES = LaunchTable("rocm", {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
         "mhc": {"num_stages": 1, "BK": 64},  # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs
@@ -112,8 +112,4 @@ TABLES = {
         "wo_a": _wo_a,
         "indexer": lambda *args, **kwargs: {"num_stages": 1},
     },
-}
-
-
-def table_for(arch: str) -> dict:
-    return TABLES.get(arch, TABLES["other"])
+}, fallback="other")
