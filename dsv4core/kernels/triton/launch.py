@@ -59,7 +59,7 @@ TUNING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": GEMM_KEYS,
     "mhc": ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK",
             "post_num_warps"),
-    "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"),
+    "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split"),
     "norm": ("ROWS", "num_warps"),
     "rope": ("HB", "num_warps", "rowpos_below"),
     "topk": ("BLOCK", "TB", "num_warps"),
