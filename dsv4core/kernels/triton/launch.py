@@ -26,8 +26,9 @@ table the *active* one, a context variable each kernel module's ``TUNE`` reads):
 2. the active table's entry for the module (a callable entry: its result for this call);
 3. the kernel's portable default, the second argument of its ``TUNE.get(key, default)`` call.
 
-Values tuned on one GPU belong in that plugin's table with the measurement they came from; the
-kernels' defaults are portable ones (each states its design reason).
+Values tuned on one GPU belong in that plugin's table with the measurement they came from, and a
+kernel's default is a portable choice with its design reason stated. Defaults still measured on
+one GPU say so where they are set (the CUDA plugin's launch.py lists the modules).
 
 Cheap to import: no triton import here.
 """
