@@ -22,21 +22,19 @@ def backends(accepted):
     import dsv4core_rocm
     import dsv4core_xpu
     from dsv4core_rocm.launch import TABLES
-    from dsv4core_xpu.launch import resolve
-
-    from dsv4core.kernels.triton.launch import for_target
+    from dsv4core_xpu.launch import current
 
     ok = lambda: (True, "")  # noqa: E731
     out = {}
-    for arch, table in TABLES.items():
+    for arch in TABLES:
         out[f"rocm-{arch}"] = dsv4core_rocm.make_backend("cuda", arch=lambda a=arch: a, available=ok,
-                                                         launch=for_target(table, accepted))
+                                                         launch=TABLES.resolve(arch, accepted))
     # CUDA's Triton has a `warp_size` option too, with another meaning (32 lanes, fixed): the XPU
     # sub-group keywords are dropped by name, not only by what CUDA accepts
     xpu_accepted = frozenset(accepted) - set(XPU_ONLY)
     for name, slm in (("xpu-slm64k", 64 * 1024), ("xpu-slm128k", 128 * 1024)):
         out[name] = dsv4core_xpu.make_backend("cuda", available=ok,
-                                              launch=lambda s=slm: resolve(accepted=xpu_accepted, slm=s))
+                                              launch=lambda s=slm: current(accepted=xpu_accepted, slm=s))
     return out
 
 

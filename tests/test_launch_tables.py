@@ -11,19 +11,25 @@ import torch
 
 from dsv4core.hal import Backend
 from dsv4core.kernels.triton import registry
-from dsv4core.kernels.triton.launch import AMD_ONLY, Tune, active, for_target
+from dsv4core.kernels.triton.launch import AMD_ONLY, TUNING_KEYS, LaunchTable, Tune, active, for_target
 
 
 def test_tune_layers_override_table_default():
     t = Tune("dsv4core.kernels.triton.attention", ("BK", "BH"))
-    assert t.get("BK", 64) == 64 and not t and t.options() == {}
+    assert t.get("BK", 64) == 64 and not t.sets_any() and t.options() == {}
+    with active({"attention": {"launch": {"waves_per_eu": 2}}}):
+        assert not t.sets_any()            # launch keywords alone set no parameter
     with active({"attention": {"BK": 32, "launch": {"waves_per_eu": 2}}, "norm": {"ROWS": 4}}):
-        assert t.get("BK", 64) == 32 and t.get("BH", 16) == 16 and t
+        assert t.get("BK", 64) == 32 and t.get("BH", 16) == 16 and t.sets_any()
         assert t.options() == {"waves_per_eu": 2}
         t["BK"] = 128                      # a tuning script's override wins over the table
         assert t.get("BK", 64) == 128
         t.clear()
     assert t.get("BK", 64) == 64           # the table is gone after the block
+    t["BH"] = 8
+    assert t.sets_any()
+    with pytest.raises(TypeError, match="no truth value: use TUNE.sets_any"):
+        bool(t)                            # "non-empty" would read the overrides only
 
 
 def test_tune_refuses_unknown_keys():
@@ -48,14 +54,16 @@ def test_every_kernel_module_declares_what_it_reads():
 
     for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
         src = path.read_text()
-        if "TUNE = Tune(" not in src:
+        if "TUNE = Tune(" not in src or path.stem == "launch":
             continue
         mod = importlib.import_module(f"dsv4core.kernels.triton.{path.stem}")
+        assert mod.TUNE.keys == set(TUNING_KEYS[path.stem]) | {"launch"}, path.stem   # what the tables are checked with
         read = set(re.findall(r'(?:TUNE|tune)\.get\("(\w+)"', src))
         assert read <= mod.TUNE.keys, (path.stem, sorted(read - mod.TUNE.keys))
         # and no declared key is stale: each is named in the module (keys read in loops included)
         # (with the sources of the sibling modules it imports: wo_a launches linear's kernel)
-        used = src + "".join((path.parent / f"{m}.py").read_text() for m in re.findall(r"^from \.(\w+) import", src, re.M))
+        used = src + "".join((path.parent / f"{m}.py").read_text() for m in re.findall(r"^from \.(\w+) import", src, re.M)
+                             if m != "launch")      # launch.py names every module's keys
         stale = [k for k in mod.TUNE.keys - {"launch"} if f'"{k}"' not in used]
         assert not stale, (path.stem, stale)
 
@@ -180,7 +188,7 @@ def test_every_plugin_table_sets_only_declared_keys(monkeypatch):
     xpu = importlib.import_module("dsv4core_xpu.launch")
     cuda = importlib.import_module("dsv4core_cuda.launch")
     tables = {f"rocm {a}": t for a, t in rocm.TABLES.items()}
-    tables.update({f"xpu slm {m}": xpu.table(m) for m in (0, 65_536, 66_624, 100_384, 262_144)})
+    tables.update({f"xpu {t}": xpu.TABLES[t] for t in xpu.TABLES})
     tables.update({f"cuda {a}": t for a, t in cuda.TABLES.items()})
     checked = 0
     for name, table in tables.items():
@@ -204,3 +212,35 @@ def test_registry_refuses_entries_it_cannot_apply(monkeypatch):
     registry.register_ops(b, "cpu", ops=("rms_norm",), launch={"norm": lambda *a, **k: ("ROWS", 2)})
     with pytest.raises(TypeError, match="the entry for 'norm' returned tuple for op rms_norm"):
         b.impls["rms_norm"].fn(torch.randn(2, 8), torch.ones(8), 1e-6)
+
+
+def test_launch_table_refuses_unknown_modules_and_keys_when_built():
+    """A misspelt key fails where the table is built, naming plugin, target, module, key, known keys."""
+    with pytest.raises(ValueError, match=r"launch parameters of attention \(plugin p, target t1\): unknown key\(s\) "
+                                         r"bk; expected some of BH, BK, "):
+        LaunchTable("p", {"t1": {"attention": {"bk": 32}}})
+    with pytest.raises(ValueError, match=r"plugin p, target t1\): 'atention' is not a kernel module .*known: attention, "):
+        LaunchTable("p", {"t1": {"atention": {"BK": 32}}})
+    with pytest.raises(ValueError, match="fallback target 'x' has no entries"):
+        LaunchTable("p", {"t1": {}}, fallback="x")
+    with pytest.raises(TypeError, match="'launch' must be a dict"):
+        LaunchTable("p", {"t1": {"norm": {"launch": 2}}})
+    t = LaunchTable("p", {"t1": {"norm": lambda *a, **k: {"ROWS": 2, "rows": 4}}})
+    with pytest.raises(ValueError, match=r"launch parameters of norm \(plugin p, target t1\): unknown key\(s\) rows"):
+        t["t1"]["norm"](torch.zeros(1))
+    with pytest.raises(TypeError, match="register_ops takes one target's entries"):
+        registry.register_ops(Backend("t-whole", device_types=("cpu",)), "cpu", launch=t)
+
+
+def test_launch_table_selects_targets():
+    entry = {"ROWS": 2, "launch": {"waves_per_eu": 2, "num_ctas": 1}}
+    t = LaunchTable("p", {"a1": {"norm": entry}, "other": {}}, fallback="other")
+    assert t.resolve("a1") == {"norm": entry} and t.resolve("a9") == {} and list(t) == ["a1", "other"]
+    assert t.resolve("a1", {"num_ctas"}) == {"norm": {"ROWS": 2, "launch": {"num_ctas": 1}}}
+    sel = LaunchTable("p", {"big": {"norm": {"ROWS": 8}}, "small": {"norm": {"ROWS": 1}}},
+                      select=lambda n: "big" if n >= 100 else "small")
+    assert sel.resolve(100)["norm"]["ROWS"] == 8 and sel.resolve(99)["norm"]["ROWS"] == 1
+    with pytest.raises(KeyError, match="no entries for 'a9'; targets: big, small"):
+        LaunchTable("p", {"big": {}, "small": {}}).resolve("a9")
+    assert set(TUNING_KEYS) == {"attention", "cache", "compress", "indexer", "linear", "mhc", "moe", "norm", "rope",
+                                "topk", "wo_a"}

@@ -36,7 +36,7 @@ from dsv4core_rocm import aiter_ops, fp8
 converted = []
 _to_fnuz = fp8.to_fnuz
 fp8.to_fnuz = lambda w, s: converted.append(str(s.dtype)) or _to_fnuz(w, s)
-from dsv4core_xpu.launch import resolve
+from dsv4core_xpu.launch import current
 from dsv4core.conformance import run
 aiter_ops.aiter_version = lambda: None
 ok = lambda: (True, "")
@@ -44,7 +44,7 @@ backends = {
     "rocm-gfx942": dsv4core_rocm.make_backend("cpu", arch=lambda: "gfx942", available=ok),
     "rocm-gfx950": dsv4core_rocm.make_backend("cpu", arch=lambda: "gfx950", available=ok),
     # the interpreter has no target: the XPU-only keywords are dropped, as on the H200 run
-    "xpu": dsv4core_xpu.make_backend("cpu", available=ok, launch=lambda: resolve(accepted=frozenset(), slm=64 * 1024)),
+    "xpu": dsv4core_xpu.make_backend("cpu", available=ok, launch=lambda: current(accepted=frozenset(), slm=64 * 1024)),
 }
 ops = json.loads(sys.argv[3])
 out = {}

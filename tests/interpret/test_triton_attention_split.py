@@ -111,7 +111,7 @@ idx[1, :] = -1                          # no valid row
 idx[2, :] = -1
 idx[2, 90:95] = torch.arange(5, dtype=torch.int32)   # 5 valid rows (< one block), all in the last split
 idx[3, torch.randperm(K)[:50]] = -1     # scattered sentinels
-BASE = {"BK": 16, "S": 3, "pipe": 0}     # pipe 0 explicit: at these T the default is pipe 1
+BASE = {"BK": 16, "S": 3, "pipe": 0}     # pipe 0 (the kernel's default) stated: the variants set 1
 VARIANTS = {"base": BASE, "pipe1": dict(BASE, pipe=1), "one-split": {"BK": 16, "S": 1, "pipe": 0},
             "pipe1-one-split": {"BK": 16, "S": 1, "pipe": 1}, "one-block": {"BK": 16, "S": 64, "BH": 32},
             "BH64": {"BK": 16, "S": 2, "BH": 64}, "BH64-pipe1": {"BK": 16, "S": 3, "BH": 64, "pipe": 1}}

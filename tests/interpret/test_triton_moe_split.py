@@ -141,7 +141,8 @@ def test_default_split_rule():
 
 
 def test_default_split_reaches_the_launches(monkeypatch):
-    """moe_experts launches what `_split_rule` picks, on a GPU-like path (not IEEE, an H200's 264
+    """moe_experts launches no split by default and what `_split_rule` picks with TUNE split "h200"
+    (the CUDA sm90 table's), on a GPU-like path (not IEEE, an H200's 264
     target programs; meta tensors, kernels recorded): Flash dims, the shared expert at T = 1 -> up
     grid x 2 parts, down grid x 4 and the activation kernel; FP4 "scaled" routed experts at T = 1 ->
     up x 2, down unsplit; bf16 routed experts -> no split (the launch of before)."""
@@ -176,6 +177,8 @@ def test_default_split_reaches_the_launches(monkeypatch):
 
     try:
         moe.TUNE.clear()
+        assert launch(1, 1, "bf16") == ((), (), 1, 1, 0)           # the portable default: unsplit
+        moe.TUNE.update(split="h200")                              # the CUDA sm90 table's rule
         assert launch(1, 1, "bf16") == ((2,), (4,), 2, 4, 1)        # the shared expert
         assert launch(256, 6, "bf16") == ((), (), 1, 1, 0)         # bf16 routed experts: unsplit
         moe.TUNE.update(fp4="scaled")                              # the CUDA sm90 table's FP4 decode

@@ -36,6 +36,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -350,8 +351,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsv4core.kernels.triton.aot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="hip:gfx942, hip:gfx950, hip:gfx1100, cuda:90 or xpu")
     ap.add_argument("--table", default=None,
-                    help="launch table as MODULE:ATTR (a dict, or a callable taking no argument), "
-                         "e.g. dsv4core_rocm.launch:TABLES.gfx942; default: the kernels' own defaults")
+                    help="launch table as MODULE:ATTR (a dict, e.g. one target of a plugin's LaunchTable, or a "
+                         "callable taking no argument), e.g. dsv4core_rocm.launch:TABLES.gfx942; default: "
+                         "the kernels' own defaults")
     ap.add_argument("--backend", default=None,
                     help="a plugin's backend as MODULE:FACTORY, FACTORY(arch) returning a Backend for CPU "
                          "tensors, e.g. dsv4core_rocm:aot_backend (only the cases it accepts are compiled)")
@@ -370,7 +372,7 @@ def main(argv=None) -> int:
         modname, _, attr = a.table.partition(":")
         obj = importlib.import_module(modname)
         for part in filter(None, attr.split(".")):
-            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+            obj = obj[part] if isinstance(obj, Mapping) else getattr(obj, part)
         table = obj() if callable(obj) else obj
     backend = None
     if a.backend:

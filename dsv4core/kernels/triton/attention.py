@@ -22,9 +22,12 @@ of the kernel, and its result, are those of a plain pool holding the same values
 ``S`` = 1 (the plan's choice once T x head blocks fill the GPU, or for one row block) is the
 single launch: no partials, no combine.
 
-TUNE ``pipe`` 1 (default at T <= 64, else 0): the row gather pipelined by hand, the next
-block's indices loaded before the current block is computed; the same arithmetic in the same
-order (bitwise equal results).
+TUNE ``pipe`` 1: the row gather pipelined by hand, the next block's indices loaded before the
+current block is computed; the same arithmetic in the same order (bitwise equal results).
+Default 0 (a plain loop whose loads the compiler schedules): the hand pipeline holds the next
+block's indices in registers on top of the tile, which is a win or a spill depending on the
+target's register file (it spills SGPRs on gfx950); a target that measured it faster sets it in
+its plugin's launch table (the CUDA plugin on sm90 at T <= 64).
 
 Removed after the H200 sweep (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json;
 the code is at commit 2494243): a column split of p @ v (``DV``: D / DV programs share a token's
@@ -49,7 +52,7 @@ from .registry import implements
 _CPU_PROGRAMS = 264  # under the interpreter; on a GPU: 2 per SM of the device
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BH", "BK", "S", "target", "cBLOCK", "c_num_warps", "num_warps", "num_stages", "pipe"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
@@ -214,10 +217,8 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
     S = cdiv(K, KPS)
     SP = triton.next_power_of_2(S)
     CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
-    # the index / kv gather pipelined at decode sizes (H200, benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json:
-    # 14.0 / 16.2 / 17.4 / 20.8 / 60.5 µs at T = 1 / 2 / 4 / 8 / 64 against 14.9 / 18.2 / 20.6 / 24.4
-    # / 61.8; 206 against 199 at T = 256), bitwise the same result
-    pipe = TUNE.get("pipe", 1 if T <= 64 else 0)
+    # pipe 0 by default: the portable loop (module docstring); a plugin's table sets 1 where timed
+    pipe = TUNE.get("pipe", 0)
     if pipe not in (0, 1):
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none) or 1 (indices one "
                          f"block ahead)")

@@ -31,7 +31,7 @@ from . import predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__, ("BD", "BR", "num_warps"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py);
 #: BR / BN / rq_warps: indexer_rotate_quant's rows a program, output columns a dot, warps
-TUNE = Tune(__name__, ("BD", "BL", "num_warps", "num_stages", "BR", "BN", "rq_warps"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit

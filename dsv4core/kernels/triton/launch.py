@@ -1,21 +1,34 @@
-"""Launch parameters of the portable Triton kernels, per (vendor, arch), owned by the plugins.
+"""Launch parameters of the portable Triton kernels, per target, owned by the plugins.
 
 The kernel sources are written once (this package). What differs between an H200, an MI300X
 (gfx942), an MI355X (gfx950) or an Intel GPU is how they are launched: block sizes, warps, pipeline
 stages, and target-only launch keywords (AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ...).
-Those live in a **launch table** that each plugin owns and hands to
-:func:`dsv4core.kernels.triton.registry.register_ops`::
+Each plugin states them in one :class:`LaunchTable`, keyed by target (``"sm90"``, ``"gfx942"``,
+an XPU shared-memory tier, ...)::
 
-    {"attention": {"BH": 16, "BK": 32, "num_stages": 2,
-                   "launch": {"waves_per_eu": 2}},       # extra keywords for every launch
-     "norm": {...}, ...}
+    TABLES = LaunchTable("rocm", {
+        "gfx942": {"attention": {"BH": 16, "BK": 16, "num_stages": 2,
+                                 "launch": {"matrix_instr_nonkdim": 16}},   # extra launch keywords
+                   "moe": moe_entry, ...},                                  # a callable entry
+        "other": {...}}, fallback="other")
+    register_ops(backend, "cuda", launch=lambda: TABLES.resolve(arch()))
 
-A module's entry may also be a callable taking the op's arguments and returning the dict for
-that call (e.g. smaller tiles for fp32 inputs). Keys are the kernel module's tuning keys (the names its ``TUNE.get(key, default)`` calls use; a
-key absent from the table keeps the kernel's own default, measured on an H200). While a bound op
-runs, its backend's table is the *active* table (a context variable set by the registry wrapper);
-each kernel module's ``TUNE`` reads it. Entries set on ``TUNE`` itself (tuning scripts,
-``benchmarks/tune_triton.py``) take precedence over the table.
+An entry (per kernel module) is a dict of the module's tuning keys, or a callable taking the op's
+arguments and returning that dict for the call (or None: nothing for this call), e.g. smaller
+tiles for fp32 inputs. Module names and keys are checked when the table is built (a dict entry)
+or when a callable entry returns (its result), against the keys each kernel module declares in
+:data:`TUNING_KEYS`: a misspelt key fails with the plugin, target, module, key and the known keys.
+
+Precedence, per key, while a bound op runs (the registry wrapper makes its backend's resolved
+table the *active* one, a context variable each kernel module's ``TUNE`` reads):
+
+1. an entry set on the kernel module's ``TUNE`` itself (tuning scripts, ``benchmarks/tune_triton.py``);
+2. the active table's entry for the module (a callable entry: its result for this call);
+3. the kernel's portable default, the second argument of its ``TUNE.get(key, default)`` call.
+
+Values tuned on one GPU belong in that plugin's table with the measurement they came from, and a
+kernel's default is a portable choice with its design reason stated. Defaults still measured on
+one GPU say so where they are set (the CUDA plugin's launch.py lists the modules).
 
 Cheap to import: no triton import here.
 """
@@ -23,7 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 #: the launch table of the backend whose op is running (None: kernel defaults)
 _ACTIVE: contextvars.ContextVar[Mapping | None] = contextvars.ContextVar("dsv4core_launch_table", default=None)
@@ -32,17 +45,57 @@ _ACTIVE: contextvars.ContextVar[Mapping | None] = contextvars.ContextVar("dsv4co
 AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "llvm_fn_attrs", "wgp_cu_mode")
 
 
+#: the keys of grouped_gemm's launches (linear's and wo_a's; linear._config reads them)
+GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
+
+#: kernel module -> the tuning keys its launchers read (``launch``, the extra launch keywords, is
+#: always allowed). Each module's ``TUNE = Tune(__name__)`` takes its keys from here, so a plugin's
+#: table is checked without importing the kernels (and triton); tests/test_launch_tables.py keeps
+#: this in step with the keys the sources read.
+TUNING_KEYS: dict[str, tuple[str, ...]] = {
+    "attention": ("BH", "BK", "S", "target", "cBLOCK", "c_num_warps", "num_warps", "num_stages", "pipe"),
+    "cache": ("BD", "BR", "num_warps"),
+    "compress": ("BD", "num_warps", "windows_BD", "windows_num_warps"),
+    "indexer": ("BD", "BL", "num_warps", "num_stages", "BR", "BN", "rq_warps"),
+    "linear": GEMM_KEYS,
+    "mhc": ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK",
+            "post_num_warps"),
+    "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split"),
+    "norm": ("ROWS", "num_warps"),
+    "rope": ("HB", "num_warps", "rowpos_below"),
+    "topk": ("BLOCK", "TB", "num_warps"),
+    "wo_a": GEMM_KEYS,
+}
+
+
+def unknown_keys(module: str, entry: Mapping, where: str) -> None:
+    """None, or ValueError naming ``where`` (plugin / target), the module, the unknown keys and the
+    known ones."""
+    known = frozenset(TUNING_KEYS.get(module, ())) | {"launch"}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"launch parameters of {module} ({where}): unknown key(s) "
+                         f"{', '.join(sorted(map(str, unknown)))}; expected some of {', '.join(sorted(known))}")
+
+
 class Tune(dict):
     """A kernel module's launch parameters: its own entries (tuning overrides) over the active
     launch table's entry for the module, over the default the kernel passes to :meth:`get`.
 
-    ``keys``: the tuning keys the module reads (``launch`` is always allowed). Setting any other key,
-    here or in a launch table's entry for the module, raises: a misspelt or retired key would
-    otherwise time or run the defaults under the variant's name."""
+    ``keys``: the tuning keys the module reads (default: its :data:`TUNING_KEYS`; ``launch`` is
+    always allowed). Setting any other key, here or in a launch table's entry for the module,
+    raises: a misspelt or retired key would otherwise time or run the defaults under the variant's
+    name. Not usable as a truth value (a dict's "non-empty" would read its own overrides only):
+    :meth:`sets_any` says whether any parameter is set."""
 
-    def __init__(self, module: str, keys):
+    def __init__(self, module: str, keys=None):
         super().__init__()
         self.module = module.rsplit(".", 1)[-1]
+        if keys is None:
+            if self.module not in TUNING_KEYS:
+                raise ValueError(f"Tune({module!r}): no TUNING_KEYS entry for {self.module!r} "
+                                 f"(dsv4core/kernels/triton/launch.py); known: {', '.join(sorted(TUNING_KEYS))}")
+            keys = TUNING_KEYS[self.module]
         self.keys = frozenset(keys) | {"launch"}
 
     def check(self, entry: Mapping, where: str = "TUNE") -> Mapping:
@@ -78,8 +131,14 @@ class Tune(dict):
             return dict.__getitem__(self, key)
         return self._table().get(key, default)
 
-    def __bool__(self) -> bool:   # "any launch parameter set?" (own overrides or the table's)
+    def sets_any(self) -> bool:
+        """Whether any launch parameter is set for this call: an own override (``launch``
+        included) or a key of the active table's entry other than ``launch``."""
         return dict.__len__(self) > 0 or any(k != "launch" for k in self._table())
+
+    def __bool__(self):
+        raise TypeError(f"{self.module}.TUNE has no truth value: use TUNE.sets_any() (any parameter set) "
+                        f"or len(TUNE) (own overrides)")
 
     def options(self) -> dict:
         """Extra keywords for every launch of this module (e.g. ``waves_per_eu``); ``{}`` by default."""
@@ -100,6 +159,85 @@ class active:
     def __exit__(self, *exc):
         _ACTIVE.reset(self._tok)
         return False
+
+
+#: a module's entry: its tuning keys, or a callable of the op's arguments returning them (or None)
+Entry = Mapping | Callable[..., Mapping | None]
+
+
+class LaunchTable(Mapping):
+    """One plugin's launch parameters for the portable kernels, per target.
+
+    ``plugin``: the plugin's name (for errors). ``targets``: target name -> {kernel module ->
+    :data:`Entry`}. ``fallback``: the target whose entries a target without its own take (None:
+    such a target is an error). ``select``: maps what the plugin reads from its device (a compute
+    capability, a shared-memory size, ...) to a target name; without it the device's name is the
+    target's (an arch string). Precedence of the values: the module docstring.
+
+    Checked at construction: every module has launch parameters (:data:`TUNING_KEYS`), every
+    dict entry (and its ``launch`` keywords, a dict) names only the module's keys. Callable
+    entries are checked on each result, with the same message. A Mapping of target -> its
+    entries (``TABLES["gfx942"]``), so tools name one as ``module:TABLES.gfx942``."""
+
+    def __init__(self, plugin: str, targets: Mapping[str, Mapping[str, Entry]], *, fallback: str | None = None,
+                 select: Callable[[object], str] | None = None):
+        self.plugin, self.fallback, self.select = plugin, fallback, select
+        if fallback is not None and fallback not in targets:
+            raise ValueError(f"launch table of {plugin}: fallback target {fallback!r} has no entries; "
+                             f"targets: {', '.join(targets)}")
+        self._targets = {name: {mod: self._checked(name, mod, entry) for mod, entry in entries.items()}
+                         for name, entries in targets.items()}
+
+    def _checked(self, target: str, module: str, entry: Entry) -> Entry:
+        where = f"plugin {self.plugin}, target {target}"
+        if module not in TUNING_KEYS:
+            raise ValueError(f"launch table ({where}): {module!r} is not a kernel module with launch "
+                             f"parameters; known: {', '.join(sorted(TUNING_KEYS))}")
+        if callable(entry):
+            known = frozenset(TUNING_KEYS[module]) | {"launch"}
+
+            def checked(*args, **kwargs):
+                got = entry(*args, **kwargs)
+                if isinstance(got, Mapping) and not got.keys() <= known:   # a subset test per call
+                    unknown_keys(module, got, where)
+                return got
+            checked.__wrapped__ = entry
+            checked.__name__ = checked.__qualname__ = getattr(entry, "__name__", module)
+            return checked
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"launch table ({where}): the entry for {module!r} is a {type(entry).__name__}; "
+                            f"expected a dict of launch parameters or a callable of the op's arguments")
+        unknown_keys(module, entry, where)
+        if not isinstance(entry.get("launch", {}), Mapping):
+            raise TypeError(f"launch table ({where}): {module}'s 'launch' must be a dict of launch keywords, "
+                            f"got {type(entry['launch']).__name__}")
+        return dict(entry)
+
+    def __getitem__(self, target: str) -> dict:
+        return dict(self._targets[target])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._targets)
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    def target(self, device) -> str:
+        """The target name whose entries ``device`` (a target name, or what ``select`` maps) takes."""
+        name = device if isinstance(device, str) and device in self._targets else \
+            self.select(device) if self.select is not None else device
+        if name in self._targets:
+            return name
+        if self.fallback is None:
+            raise KeyError(f"launch table of {self.plugin}: no entries for {device!r}; targets: {', '.join(self)}")
+        return self.fallback
+
+    def resolve(self, device, accepted=None) -> dict:
+        """{kernel module -> entry} for ``device`` (see :meth:`target`): what ``register_ops``
+        takes. ``accepted``: the launch option names the Triton target accepts (see
+        :func:`accepted_options`); other ``launch`` keywords are dropped (None: all kept)."""
+        entries = self[self.target(device)]
+        return entries if accepted is None else for_target(entries, accepted)
 
 
 def accepted_options(target) -> frozenset[str]:

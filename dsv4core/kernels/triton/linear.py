@@ -30,16 +30,14 @@ import triton
 import triton.language as tl
 
 from ._util import BIG_TILE_SHARED, interp, np2, rne, shared_bytes, target_programs, to_out
-from .launch import Tune
+from .launch import GEMM_KEYS, Tune  # noqa: F401 - GEMM_KEYS: the keys of grouped_gemm's launches
 from .predicates import _E8M0, cdiv
 from . import predicates
 from .registry import implements
 
-#: the keys of grouped_gemm's launches (linear's and wo_a's TUNE; see _config)
-GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, GEMM_KEYS)
+TUNE = Tune(__name__)   # its keys: launch.GEMM_KEYS
 
 
 @triton.jit

@@ -42,7 +42,7 @@ from .registry import implements
 _CPU_PROGRAMS = 264
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK", "post_num_warps"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 # --------------------------------------------------------------------------------------------- hc_post

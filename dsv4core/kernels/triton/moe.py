@@ -19,8 +19,8 @@ epilogue, fp32 activation stored per pair; (2) down GEMM (the fp32 activation sp
 halves for the tensor cores, ~16 mantissa bits), fp32 result per pair; (3) combine: per token,
 ``sum_i weights[t, i] * y[pair(t, i)]`` in slot order. No atomics: the result does not depend
 on scheduling. Expert ids >= E (which the HAL input check rejects) make that token's output NaN
-rather than silently dropping the slot. Split K (TUNE "Su" / "Sd"; by default where
-``_split_rule`` says: FP4 "scaled" decode batches, the shared expert): (1) stores raw gate / up
+rather than silently dropping the slot. Split K (TUNE "Su" / "Sd"; by default none, with
+TUNE split "h200" where ``_split_rule`` says: FP4 "scaled" decode batches, the shared expert): (1) stores raw gate / up
 partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU; (2) stores
 partial results and (3) sums them; every sum in a fixed part order.
 
@@ -48,7 +48,7 @@ from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
 #: table (launch.py); the defaults are the kernels' own
-TUNE = Tune(__name__, ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
@@ -441,7 +441,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
         if scaled and tiles * cdiv(H, BNd) <= programs:
             BNd = min(BNd, 64)
         cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
-    if TUNE:
+    if TUNE.sets_any():
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]
     ksub = (128 // BK if 128 % BK == 0 else 0) if fp8 else (4 if ieee and f32 else 1)
@@ -449,7 +449,7 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
 
 
 #: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
-#: the down GEMM; the default is `_split_rule`'s). Parts are summed in a fixed order, so the result
+#: the down GEMM; the default: TUNE "split"). Parts are summed in a fixed order, so the result
 #: does not depend on scheduling; they give decode batches (few row tiles) more programs than N
 #: blocks do. The parts cost fp32 buffers of pairs x Su x 2 I and pairs x Sd x H: meant for decode.
 MAX_SPLIT = 16
@@ -459,10 +459,15 @@ MAX_SPLIT = 16
 #: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json); at T = 32 (192 pairs) a tie, 625 against 623-633
 #: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
 SPLIT_FP4_PAIRS = 96
+#: TUNE "split", the default (Su, Sd) where "Su" / "Sd" are not set: "none" (the portable default:
+#: no split K; the parts cost fp32 buffers and a reduction launch, and whether the extra programs
+#: pay depends on the device's SM count and its decode chain) or "h200" (`_split_rule`, measured on
+#: an H200 at Flash shapes; the CUDA plugin's sm90 table sets it)
+SPLIT_RULES = ("none", "h200")
 
 
 def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee: bool, scaled_up: bool) -> tuple:
-    """Default (Su, Sd), 1 = no split. Two measured cases (H200, Flash shapes, the split-k and split-k-rule sweeps
+    """(Su, Sd) of TUNE split "h200", 1 = no split. Two measured cases (H200, Flash shapes, the split-k and split-k-rule sweeps
     of benchmarks/tune_triton.py);
     everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
@@ -541,7 +546,10 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     BM, BNu, BNd, BK, nw, ns, KSUB = cfg
     if (fp8 and BK * KSUB != 128) or ((f13 == FMT_FP4 or f2 == FMT_FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")
-    Su, Sd = _splits(_split_rule(P, E, H, I, cfg, programs, ieee, bool(d13["SCALED"])))
+    rule = TUNE.get("split", SPLIT_RULES[0])
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"moe_experts: TUNE split={rule!r} must be one of {SPLIT_RULES}")
+    Su, Sd = _splits(_split_rule(P, E, H, I, cfg, programs, ieee, bool(d13["SCALED"])) if rule == "h200" else (1, 1))
 
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)

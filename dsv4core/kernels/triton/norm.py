@@ -12,7 +12,7 @@ from .registry import implements
 
 _SINGLE_MAX = 8192  # rows up to this width stay in registers (one HBM read)
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__, ("ROWS", "num_warps"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit

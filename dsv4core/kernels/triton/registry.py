@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from . import OPS, predicates
-from .launch import _ACTIVE
+from .launch import _ACTIVE, LaunchTable
 
 _mods: dict = {}
 
@@ -105,7 +105,7 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
     def impl(*args, **kwargs):
         if not target:
             mod = _module(modname)
-            fn, table = kernel(op), (launch() if callable(launch) else launch)
+            fn, table = kernel(op), _entries(launch() if callable(launch) else launch)
             entry = (table or {}).get(modname)
             tune = getattr(mod, "TUNE", None)
             if entry is not None and tune is None:
@@ -136,6 +136,14 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
     impl.__name__ = impl.__qualname__ = op
     impl.__doc__ = f"Triton kernel for {op} ({__package__}.{modname})."
     return impl
+
+
+def _entries(table):
+    """A table's {module -> entry}, refusing a whole LaunchTable (whose keys are targets)."""
+    if isinstance(table, LaunchTable):
+        raise TypeError(f"launch table of {table.plugin}: register_ops takes one target's entries, "
+                        f"e.g. TABLES.resolve(arch) (targets: {', '.join(table)}), not the LaunchTable")
+    return table
 
 
 def _on_device(pred, device_type: str):
@@ -194,10 +202,13 @@ def triton_backend_problem(backend: str, distribution: str, index: str) -> str:
 def register_ops(backend, device_type: str, ops=None, launch=None, supports=None) -> None:
     """Add every Triton op (or the subset ``ops``) to ``backend`` for tensors on ``device_type``.
 
-    ``launch``: the plugin's launch table, or a zero-argument callable returning it (see
-    :mod:`.launch`); None runs the kernels' own defaults. ``supports``: optional extra predicates
+    ``launch``: one target's entries of the plugin's :class:`.launch.LaunchTable`
+    (``TABLES.resolve(arch)``), or a zero-argument callable returning them (resolved at the
+    first call); None runs the kernels' own defaults. ``supports``: optional extra predicates
     per op (same parameters as the op) that must also accept a call, e.g. a plugin declining a dtype
     its target cannot run."""
+    if not callable(launch):
+        _entries(launch)   # a whole LaunchTable fails here, not at the first call
     for op, modname in OPS.items():
         if ops is not None and op not in ops:
             continue

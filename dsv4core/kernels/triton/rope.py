@@ -20,7 +20,7 @@ from . import predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py)
-TUNE = Tune(__name__, ("HB", "num_warps", "rowpos_below"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from .launch import Tune
 from . import predicates
 from .registry import implements
 
-TUNE = Tune(__name__, ("BLOCK", "TB", "num_warps"))
+TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 _MASKED = tl.constexpr(-2147483648)     # int32 min: below the key of -inf (-2139095041)
 _NAN = tl.constexpr(2147483647)         # int32 max: above the key of +inf (2139095040)

@@ -6,13 +6,13 @@ split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`) and TUNE (same 
 from __future__ import annotations
 
 from .launch import Tune
-from .linear import GEMM_KEYS, grouped_gemm
+from .linear import grouped_gemm
 from . import predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides over the bound backend's launch table (launch.py); keys as
-#: linear's (linear.GEMM_KEYS)
-TUNE = Tune(__name__, GEMM_KEYS)
+#: linear's (launch.GEMM_KEYS)
+TUNE = Tune(__name__)
 
 
 def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
@@ -22,9 +22,9 @@ def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
     (H200, benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json: 21.0 / 20.6 / 32.6 µs at T = 1 / 8 / 64; "swap" 27.5 /
     27.6 / 52.9)."""
     if T <= 16:
-        # FP8: two scale blocks a K step (H200, benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json: 18.8 µs at
-        # T = 1 against 20.8; at T = 64 one block is faster, 32.1 against 46.7)
-        return ("dot", 16, 32, 128, 4, 4, 2) if scaled else ("dot", 16, 32, 256, 4, 4)
+        # FP8: one scale block a K step (NBLK 1, linear's default: the smallest K step, fewest live
+        # registers); two a step were faster on an H200 at T <= 16, set by the CUDA plugin's table
+        return ("dot", 16, 32, 128, 4, 4) if scaled else ("dot", 16, 32, 256, 4, 4)
     if T <= 64:
         return "dot", 64, 32, 128, 4, 4
     return "dot", 128, 128, 128 if scaled else 64, 8, 3

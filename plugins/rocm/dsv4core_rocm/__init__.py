@@ -78,7 +78,7 @@ def make_backend(device_type: str = "cuda", arch=None, available=None, launch=No
     from dsv4core.kernels.triton.registry import register_ops
 
     from . import aiter_ops, fp8
-    from .launch import table_for
+    from .launch import TABLES
 
     get_arch = arch or device_arch
     b = Backend(name="rocm", version=__version__, device_types=(device_type,), api_version=HAL_API_VERSION,
@@ -87,7 +87,7 @@ def make_backend(device_type: str = "cuda", arch=None, available=None, launch=No
                             "GEMM where installed (AMD Instinct)",
                 validated=recorded(Path(__file__).parent / "validation", "rocm"))
     kernels = Backend(name="rocm", device_types=(device_type,))
-    register_ops(kernels, device_type, launch=launch or (lambda: table_for(get_arch())))
+    register_ops(kernels, device_type, launch=launch or (lambda: TABLES.resolve(get_arch())))
     portable = Backend(name="rocm", device_types=(device_type,))
     fp8.add_ops(portable, kernels, get_arch)      # gfx942: e4m3fn weights as e4m3fnuz (or declined)
     aiter_ops.register(b, portable, device_type, get_arch)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4core.kernels.triton.launch import activation, is_f32
+from dsv4core.kernels.triton.launch import LaunchTable, activation, is_f32
 
 # Entries that depend on the call take (*args, **kwargs) and look only at the activation
 # (launch.activation), so they survive changes of the ops' other arguments.
@@ -30,8 +30,8 @@ from dsv4core.kernels.triton.launch import activation, is_f32
 def _attention(bf16_rows: int, bf16_stages: int):
     """sparse_mqa_attention: 16 heads x ``bf16_rows`` kv rows per step for bf16, 16 x 16 with one
     stage for fp32 (whose kv tiles are twice the bytes). MFMA 16x16: the tile has 16 head rows.
-    pipe 0: the kernel's pipelined gather (its default at T <= 64, measured on an H200) spills 2-7
-    SGPRs on gfx950 (tests/test_rocm_aot.py)."""
+    pipe 0 (the kernel's default, stated; not tuned here): the hand-pipelined gather, which the CUDA
+    table sets on sm90 at T <= 64, spills 2-7 SGPRs on gfx950 (tests/test_rocm_aot.py)."""
     def entry(*args, **kwargs):
         if is_f32(args, kwargs):
             return {"BH": 16, "BK": 16, "num_stages": 1, "pipe": 0, "launch": {"matrix_instr_nonkdim": 16}}
@@ -43,8 +43,8 @@ def _moe(bf16_bn: int, stages: int):
     def entry(*args, **kwargs):
         f32 = is_f32(args, kwargs)
         bn = 32 if f32 else bf16_bn          # the up (gate|up) and down GEMM tiles alike
-        # Su / Sd 1: the kernel's default split K at decode batches (moe._split_rule) was measured
-        # on an H200 only
+        # Su / Sd 1 (the kernel's default, stated; not tuned here): split K at decode batches
+        # (moe._split_rule) is the CUDA table's sm90 choice, measured on an H200 only
         return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages, "Su": 1, "Sd": 1}
     return entry
 
@@ -71,7 +71,8 @@ def _wo_a(*args, **kwargs):
     if o is None or o.dtype == torch.float32:
         return {}
     fp8 = _fp8(args, kwargs)
-    # NBLK 1: the kernel's two FP8 scale blocks a step at T <= 16 were measured on an H200 only
+    # NBLK 1 (the kernel's default, stated; not tuned here): two FP8 scale blocks a step at T <= 16
+    # are the CUDA table's sm90 choice, measured on an H200 only
     return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
             "num_stages": 2, "NBLK": 1}
 
@@ -88,7 +89,7 @@ def _indexer(f32_stages: int):
 # cache (cache_store) and compress (compress_pool, compress_windows) have no entry: no tl.dot and no
 # pipelined loop; the kernels' own tiles use <= 8 KiB of LDS and spill nothing on gfx942 / gfx950
 # (benchmarks/results/rocm-aot/*/aot/<arch>-pool-ops-flash.json, with the indexer entries below).
-TABLES = {
+TABLES = LaunchTable("rocm", {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
         "mhc": {"num_stages": 1, "BK": 64},  # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs
@@ -112,8 +113,4 @@ TABLES = {
         "wo_a": _wo_a,
         "indexer": lambda *args, **kwargs: {"num_stages": 1},
     },
-}
-
-
-def table_for(arch: str) -> dict:
-    return TABLES.get(arch, TABLES["other"])
+}, fallback="other")

@@ -45,13 +45,13 @@ def make_backend(device_type: str = "xpu", available=None, launch=None) -> Backe
     the kernels elsewhere, e.g. on CPU under the Triton interpreter)."""
     from dsv4core.kernels.triton.registry import register_ops
 
-    from .launch import resolve
+    from .launch import current
 
     b = Backend(name="xpu", version=__version__, device_types=(device_type,), api_version=HAL_API_VERSION,
                 priority=100, available=available or _available,
                 description="portable Triton kernels with an XPU launch table (Intel GPUs)",
                 validated=recorded(Path(__file__).parent / "validation", "xpu"))
-    register_ops(b, device_type, launch=launch or resolve)
+    register_ops(b, device_type, launch=launch or current)
     return b
 
 

@@ -5,15 +5,16 @@ sub-group size 16, so the kernels with ``tl.dot`` (attention, mhc mixes, wo_a, m
 (Intel's Triton also forces 16 where it lowers a dot to DPAS). ``num_warps`` (sub-groups per
 work-group) stays <= 8, far below ``max_num_sub_groups``.
 
-Shared local memory (SLM) per work-group differs per device, so attention's tile is chosen from
-the device's ``local_mem_size`` when the table is resolved (the first kernel call). Compiled by
+Shared local memory (SLM) per work-group differs per device, so the table's targets are SLM
+tiers: a device takes the largest tier within its ``local_mem_size`` (read when the table is
+resolved, at the first kernel call); only attention's tile differs between them. Compiled by
 triton-xpu 3.3.0b1 (benchmarks/results/xpu-aot/), bf16 attention needs 100,384 B of
 SLM with 16 heads x 32 rows, 66,624 B with 16 x 16, 49,680 B with 8 x 16 (fp32, 16 x 16: 65,536 B;
 num_stages does not change it there). With 8 heads the dot may leave DPAS for FMA: a device with
 less than 66,624 B of SLM gets correctness first, speed later.
 
 The sub-group keyword is ``warp_size`` in current Intel Triton and ``threads_per_warp`` in 3.3;
-:func:`resolve` keeps only the keywords the installed backend accepts. (CUDA's Triton also has a
+:func:`current` keeps only the keywords the installed backend accepts. (CUDA's Triton also has a
 ``warp_size`` option, fixed at 32: a tool running this table on NVIDIA must drop it by name, as
 benchmarks/vendor_tables_on_cuda.py does.) Not tuned on hardware:
 compile-checked (SPIR-V, where triton-xpu installs) and run on an NVIDIA GPU with the XPU-only
@@ -21,7 +22,7 @@ keywords removed.
 """
 from __future__ import annotations
 
-from dsv4core.kernels.triton.launch import is_f32
+from dsv4core.kernels.triton.launch import LaunchTable, is_f32
 
 SUBGROUP_16 = {"warp_size": 16, "threads_per_warp": 16}
 
@@ -36,26 +37,40 @@ def _attention_for(slm: int):
 
     def entry(*args, **kwargs):
         tile = {"BH": bh_f32, "BK": 16} if is_f32(args, kwargs) else bf16
-        # pipe 0: the kernel's pipelined gather at T <= 64 was measured on an H200 only
+        # pipe 0 (the kernel's default, stated; not tuned here): the hand-pipelined gather at
+        # T <= 64 is the CUDA table's sm90 choice, measured on an H200 only
         return {**tile, "num_stages": 2, "pipe": 0, "launch": SUBGROUP_16}
     return entry
 
 
 def _moe(*args, **kwargs):
-    # Su / Sd 1: the kernel's default split K at decode batches (moe._split_rule): H200-measured only
+    # Su / Sd 1 (the kernel's default, stated; not tuned here): split K at decode batches
+    # (moe._split_rule) is the CUDA table's sm90 choice, measured on an H200 only
     return {"BNu": 32, "BNd": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "Su": 1, "Sd": 1,
             "launch": SUBGROUP_16}
 
 
-def table(slm: int) -> dict:
-    """The XPU table for a device with ``slm`` bytes of shared local memory per work-group."""
+def _entries(slm: int) -> dict:
+    """The entries for a device with ``slm`` bytes of shared local memory per work-group."""
     return {
         "attention": _attention_for(slm),
         "mhc": {"launch": SUBGROUP_16},
-        "wo_a": {"NBLK": 1, "launch": SUBGROUP_16},   # the kernel's FP8 NBLK 2 at T <= 16: H200-measured only
+        "wo_a": {"NBLK": 1, "launch": SUBGROUP_16},   # NBLK 1: the kernel's default, stated; not tuned here
         "moe": _moe,
         "indexer": {"launch": SUBGROUP_16},   # indexer_scores_rows: one tl.dot per channel chunk
     }
+
+
+#: SLM bytes at which attention's choice changes (bf16 tiles: _ATTENTION_BF16; fp32 16 heads: 64 KiB)
+_TIERS = (100_384, 66_624, 65_536, 0)
+
+
+def _tier(slm: int) -> str:
+    """The target name of a device with ``slm`` bytes of SLM: the largest tier within it."""
+    return f"slm{next(t for t in _TIERS if slm >= t)}"
+
+
+TABLES = LaunchTable("xpu", {f"slm{t}": _entries(t) for t in _TIERS}, select=_tier)
 
 
 def device_slm(target=None) -> int:
@@ -70,11 +85,11 @@ def device_slm(target=None) -> int:
     return 64 * 1024
 
 
-def resolve(accepted=None, slm=None) -> dict:
-    """The table for the current device, with launch keywords restricted to what the current
+def current(accepted=None, slm=None) -> dict:
+    """The entries for the current device, with launch keywords restricted to what the current
     Triton target accepts (read at the first kernel call on the device; ``accepted`` / ``slm``
     override, for tests and tools)."""
-    from dsv4core.kernels.triton.launch import accepted_options, for_target
+    from dsv4core.kernels.triton.launch import accepted_options
 
     target = None
     if accepted is None or slm is None:
@@ -83,4 +98,4 @@ def resolve(accepted=None, slm=None) -> dict:
         target = driver.active.get_current_target()
     if accepted is None:
         accepted = accepted_options(target)
-    return for_target(table(device_slm(target) if slm is None else slm), accepted)
+    return TABLES.resolve(device_slm(target) if slm is None else slm, accepted)
