@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .cache import CacheConfig, CacheError, KVCache, RequestState
+from .cache_layout import CacheConfig
+from .kvcache import CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs

@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .cache import PoolFullError
+from .kvcache import PoolFullError
 from .inputs import DeviceTokens, InputError, eos_ids
 
 

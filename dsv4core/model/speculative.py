@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cache import PoolFullError, RequestState
+from .kvcache import PoolFullError, RequestState
 from .graphs import DecodeGraphs
 from .inputs import InputError
 from .scheduler import Scheduler

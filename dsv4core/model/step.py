@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import indexing as ix
-from .cache import KVCache
+from .kvcache import KVCache
 
 @dataclass
 class Step:

@@ -16,7 +16,7 @@ parts keep every block. Compressed entry e of a request (positions [e m, (e + 1)
 block of its tokens: row e % (block_tokens / m) of block table entry e // (block_tokens / m).
 
 `kv_bytes_per_token` and `request_bytes` are what an engine allocates for these parts; they
-equal `dsv4core.model.cache.state_bytes` for the growing caches (tests/test_vllm_adapter.py).
+equal `dsv4core.model.cache_layout.state_bytes` for the growing caches (tests/test_vllm_adapter.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fractions import Fraction
 import torch
 
 from dsv4core.hal.rowformats import row_bytes
-from dsv4core.model.cache import kv_formats
+from dsv4core.model.cache_layout import kv_formats
 from dsv4core.model.config import CSA, SLIDING, DSV4Config
 
 #: the parts of a layer, in the order `cache_parts` lists them

@@ -1,7 +1,7 @@
 """Writing rows into the model's state pools (SPEC.md section 2, "Pool writes").
 
 The pools (sliding-window rows, compressed entries, indexer keys, compressor rings) are owned by
-the model's cache (dsv4core/model/cache.py); an op that writes into one takes the pool and the flat
+the model's cache (dsv4core/model/kvcache.py); an op that writes into one takes the pool and the flat
 destination rows explicitly and returns nothing.
 """
 
