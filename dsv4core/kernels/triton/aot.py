@@ -126,7 +126,7 @@ def _compile_only(target, sink: list):
 @contextlib.contextmanager
 def device_branch(target):
     """Within: each kernel module's device helpers (names it imported from ``_util``) answer as on a
-    ``target`` GPU: ``interp`` / ``interpreting`` / ``rne`` False (bf16 / FP8 MFMA dots, hardware
+    ``target`` GPU: ``interp`` / ``interpreting`` / ``rne`` / ``rne_for`` False (bf16 / FP8 MFMA dots, hardware
     bf16 rounding), ``accurate`` True (libdevice sin / cos), ``target_programs`` 2 per compute
     unit. The kernel modules' own source is untouched; the names are restored on exit. Yields the
     patched ``module.name`` list."""
@@ -137,6 +137,7 @@ def device_branch(target):
         raise ValueError(f"aot: --device-branch needs the compute-unit count of {target}; known: "
                          f"{', '.join(f'cuda:{a}' if isinstance(a, int) else f'hip:{a}' for a in COMPUTE_UNITS)}")
     answers = {"interp": lambda t: False, "interpreting": lambda t: False, "rne": lambda out: False,
+               "rne_for": lambda device, dtype: False,
                "accurate": lambda t: True, "target_programs": lambda device, cpu=16: 2 * cus}
     saved = []
     for modname in sorted(set(OPS.values())):
