@@ -87,6 +87,30 @@ def test_a_change_after_loading_names_the_field(restore):
         object.__setattr__(spec, "tolerance", good)
 
 
+def test_names_only_tooling_can_bind_are_not_oracle_changes(restore):
+    """pytest's assertion rewriting (it rewrites every module of a distribution that registers a
+    pytest plugin, as an installed dsv4core does) adds "@py_builtins" / "@pytest_ar" to the modules:
+    not an identifier, so no code can read it by name, and not a change of the oracle; a rebound
+    identifier is one."""
+    import builtins
+
+    from dsv4core.hal import compare
+
+    assert oracle.problems() == []
+    vars(compare)["@py_builtins"] = builtins
+    try:
+        assert oracle.problems() == []
+        run("reference", ops=["rms_norm"], dtypes="float32")      # judges, does not refuse
+    finally:
+        del vars(compare)["@py_builtins"]
+    good = compare.error
+    compare.error = lambda *a: 0.0
+    try:
+        assert any("compare.error" in p for p in oracle.problems())
+    finally:
+        compare.error = good
+
+
 @pytest.mark.filterwarnings("ignore:Warning only once for all operators")
 def test_the_isolated_oracle_fails_a_backend_that_agrees_with_an_overridden_kernel():
     """A kernel registered over torch's own ``aten::rsqrt`` (below what the fingerprint sees) bends

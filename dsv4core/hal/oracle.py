@@ -266,8 +266,9 @@ def fingerprint(modules: dict[str, types.ModuleType] | None = None, catalogue_: 
             out[f"op {name}.{k}"] = v
     for rel, m in modules.items():
         for k, v in vars(m).items():
-            if k.startswith("__") and k.endswith("__") or k == "annotations":
-                continue
+            if k.startswith("__") and k.endswith("__") or k == "annotations" or not k.isidentifier():
+                continue      # not an identifier: no source can bind it (pytest's assertion rewriting
+                              # adds "@py_builtins" / "@pytest_ar" to the modules it rewrites)
             out[f"module {rel}.{k}"] = "cache" if _is_cache(k) else _value(v, 0)
     if torch_check:
         for key, obj in _TORCH_AT_IMPORT.items():
