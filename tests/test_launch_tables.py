@@ -244,3 +244,13 @@ def test_launch_table_selects_targets():
         LaunchTable("p", {"big": {}, "small": {}}).resolve("a9")
     assert set(TUNING_KEYS) == {"attention", "cache", "compress", "indexer", "linear", "mhc", "moe", "norm", "rope",
                                 "topk", "wo_a"}
+
+
+def test_a_callable_entry_may_return_nothing_through_for_target():
+    """A callable entry returning None ("no parameters for this call") stays None when the table
+    is restricted to a target's launch options."""
+    from dsv4core.kernels.triton.launch import for_target
+
+    t = for_target({"norm": lambda *a, **k: None, "rope": lambda *a, **k: {"launch": {"waves_per_eu": 2, "x": 1}}},
+                   {"x"})
+    assert t["norm"]() is None and t["rope"]() == {"launch": {"x": 1}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant import (E8M0, FP4_GROUP, FP4_PACKED_DTYPES, OFFICIAL_ACT_DTYPE, act_scale, fake_quant, quantize_fp4,
+from ..quant import (E8M0, FP4_GROUP, FP4_PACKED_DTYPES, OFFICIAL_ACT_DTYPE, fake_quant, quantize_fp4,
                      quantize_fp8_block, scale_to_float32, unpack_fp4)
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
@@ -151,8 +151,11 @@ def _official_h(gu: torch.Tensor, w: torch.Tensor, limit: float, act_block: int,
     return fake_quant(h.to(OFFICIAL_ACT_DTYPE), "fp8", act_block).to(ct)
 
 
-#: the legal error of a fp32 gate / up sum of K products (any summation order, FMA or not), in
-#: standard deviations of a random-walk rounding error: sqrt(K) * 2^-24 * ||products||_2 each
+#: the legal error of a fp32 gate / up sum of K products, in standard deviations of a random-walk
+#: rounding error (sqrt(K) * 2^-24 * ||products||_2 each): a statistical bound, not a worst case.
+#: It assumes round-to-nearest fp32 accumulation in any order, FMA or not (errors of either sign);
+#: under that model a legal sum leaves the box with probability ~1e-15 per value. The worst case
+#: (K * 2^-24 * sum |products|) would mark nearly every value fragile and judge nothing.
 GU_SIGMAS = 8.0
 #: the legal relative error of h before its bf16 rounding (silu's exp and two products: a few fp32 ulps)
 H_REL = 2.0 ** -20
@@ -168,7 +171,9 @@ def moved_code_allowance(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
     side of a decision boundary, which moves that h value to a neighbouring code. Such a value is
     *fragile*: its code changes when g and u move by their legal error (GU_SIGMAS random-walk
     deviations of a fp32 sum) and h by H_REL. Each pair's h is recomputed at the corners of that
-    box; ``delta`` is the largest code change of each value (0 for all but the fragile ones), and
+    box (its corners: silu's one turning point, at g ~ -1.28, is flat at this scale, and an amax
+    that moves a group's scale against a value's own move is not covered); ``delta`` is the
+    largest code change of each value found there (0 for all but the fragile ones), and
     output n of token t may move by ``sum over its pairs and columns j of delta * |W2_e[n, j]|``.
     A wrong computation (a scale off by two, the routing weight after the projection, a missed
     rounding) moves values that are not fragile and fails."""
@@ -194,7 +199,6 @@ def moved_code_allowance(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None,
                     delta = torch.maximum(delta, (h - h0).abs())
         allow.index_add_(0, tok, delta @ _expert_weight(w2, w2_scale, e, ct).abs().T)
     return allow
-
 
 
 def _check_expert(d: Dims, arg: str, w, scale, rows: str, cols: str) -> tuple:

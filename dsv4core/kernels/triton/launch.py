@@ -259,6 +259,8 @@ def for_target(table: Mapping | None, accepted) -> dict:
 
 
 def _filter_entry(entry, accepted):
+    if entry is None:                       # a callable entry's "no parameters for this call"
+        return None
     if callable(entry):
         def filtered(*args, **kwargs):
             return _filter_entry(entry(*args, **kwargs), accepted)

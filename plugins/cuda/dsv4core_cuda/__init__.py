@@ -40,7 +40,7 @@ CUDA_OPS = frozenset(OPS) & passed_ops(VALIDATION, "cuda")
 #: exercise (the kernels declined those cases when it was recorded): a call setting one is declined
 #: here, so the reference serves it, until a record passes it; a kernel tried with ``TRY_ENV``
 #: serves them too.
-UNVALIDATED_ARGS: dict[str, tuple[str, ...]] = {}   # op -> argument names; none today
+UNVALIDATED_ARGS: dict[str, tuple[str, ...]] = {}   # op -> argument names; none in this version
 
 
 def unvalidated_gates(tried: frozenset[str] = frozenset()) -> dict:
