@@ -133,3 +133,32 @@ def test_the_isolated_oracle_fails_a_backend_that_agrees_with_an_overridden_kern
     judged = [c for c in iso.ops[0].cases if not c.case.startswith("T0-")]     # T0: empty, nothing to bend
     assert len(judged) >= 5 and all(c.status == FAILED and c.failure == "numeric" for c in judged)
     assert torch.equal(torch.rsqrt(torch.full((2,), 4.0)), torch.full((2,), 0.5))
+
+
+def test_the_isolated_oracle_ships_the_moved_code_allowance(monkeypatch):
+    """Under isolation the moved-code allowance of the official expert math comes from the isolated
+    process with the expected outputs (None for every other call): equal to the one computed here,
+    and the judge uses it: with the judging process's allowance disabled, every case still passes."""
+    from dsv4core.conformance import cases, isolate
+    from dsv4core.hal import compare
+
+    spec = catalogue()["moe_experts"]
+    impl = cases.load_backend("reference").impls["moe_experts"]
+    _, found = isolate.expected_cases(["moe_experts"], ["small"], ["float32"], "cpu", 0)
+    entries = found["moe_experts/small/float32"]
+    assert not isinstance(entries, str) and all(exp is not None for _, exp, _ in entries)
+    official = [(c, exp) for c, exp, _ in entries if "official" in c.tags]
+    assert len(official) >= 3
+    for c, (_, _, allow) in official:
+        here = compare._moved_code_allowance(spec, c.kwargs)
+        assert allow.dtype == torch.float64 and torch.equal(allow, here)
+    assert all(exp[2] is None for c, exp, _ in entries if "official" not in c.tags)
+
+    def refuse(*a, **k):
+        raise AssertionError("the judging process computed the moved-code allowance")
+
+    monkeypatch.setattr(compare, "_moved_code_allowance", refuse)
+    results = [cases.run_case(spec, impl, c, torch.float32, "small", expected=exp) for c, exp, _ in entries]
+    assert [r.case for r in results if r.status != PASSED] == []
+    assert {r.case for r in results if any(ch.metric == "max_rel_moved" for ch in r.checks)} == \
+        {c.name for c, _ in official}

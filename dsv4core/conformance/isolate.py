@@ -6,10 +6,12 @@ plugin is loaded and could have changed anything torch runs (a Python-level patc
 fingerprint sees, or one below it: an aten kernel registered over torch's own). It starts
 ``python -m dsv4core.conformance.isolate`` with ``DSV4CORE_PLUGINS=none``; that process checks
 its own oracle against the files on disk (:mod:`dsv4core.hal.oracle`), generates every selected
-case, computes the reference output in the case dtype and the fp64 evaluation, and writes them
-to a file (``torch.save``) that the runner loads. The runner then calls the backend on those
-inputs and judges its outputs against those expected outputs (the comparison code is part of
-the fingerprinted oracle).
+case, computes the reference output in the case dtype, the fp64 evaluation and the moved-code
+allowance of the official expert math (``compare._moved_code_allowance``: fp64 from the inputs;
+None for every other call), and writes them to a file (``torch.save``) that the runner loads. The
+runner then calls the backend on those inputs and judges its outputs against those expected
+outputs and that allowance (the comparison code is part of the fingerprinted oracle), so it
+computes none of the oracle's numbers itself.
 
 Cost: one more Python process (a torch import, about 1-3 s), and every case's inputs and both
 expected outputs pass through a temporary file: negligible for ``--shapes small``, seconds and
@@ -56,10 +58,11 @@ def _child(request: str, out: str) -> int:
                         try:
                             spec.validate(**case.kwargs)
                             ref, exact = compare.expected_outputs(spec, case.kwargs)
+                            allow = compare._moved_code_allowance(spec, case.kwargs)
                             entries.append((case.name, tuple(case.tags), case.kwargs,
-                                            (ref.names, ref.tensors), (exact.names, exact.tensors), ""))
+                                            (ref.names, ref.tensors), (exact.names, exact.tensors), allow, ""))
                         except Exception as e:  # noqa: BLE001 - reported as that case's harness failure
-                            entries.append((case.name, tuple(case.tags), case.kwargs, None, None, _exc(e)))
+                            entries.append((case.name, tuple(case.tags), case.kwargs, None, None, None, _exc(e)))
                     found[key] = entries
                 except Exception as e:  # noqa: BLE001 - the generator failed
                     found[key] = _exc(e)
@@ -70,7 +73,8 @@ def _child(request: str, out: str) -> int:
 def expected_cases(ops: Sequence[str], shapes: Sequence[str], dtypes: Sequence[str], device: str, seed: int,
                    timeout: float | None = None) -> tuple[str, dict]:
     """Run the isolated oracle process; return (its oracle digest, the cases by
-    ``"op/shapes/dtype"``: a list of ``(case, (reference Outputs, fp64 Outputs), "")``, or
+    ``"op/shapes/dtype"``: a list of ``(case, (reference Outputs, fp64 Outputs, moved-code
+    allowance or None), "")``, or
     ``(case, None, error)`` for a case whose expected outputs could not be computed; a str when
     the case generator itself failed). Raises ConformanceError when the process fails."""
     from dsv4core.hal.compare import Outputs
@@ -94,8 +98,8 @@ def expected_cases(ops: Sequence[str], shapes: Sequence[str], dtypes: Sequence[s
             cases[key] = entries
             continue
         cases[key] = [(Case(name, kwargs, tags),
-                       None if ref is None else (Outputs(*ref), Outputs(*exact)), err)
-                      for name, tags, kwargs, ref, exact, err in entries]
+                       None if ref is None else (Outputs(*ref), Outputs(*exact), allow), err)
+                      for name, tags, kwargs, ref, exact, allow, err in entries]
     return data["digest"], cases
 
 

@@ -507,10 +507,16 @@ def moved_codes_check(name: str, tol, floor: float, got: torch.Tensor, ref: torc
     return Check(name, "max_rel_moved", float(db.reshape(-1)[worst]), e_r, float(bound.reshape(-1)[worst]), ok, detail)
 
 
-def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype) -> list[Check]:
+COMPUTE = object()    # judge's ``allowance`` default: compute it here from ``kw``
+
+
+def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.dtype,
+          allowance: Any = COMPUTE) -> list[Check]:
     """The checks of one output ``raw`` of ``spec`` on arguments ``kw`` (by name), given the
     reference's output in the case dtype (``ref``) and the fp64 evaluation (``exact``), both
-    split. Raises :class:`Mismatch` for a structural failure (type, shape, dtype, device, NaN)."""
+    split. ``allowance``: the moved-code allowance (``_moved_code_allowance(spec, kw)``, a tensor
+    or None) computed elsewhere with the expected outputs; by default computed here. Raises
+    :class:`Mismatch` for a structural failure (type, shape, dtype, device, NaN)."""
     tol = spec.tolerance
     floor = tol.floor_for(dtype)
     got = split_outputs(spec.name, raw, like=ref)
@@ -538,7 +544,12 @@ def judge(spec, kw: dict, raw: Any, ref: Outputs, exact: Outputs, dtype: torch.d
                 checks.append(Check(name, "exact", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                                     "" if ok else "integer output differs from the reference"))
                 continue
-            allow = _moved_code_allowance(spec, kw) if g.dim() else None
+            if not g.dim():
+                allow = None
+            else:
+                if allowance is COMPUTE:
+                    allowance = _moved_code_allowance(spec, kw)
+                allow = allowance
             if allow is not None:
                 checks.append(moved_codes_check(name, tol, floor, g, r, e, allow))
             elif tol.quantized_rows and g.dim() and _quantized_call(spec, kw):
