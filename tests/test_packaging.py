@@ -26,6 +26,19 @@ def _sources() -> list[Path]:
     return [p for p in out if "__pycache__" not in p.parts]
 
 
+def _data() -> list[Path]:
+    """The data files the code reads at run time, relative to their import root: the HAL changelog,
+    every versioned contract (`dsv4core.hal.contracts` globs them) and every plugin's recorded
+    validation reports (read by `dsv4core backends`)."""
+    out = [Path("dsv4core/hal/CHANGELOG.md")]
+    out += [p.relative_to(ROOT) for p in (ROOT / "dsv4core" / "hal" / "contracts").glob("*.json")]
+    for vendor in ("cuda", "rocm", "ascend", "xpu"):
+        base = ROOT / "plugins" / vendor
+        for pattern in ("dsv4core_*/validation/*.json", "dsv4core_*/validation/README.md"):
+            out += [p.relative_to(base) for p in base.glob(pattern)]
+    return out
+
+
 def test_the_wheel_holds_the_packages_data_entry_points_and_license(tmp_path):
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
@@ -42,9 +55,14 @@ def test_the_wheel_holds_the_packages_data_entry_points_and_license(tmp_path):
 
     missing = sorted(str(p) for p in _sources() if p.as_posix() not in names)
     assert not missing, f"modules missing from the wheel: {missing[:10]}"
-    for data in ("dsv4core/hal/CHANGELOG.md", "dsv4core_rocm/validation/README.md",
-                 "dsv4core_ascend/validation/README.md", "dsv4core_xpu/validation/README.md"):
-        assert data in names, data
+    data = {p.as_posix() for p in _data()}
+    for required in ("dsv4core/hal/contracts/1.0.json", "dsv4core_cuda/validation/README.md",
+                     "dsv4core_rocm/validation/README.md", "dsv4core_ascend/validation/README.md",
+                     "dsv4core_xpu/validation/README.md"):
+        assert required in data, required      # the globs above found the files they are for
+    missing = sorted(data - names)
+    assert not missing, f"package data missing from the wheel: {missing}"
+    assert not any(n.startswith(("tests/", "benchmarks/")) or "/tests/" in n for n in names)
     tops = {n.split("/")[0] for n in names}
     dist_info = next(t for t in tops if t.endswith(".dist-info"))
     assert tops == {"dsv4core", "dsv4core_cuda", "dsv4core_rocm", "dsv4core_ascend", "dsv4core_xpu", dist_info}

@@ -132,6 +132,11 @@ def _detect_format(names: Iterable[str], config: dict, where: Path) -> str:
     raise CheckpointError("no DeepSeek-V4 tensors found (neither transformers nor official names)", file=where)
 
 
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every `src` value is exactly a `dst` value (bfloat16 / float16 -> float32)."""
+    return dst == torch.float32 and src in (torch.bfloat16, torch.float16)
+
+
 class Checkpoint:
     """A DeepSeek-V4 checkpoint on disk (headers parsed, no data read)."""
 
@@ -214,23 +219,31 @@ class Checkpoint:
 
     def weights_dtype(self) -> tuple[torch.dtype | None, str]:
         """(the floating dtype this checkpoint's weights are in, where that was read): config.json's
-        `dtype` / `torch_dtype` when it names a floating dtype; otherwise (absent, or a
-        quantisation tag such as "fp8") the dtype the token embedding is stored in
-        (`model.embed_tokens.weight` / `embed.weight`): the embedding is never quantised and is
-        stored in the model's dtype, unlike the fp32 norms / mHC / sinks. (None, why) when neither
-        says."""
-        names = {"dtype", "torch_dtype"}
-        for key in ("dtype", "torch_dtype"):
-            v = self.config_dict.get(key)
-            if isinstance(v, str) and v.removeprefix("torch.") in _FLOAT_DTYPES:
-                return _FLOAT_DTYPES[v.removeprefix("torch.")], f"config.json {key}={v!r}"
-        given = ", ".join(f"{k}={self.config_dict[k]!r}" for k in sorted(names) if k in self.config_dict)
-        where = f"config.json ({given or 'no dtype / torch_dtype'})"
+        `dtype` / `torch_dtype` when it names a floating dtype the stored weights convert to
+        exactly; otherwise (absent, a quantisation tag such as "fp8", or a dtype that would
+        narrow what is stored, e.g. "bfloat16" over float32 tensors) the dtype the token
+        embedding is stored in (`model.embed_tokens.weight` / `embed.weight`): the embedding is
+        never quantised and is stored in the model's dtype, unlike the fp32 norms / mHC / sinks.
+        (None, why) when neither says."""
+        names = ("dtype", "torch_dtype")
+        stored = None
         for name in ("model.embed_tokens.weight", "embed.weight"):
             info = self._infos.get(name)
             if info is not None and info.torch_dtype is not None and info.torch_dtype.is_floating_point \
                     and info.torch_dtype.itemsize >= 2:
-                return info.torch_dtype, f"{where}; the stored {name} ({info.dtype}, {info.file.name})"
+                stored = info.torch_dtype, f"the stored {name} ({info.dtype}, {info.file.name})"
+                break
+        for key in names:
+            v = self.config_dict.get(key)
+            if isinstance(v, str) and v.removeprefix("torch.") in _FLOAT_DTYPES:
+                declared = _FLOAT_DTYPES[v.removeprefix("torch.")]
+                if stored is None or stored[0] == declared or _widens(stored[0], declared):
+                    return declared, f"config.json {key}={v!r}"
+                return stored[0], f"config.json {key}={v!r} (it would narrow {stored[1]})"
+        given = ", ".join(f"{k}={self.config_dict[k]!r}" for k in names if k in self.config_dict)
+        where = f"config.json ({given or 'no dtype / torch_dtype'})"
+        if stored is not None:
+            return stored[0], f"{where}; {stored[1]}"
         return None, f"{where}; no floating token embedding stored"
 
     @property

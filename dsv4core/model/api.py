@@ -133,8 +133,9 @@ def load_model(path_or_name: str | Path, *, backend: str | None = None, dtype: t
     "auto". Per-op overrides come from env DSV4CORE_OPS. One precedence rule everywhere: an
     explicit argument > the environment > "auto" (`dsv4core.hal.backend_request`). dtype:
     activation dtype (torch dtype or its name; default float32 for "tiny"; for a checkpoint the
-    dtype its weights are in: config.json's `dtype` / `torch_dtype`, else the stored token
-    embedding's dtype, and an error asking for dtype= when that is neither float32 nor bfloat16).
+    dtype its weights are in: config.json's `dtype` / `torch_dtype` unless it would narrow the
+    stored weights, else the stored token embedding's dtype, and an error asking for dtype= when
+    that is neither float32 nor bfloat16; an explicit dtype always wins).
     device: default "cpu".
     Parameters that are fp32 in DSV4 (mHC, sinks, position bias, router bias, norms) stay fp32.
     quantized: what to do with FP8 block-scaled checkpoint weights (see `dsv4core.model.fp8`):
