@@ -226,8 +226,11 @@ def test_launch_table_refuses_unknown_modules_and_keys_when_built():
     with pytest.raises(TypeError, match="'launch' must be a dict"):
         LaunchTable("p", {"t1": {"norm": {"launch": 2}}})
     t = LaunchTable("p", {"t1": {"norm": lambda *a, **k: {"ROWS": 2, "rows": 4}}})
-    with pytest.raises(ValueError, match=r"launch parameters of norm \(plugin p, target t1\): unknown key\(s\) rows"):
-        t["t1"]["norm"](torch.zeros(1))
+    b = Backend("t-badkey", device_types=("cpu",), priority=1)      # a callable's result: checked where it is called
+    registry.register_ops(b, "cpu", ops=("rms_norm",), launch=t.resolve("t1"))
+    with pytest.raises(ValueError, match=r"launch parameters of norm \(the launch table's entry, op rms_norm\): "
+                                         r"unknown key\(s\) rows"):
+        b.impls["rms_norm"].fn(torch.randn(2, 8), torch.ones(8), 1e-6)
     with pytest.raises(TypeError, match="register_ops takes one target's entries"):
         registry.register_ops(Backend("t-whole", device_types=("cpu",)), "cpu", launch=t)
 

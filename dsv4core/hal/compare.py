@@ -352,16 +352,21 @@ def device_of(kw: dict) -> str:
     return "cpu"
 
 
-def eval64(spec, kw: dict):
-    """The fp64 evaluation of ``spec``'s reference math, on the inputs' device; on the CPU if that
-    device has no float64."""
+def _in_fp64(fn, kw: dict, prep=lambda v: v):
+    """``fn(**prepared kw)`` on the inputs' device; on the CPU if that device has no float64."""
     try:
-        return spec.reference(**{k: upcast(v) for k, v in kw.items()})
+        return fn(**{k: prep(v) for k, v in kw.items()})
     except Exception:
         if device_of(kw).startswith("cpu"):
             raise
         cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        return spec.reference(**{k: upcast(v) for k, v in cpu.items()})
+        return fn(**{k: prep(v) for k, v in cpu.items()})
+
+
+def eval64(spec, kw: dict):
+    """The fp64 evaluation of ``spec``'s reference math, on the inputs' device; on the CPU if that
+    device has no float64."""
+    return _in_fp64(spec.reference, kw, upcast)
 
 
 def with_copies(spec, kw: dict) -> dict:
@@ -430,6 +435,16 @@ def _quantized_call(spec, kw: dict) -> bool:
 QUANT_VALUES_PER_ROW = 2
 
 
+def _rows_rel(got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor):
+    """(ref, exact as float64 rows [dim 0, rest], exact's finite mask, the scale max |exact| (1 if
+    0), |got - exact| / scale per value: NaN in got stays NaN, never "within")."""
+    g, r, e = (t.detach().cpu().to(torch.float64).reshape(max(1, t.shape[0]), -1) for t in (got, ref, exact))
+    fin = torch.isfinite(e)
+    scale = e[fin].abs().max().item() if fin.any() else 0.0
+    scale = scale if scale > 0 else 1.0
+    return r, e, fin, scale, torch.where(fin, (g - e).abs(), torch.zeros_like(e)) / scale
+
+
 def quantized_rows_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.Tensor,
                          exact: torch.Tensor) -> Check:
     """The bound of ``tolerance_check`` per output row (dim 0; errors in units of the whole
@@ -439,12 +454,8 @@ def quantized_rows_check(name: str, tol, floor: float, got: torch.Tensor, ref: t
     neighbour). A wrong, zeroed or NaN row exceeds it everywhere and fails."""
     if not exact.numel():
         return tolerance_check(name, tol, floor, got, ref, exact)
-    g, r, e = (t.detach().cpu().to(torch.float64).reshape(max(1, t.shape[0]), -1) for t in (got, ref, exact))
-    fin = torch.isfinite(e)
-    scale = e[fin].abs().max().item() if fin.any() else 0.0
-    scale = scale if scale > 0 else 1.0
+    r, e, fin, scale, db = _rows_rel(got, ref, exact)
     zero = torch.zeros_like(e)
-    db = torch.where(fin, (g - e).abs(), zero) / scale          # NaN in got stays NaN: never "within"
     er = torch.where(fin, (r - e).abs(), zero).amax(1) / scale
     bound = tol.k * er + floor + (output_rounding("max_rel", got.dtype, exact) if tol.floor else 0.0)
     eb = db.amax(1)
@@ -472,27 +483,16 @@ def _moved_code_allowance(spec, kw: dict):
         return None
     from .ops.moe import moved_code_allowance
 
-    try:
-        return moved_code_allowance(**kw)
-    except Exception:                       # a device without float64: on the CPU, as eval64 does
-        if device_of(kw).startswith("cpu"):
-            raise
-        return moved_code_allowance(**{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                                       for k, v in kw.items()})
+    return _in_fp64(moved_code_allowance, kw)
 
 
 def moved_codes_check(name: str, tol, floor: float, got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor,
                       allow: torch.Tensor) -> Check:
     """``tolerance_check``'s bound (in units of the whole output's max |exact|), plus per value the
     allowance of its moved codes; every value must be within it."""
-    g, r, e = (t.detach().cpu().to(torch.float64).reshape(max(1, t.shape[0]), -1) for t in (got, ref, exact))
-    if not e.numel():
+    if not exact.numel():
         return tolerance_check(name, tol, floor, got, ref, exact)
-    fin = torch.isfinite(e)
-    scale = e[fin].abs().max().item() if fin.any() else 0.0
-    scale = scale if scale > 0 else 1.0
-    zero = torch.zeros_like(e)
-    db = torch.where(fin, (g - e).abs(), zero) / scale           # NaN stays NaN: never within
+    _, e, _, scale, db = _rows_rel(got, ref, exact)
     e_r = error("max_rel", ref, exact)          # relative units throughout, as db
     base = tol.k * e_r + floor + (output_rounding("max_rel", got.dtype, exact) if tol.floor else 0.0)
     bound = base + allow.detach().cpu().to(torch.float64).reshape(e.shape) / scale

@@ -16,7 +16,7 @@ an XPU shared-memory tier, ...)::
 An entry (per kernel module) is a dict of the module's tuning keys, or a callable taking the op's
 arguments and returning that dict for the call (or None: nothing for this call), e.g. smaller
 tiles for fp32 inputs. Module names and keys are checked when the table is built (a dict entry)
-or when a callable entry returns (its result), against the keys each kernel module declares in
+or, by ``register_ops``, when a callable entry returns (its result), against the keys each kernel module declares in
 :data:`TUNING_KEYS`: a misspelt key fails with the plugin, target, module, key and the known keys.
 
 Precedence, per key, while a bound op runs (the registry wrapper makes its backend's resolved
@@ -68,10 +68,10 @@ TUNING_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def unknown_keys(module: str, entry: Mapping, where: str) -> None:
+def unknown_keys(module: str, entry: Mapping, where: str, known=None) -> None:
     """None, or ValueError naming ``where`` (plugin / target), the module, the unknown keys and the
-    known ones."""
-    known = frozenset(TUNING_KEYS.get(module, ())) | {"launch"}
+    known ones (default: the module's TUNING_KEYS and ``launch``)."""
+    known = frozenset(TUNING_KEYS.get(module, ())) | {"launch"} if known is None else known
     unknown = set(entry) - known
     if unknown:
         raise ValueError(f"launch parameters of {module} ({where}): unknown key(s) "
@@ -100,10 +100,7 @@ class Tune(dict):
 
     def check(self, entry: Mapping, where: str = "TUNE") -> Mapping:
         """``entry`` unchanged, or ValueError naming the module, the unknown keys and the known ones."""
-        unknown = set(entry) - self.keys
-        if unknown:
-            raise ValueError(f"launch parameters of {self.module} ({where}): unknown key(s) "
-                             f"{', '.join(sorted(map(str, unknown)))}; expected some of {', '.join(sorted(self.keys))}")
+        unknown_keys(self.module, entry, where, self.keys)
         return entry
 
     def __setitem__(self, key, value):
@@ -176,7 +173,7 @@ class LaunchTable(Mapping):
 
     Checked at construction: every module has launch parameters (:data:`TUNING_KEYS`), every
     dict entry (and its ``launch`` keywords, a dict) names only the module's keys. Callable
-    entries are checked on each result, with the same message. A Mapping of target -> its
+    entries' results are checked where they are called (``register_ops``), with the same message. A Mapping of target -> its
     entries (``TABLES["gfx942"]``), so tools name one as ``module:TABLES.gfx942``."""
 
     def __init__(self, plugin: str, targets: Mapping[str, Mapping[str, Entry]], *, fallback: str | None = None,
@@ -193,17 +190,8 @@ class LaunchTable(Mapping):
         if module not in TUNING_KEYS:
             raise ValueError(f"launch table ({where}): {module!r} is not a kernel module with launch "
                              f"parameters; known: {', '.join(sorted(TUNING_KEYS))}")
-        if callable(entry):
-            known = frozenset(TUNING_KEYS[module]) | {"launch"}
-
-            def checked(*args, **kwargs):
-                got = entry(*args, **kwargs)
-                if isinstance(got, Mapping) and not got.keys() <= known:   # a subset test per call
-                    unknown_keys(module, got, where)
-                return got
-            checked.__wrapped__ = entry
-            checked.__name__ = checked.__qualname__ = getattr(entry, "__name__", module)
-            return checked
+        if callable(entry):   # its result is checked on each call where it is used (registry.register_ops)
+            return entry
         if not isinstance(entry, Mapping):
             raise TypeError(f"launch table ({where}): the entry for {module!r} is a {type(entry).__name__}; "
                             f"expected a dict of launch parameters or a callable of the op's arguments")
