@@ -147,13 +147,9 @@ def test_amd_options_are_what_triton_amd_accepts_and_cuda_rejects():
 def test_the_sweep_rows_use_known_keys():
     """benchmarks/tune_triton.py's rows set TUNE keys the kernel modules read (a refused key would
     stop the GPU sweep at that row)."""
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_script
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_triton.py"
-    spec = importlib.util.spec_from_file_location("tune_triton_rows", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("tune_triton", "tune_triton_rows")
     for rows in mod.SETS.values():
         for label, kmod, _, variants in rows:
             for v in variants:

@@ -3,21 +3,18 @@ system.json per system, INDEX.md is what benchmarks/index_results.py generates f
 every result path the docs, plugins, benchmarks and code cite exists."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _index_module():
-    spec = importlib.util.spec_from_file_location("index_results", ROOT / "benchmarks" / "index_results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("index_results")
 
 
 def test_committed_index_is_the_generated_one():

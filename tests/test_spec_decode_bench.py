@@ -4,22 +4,19 @@ decode and draft steps it times replay graphs. No timing is asserted."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
+from _scripts import load_script
 from dsv4core.model.api import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", ROOT / "benchmarks" / "spec_decode_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("spec_decode_bench")
 
 
 def test_spec_decode_bench_json(tmp_path, capsys):
