@@ -386,6 +386,23 @@ def markdown(res: dict) -> str:
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 
 
+def set_tune(items: list[str]) -> dict:
+    """``--tune MODULE.KEY=VALUE`` items set on the kernel modules' TUNE; returns them as a dict."""
+    import ast
+    import importlib
+
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        module, _, key = name.partition(".")
+        if not (module and key and value):
+            raise SystemExit(f"--tune {item!r}: expected MODULE.KEY=VALUE, e.g. moe.dequant_rows=None")
+        mod = importlib.import_module(f"dsv4core.kernels.triton.{module}")
+        mod.TUNE[key] = ast.literal_eval(value)   # an unknown key raises, naming the module's keys
+        out[name] = mod.TUNE[key]
+    return out
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -412,6 +429,9 @@ def parse_args(argv):
     ap.add_argument("--copy-rate", type=float, help="TB/s for the floor instead of measuring it")
     ap.add_argument("--time-budget", type=float, help="seconds; combinations not started by then are skipped")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("TORCH_NUM_THREADS", 0)) or None)
+    ap.add_argument("--tune", action="append", default=[], metavar="MODULE.KEY=VALUE",
+                    help="a kernel module's launch override for the whole run (dsv4core.kernels.triton.MODULE.TUNE; "
+                         "VALUE a Python literal, e.g. moe.dequant_rows=None); repeatable; recorded in meta.tune")
     ap.add_argument("--json", metavar="PATH", help="results (rewritten after every row)")
     ap.add_argument("--markdown", metavar="PATH", help="the table of PERF-ANCHORS.md section 10, and notes")
     a = ap.parse_args(argv)
@@ -424,6 +444,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    tune = set_tune(a.tune)
     logging.disable(logging.WARNING)   # the HAL's one-per-op fallback warnings
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -450,7 +471,7 @@ def main(argv=None) -> int:
                 threads=torch.get_num_threads(), torch=torch.__version__, argv=sys.argv[1:],
                 config=cfg.to_hf_dict(), weight_bytes=wb, param_bytes_total=sum(wb.values()), copy_rate_Bps=rate,
                 copy_rate_source=rate_src, steps=a.steps, warmup=a.warmup, prefill_chunk=a.prefill_chunk,
-                build_s=build_s + rand_s, graph_status={}, hal={}, weights=a.weights, quantization=quant)
+                build_s=build_s + rand_s, graph_status={}, hal={}, weights=a.weights, quantization=quant, tune=tune)
     res = {"meta": meta, "rows": [], "skipped": []}
     log(f"copy rate {rate / 1e12:.3f} TB/s ({rate_src}); {a.dims} model built on {dev} in {build_s + rand_s:.1f} s: "
         f"{sum(wb.values()) / 2**30:.2f} GiB of parameters")

@@ -180,6 +180,17 @@ FP4_DECODE_TILES = [
 # won 4-8 % at T = 8 / 64 (benchmarks/results/h200/2026-12-02_1b71fa6/tune/hc_pre-epilogue-apart-flash.json) but was reverted for want of
 # its GPU conformance run; the kernel change and its sweep set are commit 7d2ffb5.
 
+# Quantised weights converted to bf16 once per call at prefill sizes (dequant.py, TUNE
+# ``dequant_rows``: {} the default, 1,024 rows per weight (moe: pairs per expert); None never;
+# 0 always). `--set dequant`.
+_DQ = [{}, {"dequant_rows": None}, {"dequant_rows": 0}, {}]
+DEQUANT = [
+    ("linear_fp8", linear, (256, 512, 1024, 4096), _DQ),
+    ("wo_a_fp8", wo_a, (512, 4096), _DQ),
+    ("moe_experts_fp4", moe, (64, 512, 2048, 4096, 8192), _DQ),
+    ("moe_experts_fp8", moe, (512, 4096), _DQ),
+]
+
 
 def _no_default_split(rows):
     """The split-k sets were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
@@ -188,7 +199,8 @@ def _no_default_split(rows):
 
 
 SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
-        "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES}
+        "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES,
+        "dequant": DEQUANT}
 
 
 def _parts(timer, shapes, rows):

@@ -62,7 +62,9 @@ def test_every_kernel_module_declares_what_it_reads():
         assert read <= mod.TUNE.keys, (path.stem, sorted(read - mod.TUNE.keys))
         # and no declared key is stale: each is named in the module (keys read in loops included)
         # (with the sources of the sibling modules it imports: wo_a launches linear's kernel)
-        used = src + "".join((path.parent / f"{m}.py").read_text() for m in re.findall(r"^from \.(\w+) import", src, re.M)
+        siblings = re.findall(r"^from \.(\w+) import", src, re.M) + [
+            m.strip() for names in re.findall(r"^from \. import ([\w, ]+)", src, re.M) for m in names.split(",")]
+        used = src + "".join((path.parent / f"{m}.py").read_text() for m in siblings
                              if m != "launch")      # launch.py names every module's keys
         stale = [k for k in mod.TUNE.keys - {"launch"} if f'"{k}"' not in used]
         assert not stale, (path.stem, stale)

@@ -46,7 +46,8 @@ AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "l
 
 
 #: the keys of grouped_gemm's launches (linear's and wo_a's; linear._config reads them)
-GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target")
+GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target",
+             "dequant_rows", "dequant_bytes")
 
 #: kernel module -> the tuning keys its launchers read (``launch``, the extra launch keywords, is
 #: always allowed). Each module's ``TUNE = Tune(__name__)`` takes its keys from here, so a plugin's
@@ -60,7 +61,8 @@ TUNING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": GEMM_KEYS,
     "mhc": ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK",
             "post_num_warps"),
-    "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split"),
+    "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split", "dequant_rows",
+            "dequant_bytes"),
     "norm": ("ROWS", "num_warps"),
     "rope": ("HB", "num_warps", "rowpos_below"),
     "topk": ("BLOCK", "TB", "num_warps"),

@@ -32,7 +32,7 @@ import triton.language as tl
 from ._util import BIG_TILE_SHARED, interp, np2, rne, shared_bytes, target_programs, to_out
 from .launch import GEMM_KEYS, Tune  # noqa: F401 - GEMM_KEYS: the keys of grouped_gemm's launches
 from .predicates import _E8M0, cdiv
-from . import predicates
+from . import dequant, predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
@@ -186,9 +186,11 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
     return "dot", 128, 128, 64, 8, 3
 
 
-def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False) -> dict:
-    """The launch of one call: ``tiles(M, scaled, big)`` (the op's defaults; small fp32 tiles when the
-    products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
+def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False,
+            quantised=None) -> dict:
+    """The launch of one call: ``tiles(M, quantised, big)`` (the op's defaults, ``quantised``: FP8
+    codes read, default ``scaled``; bf16 codes converted once take the bf16 tiles; small fp32
+    tiles when the products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
     step, default 1: with block scales, scale blocks a step), ``fp8`` (:data:`FP8_PATHS`; FP8
@@ -199,7 +201,7 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
         mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled, big)
+        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled if quantised is None else quantised, big)
     cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
@@ -236,7 +238,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
     ieee = f32 or interp(a)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED)
+    # many rows (TUNE "dequant_rows"; the scratch at most "dequant_bytes"): the FP8 codes converted
+    # to bf16 once (dequant.py), then bf16 tiles; the block scales still multiply each block's sum
+    codes = scaled and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
+        and 2 * w.numel() <= dequant.budget(tune, op)
+    if codes:
+        w = dequant.fp8_codes(w)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED,
+                  quantised=scaled and not codes)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
@@ -253,7 +262,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
     grid = (mt, nt, G * S)
     # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
-    via = {"VIA32": True} if scaled and cfg["fp8"] == "via_f32" else {}
+    via = {"VIA32": True} if scaled and not codes and cfg["fp8"] == "via_f32" else {}
     _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
                        G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,

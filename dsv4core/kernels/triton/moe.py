@@ -41,9 +41,10 @@ from ._util import (BIG_TILE_SHARED, c, cdiv, e4m3_rne, exp2_int, group_scale_ex
 from .launch import Tune
 from .linear import FP8_PATHS
 # how a weight tile is read: moe_weights.py (``_fp4_values`` stays importable from here)
-from .moe_weights import (DECODES, FMT_FP4, FMT_FP8, _decode_keys, _format, _fp4_values,  # noqa: F401
+from .moe_weights import (DECODES, FMT_FP4, FMT_FP8, FMT_PLAIN, _decode_keys, _format, _fp4_values,  # noqa: F401
                           _fp8_scale, _hi_lo, _scale_arg, _scaled_dot, _stack_rows, _sum_halves, _w_tile)
-from . import predicates
+from .moe_split import MAX_SPLIT, SPLIT_FP4_PAIRS, SPLIT_RULES, _few, _row_tiles, _split_rule  # noqa: F401
+from . import dequant, predicates
 from .registry import implements
 
 #: launch parameters: tuning overrides (benchmarks/tune_triton.py) over the bound backend's launch
@@ -52,8 +53,12 @@ TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
-def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
-    """(expert, first row, end row, valid) of tile ``j``: the first e with tcum[e] > j."""
+def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr, E_LO, E_HI, CHUNK: tl.constexpr):
+    """(expert, first row, end row, valid) of tile ``j``: the first e with tcum[e] > j. CHUNK: the
+    program ids count the tiles of experts [E_LO, E_HI) only (one chunk of converted weights,
+    dequant.py): j is offset past the tiles of the experts before E_LO, and valid past those of E_HI."""
+    if CHUNK:
+        j += tl.where(E_LO > 0, tl.load(tcum_ptr + tl.maximum(E_LO - 1, 0)), 0)
     lo = j * 0
     hi = lo + E
     for _ in tl.static_range(LOGE):
@@ -62,7 +67,10 @@ def _tile_of(tcum_ptr, starts_ptr, j, E, LOGE: tl.constexpr, BM: tl.constexpr):
         left = v > j
         hi = tl.where(left, mid, hi)
         lo = tl.where(left, lo, mid + 1)
-    valid = j < tl.load(tcum_ptr + E - 1)
+    if CHUNK:
+        valid = j < tl.load(tcum_ptr + E_HI - 1)
+    else:
+        valid = j < tl.load(tcum_ptr + E - 1)
     e = tl.minimum(lo, E - 1)
     t0 = tl.where(e > 0, tl.load(tcum_ptr + tl.maximum(e - 1, 0)), 0)
     r0 = tl.load(starts_ptr + e) + (j - t0) * BM
@@ -148,15 +156,18 @@ def _moe_up_kernel(x_ptr, tok_ptr, w13_ptr, s13_ptr, a_ptr, tcum_ptr, starts_ptr
                    LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                    EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                   SPLIT: tl.constexpr = 1, RAW: tl.constexpr = False):
+                   SPLIT: tl.constexpr = 1, RAW: tl.constexpr = False, E_LO=0, E_HI=0, CHUNK: tl.constexpr = False):
     """SCALED: FP4 weights through tl.dot_scaled (bf16 operands whatever IEEE says), else decoded
     by ``_w_tile``; BLK: a step is summed into blk_* first (FP8: its scale). SPLIT > 1: split K
     (program_id(2) = the part); the raw gate / up partial sums go to a_ptr as [pairs, SPLIT, 2 I]
     and ``_moe_act_kernel`` applies the SwiGLU. RAW: the raw sums stored so (SPLIT = 1 too), for
-    ``_moe_act_official_kernel``."""
+    ``_moe_act_official_kernel``. CHUNK: the tiles of experts [E_LO, E_HI) only, whose weights
+    w13 holds from its expert 0 (a chunk of converted weights, dequant.py)."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
-    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
+    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM, E_LO, E_HI, CHUNK)
+    if CHUNK:
+        e -= E_LO   # the expert's index in this chunk's weights and scales
     rows = r0 + tl.arange(0, BM)
     rm = rows < r_end
     tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)
@@ -217,14 +228,18 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
                      LOGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      FMT: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                      EVEN: tl.constexpr, SCALED: tl.constexpr, BLK: tl.constexpr, VIA32: tl.constexpr = False,
-                     SPLIT: tl.constexpr = 1):
+                     SPLIT: tl.constexpr = 1, HILO: tl.constexpr = True, E_LO=0, E_HI=0, CHUNK: tl.constexpr = False):
     """Each weight tile is decoded once a step: off IEEE its two dots (a_hi, a_lo) share it, and
     under SCALED (FP4 "scaled") the halves are stacked into one [2 BM, BK] operand of a single
     tl.dot_scaled (the [2 BM, BN] accumulator's halves are summed at the end). SPLIT > 1: split K
-    over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them)."""
+    over I, the partial results to y_ptr as [pairs, SPLIT, H] (the combine sums them). HILO False:
+    the activation is exact in bf16 (the official one, FP8 values), one dot a step, no a_lo.
+    CHUNK: as in the up kernel."""
     j = tl.program_id(0)
     nb = tl.program_id(1)
-    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM)
+    e, r0, r_end, valid = _tile_of(tcum_ptr, starts_ptr, j, E, LOGE, BM, E_LO, E_HI, CHUNK)
+    if CHUNK:
+        e -= E_LO   # the expert's index in this chunk's weights and scales
     rows = r0 + tl.arange(0, BM)
     rm = rows < r_end
     rows64 = rows.to(tl.int64)
@@ -233,7 +248,7 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
     hc64 = hc.to(tl.int64)
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if SCALED:
+    if SCALED and HILO:
         acc2 = tl.zeros([2 * BM, BN], dtype=tl.float32)   # rows (a_hi; a_lo)
     k_lo, k_end = _k_range(valid, I, BK * KSUB, SPLIT)
     for k1 in range(k_lo, k_end, BK * KSUB):
@@ -245,13 +260,20 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
             if EVEN:
                 am = rm[:, None]
             a = tl.load(a_ptr + rows64[:, None] * I + ks[None, :], mask=am, other=0.0)
-            if SCALED:
+            if SCALED and not HILO:
+                acc = _scaled_dot(a.to(tl.bfloat16), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc, BK, EVEN)
+            elif SCALED:
                 a_hi, a_lo = _hi_lo(a)
                 acc2 = _scaled_dot(_stack_rows(a_hi, a_lo), w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, acc2, BK, EVEN)
             else:
                 w = _w_tile(w2_ptr, s2_ptr, e, hc64, hm, k0, I, H, BK, EVEN, FMT, IEEE, VIA32)
                 if IEEE:
                     blk += tl.dot(a, tl.trans(w), input_precision="ieee")
+                elif not HILO:
+                    if FMT == 1:
+                        blk = tl.dot(a.to(tl.bfloat16), tl.trans(w), blk)
+                    else:
+                        acc = tl.dot(a.to(tl.bfloat16), tl.trans(w), acc)
                 else:
                     a_hi = a.to(tl.bfloat16)
                     a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
@@ -265,7 +287,7 @@ def _moe_down_kernel(a_ptr, w2_ptr, s2_ptr, y_ptr, tcum_ptr, starts_ptr, E, H, I
             acc += blk * _fp8_scale(s2_ptr, e, hc64, hm, k1, H, I, E8M0)[None, :]
         elif BLK:
             acc += blk
-    if SCALED:
+    if SCALED and HILO:
         acc = _sum_halves(acc2, BM)
     if SPLIT > 1:
         tl.store(y_ptr + rows64[:, None] * (SPLIT * H) + tl.program_id(2) * H + hc[None, :], acc,
@@ -380,17 +402,6 @@ def _route(ids, E: int, BM: int):
     return starts, tcum, tok, inv
 
 
-def _row_tiles(P: int, E: int, BM: int) -> int:
-    """Row tiles with work (about): one an expert while experts outnumber BM-row blocks."""
-    return max(min(E, P), cdiv(P, BM))
-
-
-def _few(tiles: int, I: int, programs: int) -> bool:
-    """Whether the gate / up grid of the smallest (64-column) N blocks fills under half the target
-    programs (the shared expert: one expert for every token)."""
-    return tiles * cdiv(I, 64) < programs // 2
-
-
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
             plain: bool = False, scaled: bool = False, big: bool = False):
     """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
@@ -448,58 +459,6 @@ def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int
     return cfg + (ksub,)
 
 
-#: the most split-K parts a launch takes (TUNE "Su" over H for the gate / up GEMM, "Sd" over I for
-#: the down GEMM; the default: TUNE "split"). Parts are summed in a fixed order, so the result
-#: does not depend on scheduling; they give decode batches (few row tiles) more programs than N
-#: blocks do. The parts cost fp32 buffers of pairs x Su x 2 I and pairs x Sd x H: meant for decode.
-MAX_SPLIT = 16
-#: the decode batches (pairs = tokens x top-k) where FP4 "scaled" gate / up weights split K in two
-#: by default: H200, Flash shapes, Su 2 against none at T = 1 / 2 / 4 / 8 / 16 (6-96 pairs):
-#: 105 / 164 / 273 / 387 / 420 µs against 116-117 / 217-220 / 290-293 / 392-398 / 438-443
-#: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json); at T = 32 (192 pairs) a tie, 625 against 623-633
-#: (benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
-SPLIT_FP4_PAIRS = 96
-#: TUNE "split", the default (Su, Sd) where "Su" / "Sd" are not set: "none" (the portable default:
-#: no split K; the parts cost fp32 buffers and a reduction launch, and whether the extra programs
-#: pay depends on the device's SM count and its decode chain) or "h200" (`_split_rule`, measured on
-#: an H200 at Flash shapes; the CUDA plugin's sm90 table sets it)
-SPLIT_RULES = ("none", "h200")
-
-
-def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee: bool, scaled_up: bool) -> tuple:
-    """(Su, Sd) of TUNE split "h200", 1 = no split. Two measured cases (H200, Flash shapes, the split-k and split-k-rule sweeps
-    of benchmarks/tune_triton.py);
-    everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
-      * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
-      * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
-        the shared expert, one expert for every token) while the rows take the small-T tiles
-        (BM <= 64): Su 2 and Sd 4, each kept while the split grid fits the target programs
-        (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 + Sd 2 / 4 and Su 2 +
-        Sd 2 are 0.6-2.5 µs slower, Sd 4 / 8 alone 1.0-6.0 µs; at T = 256, BM 128, every split loses: 73.7
-        against 77-98).
-    A part keeps at least 4 K steps. Not under the IEEE path (fp32 / the interpreter): untimed. Timed
-    at Flash shapes only: at Pro's (H 7168) the same rule gives the shared expert Sd 2 (Sd 4 would
-    exceed the target programs), not timed."""
-    if ieee:
-        return 1, 1
-    BM, BNu, BNd, BK = cfg[:4]
-    tiles = _row_tiles(P, E, BM)
-    Su = Sd = 1
-    if _few(tiles, I, programs) and BM <= 64:
-        Su = 2 if tiles * cdiv(I, BNu) * 2 <= programs else 1
-        Sd = next((s for s in (4, 2) if tiles * cdiv(H, BNd) * s <= programs), 1)
-    elif scaled_up and P <= SPLIT_FP4_PAIRS:
-        Su = 2
-    # at least 4 K steps a part (gate / up: K = H; down: K = I; a step is BK * KSUB columns, as in
-    # _k_range: 128 with FP8 weights)
-    step = BK * cfg[6]
-    while Su > 1 and cdiv(H, step) < 4 * Su:
-        Su //= 2
-    while Sd > 1 and cdiv(I, step) < 4 * Sd:
-        Sd //= 2
-    return Su, Sd
-
-
 def _splits(default: tuple = (1, 1)) -> tuple[int, int]:
     """(Su, Sd): TUNE's where set (validated), else ``default`` (`_split_rule`'s)."""
     out = []
@@ -533,15 +492,26 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     f2, _, e2 = _format(w2, w2_scale)
     f32 = x.dtype == torch.float32
     ieee = f32 or interp(x)
-    fp8 = f13 == FMT_FP8 or f2 == FMT_FP8
     fp4_mode, fp8_mode = TUNE.get("fp4", DECODES[0]), TUNE.get("fp8", FP8_PATHS[0])
     if fp4_mode not in DECODES:
         raise ValueError(f"moe_experts: TUNE fp4={fp4_mode!r} must be one of {DECODES}")
     if fp8_mode not in FP8_PATHS:
         raise ValueError(f"moe_experts: TUNE fp8={fp8_mode!r} must be one of {FP8_PATHS}")
+    # many rows per expert: quantised weights converted to bf16 once, in chunks of experts (dequant.py)
+    quantised = ((f13 != FMT_PLAIN, w13), (f2 != FMT_PLAIN, w2))
+    deq = any(q for q, _ in quantised) and dequant.wanted(TUNE, "moe_experts", P, E)
+    chunk, scratch = E, None
+    if deq:
+        chunk = dequant.expert_chunks(E, 2 * I * H, dequant.budget(TUNE, "moe_experts"))
+        scratch = torch.empty(chunk * 2 * I * H, dtype=torch.bfloat16, device=dev)
+        f13, f2 = (FMT_PLAIN if f == FMT_FP4 else f for f in (f13, f2))   # FP4: its scales folded in
+        fp8_mode = FP8_PATHS[0]                                           # FP8: bf16 codes, converted
+    # bf16 GEMM operands (a converted weight's are)
+    plain = all((deq and q) or w.dtype == torch.bfloat16 for q, w in quantised)
+    fp8 = f13 == FMT_FP8 or f2 == FMT_FP8
     d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
     programs = target_programs(dev)
-    cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=w13.dtype == w2.dtype == torch.bfloat16,
+    cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=plain,
                   scaled=d13["SCALED"] or d2["SCALED"], big=shared_bytes(dev) >= BIG_TILE_SHARED)
     BM, BNu, BNd, BK, nw, ns, KSUB = cfg
     if (fp8 and BK * KSUB != 128) or ((f13 == FMT_FP4 or f2 == FMT_FP4) and BK % 32):
@@ -554,19 +524,30 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     # pairs sorted by expert on the device (stable: pair order within an expert); dropped slots last
     starts, tcum, tok, inv = _route(ids, E, BM)
 
-    ntiles = cdiv(P, BM) + min(E, P)  # upper bound on sum_e ceil(count_e / BM)
     LOGE = max(1, int(E).bit_length())
+    # chunks of experts [e0, e1): one (the call) unless converted weights exceed the scratch budget;
+    # a chunk's grid: the upper bound ceil(P / BM) + min(experts, P) on its tiles
+    chunks = [(e0, min(E, e0 + chunk)) for e0 in range(0, E, chunk)]
+
+    def weights_of(w, scale, e0, e1):   # (weight, scale) a chunk's GEMM reads
+        return dequant.expert_weights(w, scale, e0, e1, scratch) if deq else (w, scale)
+
+    def chunk_args(e0, e1):
+        return {"E_LO": e0, "E_HI": e1, "CHUNK": True} if len(chunks) > 1 else {}
     # split K: the up kernel's raw partial sums [P, Su, 2 I] (else straight the activation [P, I]),
     # the down kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
     a = torch.empty((P, I), dtype=torch.float32, device=dev)
     raw = act_block is not None   # the official activation: the raw sums always, then its own kernel
     parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 or raw else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
-    _moe_up_kernel[(ntiles, cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
-        x, tok, w13, _scale_arg(w13_scale, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
-        LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
-        BLK=f13 == FMT_FP8 or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
-        **({"SPLIT": Su} if Su > 1 else {}), **({"RAW": True} if raw else {}), **TUNE.options())
+    for e0, e1 in chunks:
+        w, s = weights_of(w13, w13_scale, e0, e1)
+        _moe_up_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
+            x, tok, w, _scale_arg(s, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
+            LOGE=LOGE, BM=BM, BN=BNu, BK=BK, FMT=f13, E8M0=e13, IEEE=ieee, KSUB=KSUB, EVEN=H % (BK * KSUB) == 0,
+            BLK=f13 == FMT_FP8 or (ieee and not d13["SCALED"]), num_warps=nw, num_stages=ns, **d13,
+            **({"SPLIT": Su} if Su > 1 else {}), **({"RAW": True} if raw else {}), **chunk_args(e0, e1),
+            **TUNE.options())
     if raw:
         BI = min(1024, triton.next_power_of_2(I))
         # each sorted row's routing weight (row inv[p] holds pair p), applied before w2
@@ -577,11 +558,15 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     elif Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
-    _moe_down_kernel[(ntiles, cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
-        a, w2, _scale_arg(w2_scale, f2, e2, x), y, tcum, starts, E, H, I,
-        LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
-        BLK=f2 == FMT_FP8 or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
-        **({"SPLIT": Sd} if Sd > 1 else {}), **TUNE.options())
+    for e0, e1 in chunks:
+        w, s = weights_of(w2, w2_scale, e0, e1)
+        # the official activation holds FP8 values, exact in bf16: one dot a step (HILO off)
+        _moe_down_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](
+            a, w, _scale_arg(s, f2, e2, x), y, tcum, starts, E, H, I,
+            LOGE=LOGE, BM=BM, BN=BNd, BK=BK, FMT=f2, E8M0=e2, IEEE=ieee, KSUB=KSUB, EVEN=I % (BK * KSUB) == 0,
+            BLK=f2 == FMT_FP8 or (ieee and not d2["SCALED"]), num_warps=nw, num_stages=ns, **d2,
+            **({"SPLIT": Sd} if Sd > 1 else {}), **({"HILO": False} if raw else {}), **chunk_args(e0, e1),
+            **TUNE.options())
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, cdiv(H, BH))](y, inv, ids, weights, out, H, K, E, BH=BH, RNE=rne(out), num_warps=4,
                                           **({"YS": Sd} if Sd > 1 else {}), **({"WEIGHTED": False} if raw else {}),

@@ -1,0 +1,119 @@
+"""Quantised weights converted to bf16 once per call, for the GEMMs of many-row calls (prefill).
+
+The GEMM kernels read FP8 and packed FP4 weights in place and convert each weight tile in
+registers. That conversion is repeated for every row tile of the call: at T rows and BM-row tiles
+each weight is converted ceil(T / BM) times, and on a GPU whose conversion instructions are slower
+than its tensor cores the conversions, not the MMAs, bound a prefill GEMM. Past ``dequant_rows``
+rows per weight (a launch key of linear, wo_a and moe) the weight is converted once into a bf16
+scratch instead and the GEMM reads that, as it reads bf16 weights:
+
+* FP8 e4m3 (128 x 128 block scales): the codes only, as bf16 (exact: every e4m3 value is a bf16
+  value); the block scales still multiply each block's partial sum in the GEMM, so the result is
+  the one the in-register path computes, up to the order of the fp32 sums;
+* packed FP4 e2m1 with one UE8M0 scale per 32 columns: code x 2^(byte - 127), exact in bf16 for
+  every scale byte (the smallest value, 0.5 x 2^-127, is a bf16 subnormal; byte 255 is NaN, as in
+  the reference): the GEMM then needs no scales at all.
+
+The scratch costs 2 bytes a weight, written once and read by the GEMM; the in-register path reads
+0.5-1 byte a weight per row tile. Experts are converted in chunks of at most ``dequant_bytes`` of
+scratch, each chunk's GEMM tiles launched after its conversion (moe.py). No host synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import cdiv
+from .moe_weights import FMT_FP4, FMT_FP8, _format, _w_tile
+
+#: the portable default of ``dequant_rows``: convert once from 1,024 rows per weight (eight
+#: 128-row tiles, so the in-register path would convert each weight at least eight times, while
+#: the scratch adds 4 bytes of traffic a weight against the >= 2 KiB of activations each weight
+#: column meets); not timed on any device (the CUDA plugin's table sets its measured value)
+DEQUANT_ROWS = 1024
+#: the portable default of ``dequant_bytes``: the largest bf16 scratch one call converts into (1 GiB)
+DEQUANT_BYTES = 1 << 30
+
+
+@triton.jit
+def _fp4_bf16_kernel(w_ptr, s_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """out [R, C] bf16 = the FP4 weight [R, C / 2] packed bytes (low nibble = even column) times
+    its UE8M0 scales [R, C / 32], decoded to fp32 as the GEMMs' "join" read decodes a tile (exact),
+    then made bf16 by taking the high half of the bits (exact for these values, subnormals and NaN
+    included, whatever a target's fp32 -> bf16 conversion does with subnormals)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = rows < R
+    k0 = tl.program_id(1) * BC
+    w = _w_tile(w_ptr, s_ptr, 0, rows, rm, k0, C, R, BC, False, 2, True)
+    w = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    cols = k0 + tl.arange(0, BC)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], w, mask=rm[:, None] & (cols < C)[None, :])
+
+
+def fp4_to_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A packed FP4 weight [..., R, C / 2] (uint8 / int8 bytes, contiguous) with its UE8M0 scales
+    [..., R, C / 32] (bytes) as a bf16 tensor [..., R, C] (written into ``out`` when given: a
+    contiguous bf16 tensor of at least that many elements, e.g. a reused scratch)."""
+    C = 2 * w.shape[-1]
+    R = w.numel() // max(1, w.shape[-1])
+    shape = tuple(w.shape[:-1]) + (C,)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
+    else:
+        out = out.reshape(-1)[:R * C].view(shape)
+    if R == 0 or C == 0:
+        return out
+    if scale.dtype != torch.uint8 and scale.element_size() == 1:
+        scale = scale.view(torch.uint8)   # UE8M0 read as its bytes
+    BC = min(256, triton.next_power_of_2(C))
+    BR = max(1, 4096 // BC)
+    _fp4_bf16_kernel[(cdiv(R, BR), cdiv(C, BC))](w, scale, out, R, C, BR=BR, BC=BC, num_warps=4)
+    return out
+
+
+def fp8_codes(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 e4m3 codes as bf16 (the same values; the block scales stay with the GEMM), into ``out``
+    when given (contiguous bf16 scratch of at least ``w.numel()`` elements; w then contiguous)."""
+    if out is None:
+        return w.to(torch.bfloat16)
+    return out.reshape(-1)[:w.numel()].view(w.shape).copy_(w)
+
+
+def expert_chunks(E: int, weight_elems: int, budget: int) -> int:
+    """Experts a chunk holds so that its bf16 scratch (``weight_elems`` values an expert, the larger
+    of the two expert weights) stays within ``budget`` bytes: at least one."""
+    return max(1, min(E, budget // max(1, 2 * weight_elems)))
+
+
+def wanted(tune, op: str, rows: int, weights: int = 1) -> bool:
+    """Whether a call of ``op`` with ``rows`` rows over ``weights`` weights (moe: pairs over
+    experts) converts its quantised weights: ``rows >= dequant_rows * weights``; TUNE /
+    launch-table key ``dequant_rows`` (None: never; default :data:`DEQUANT_ROWS`)."""
+    n = tune.get("dequant_rows", DEQUANT_ROWS)
+    if n is None:
+        return False
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"{op}: TUNE dequant_rows={n!r} must be None or an int >= 0")
+    return rows >= n * weights
+
+
+def budget(tune, op: str) -> int:
+    """The scratch bytes a call may convert into: TUNE key ``dequant_bytes`` (default
+    :data:`DEQUANT_BYTES`)."""
+    n = tune.get("dequant_bytes", DEQUANT_BYTES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{op}: TUNE dequant_bytes={n!r} must be an int >= 1")
+    return n
+
+
+def expert_weights(w: torch.Tensor, scale, e0: int, e1: int, scratch: torch.Tensor):
+    """(weight, scale) of experts [e0, e1) of a [E, R, C] expert weight as the GEMM reads them
+    once converted into ``scratch``: packed FP4 -> bf16 values, no scale; FP8 -> bf16 codes with
+    the experts' block scales; a plain weight: its experts as they are (views)."""
+    fmt = _format(w, scale)[0]
+    if fmt == FMT_FP4:
+        return fp4_to_bf16(w[e0:e1], scale[e0:e1], scratch), None
+    if fmt == FMT_FP8:
+        return fp8_codes(w[e0:e1], scratch), scale[e0:e1]
+    return w[e0:e1], None
