@@ -8,7 +8,8 @@
   reference's error + floor): moe_experts FP8 / FP4 / mixed / official in one chunk, the mixed case
   also in chunks of one expert and of as many as 192 KiB of bf16 holds
   (``dequant_bytes``: the up and down kernels launched once a chunk, the counts checked), and
-  linear / wo_a FP8, a W8A8 case included;
+  linear / wo_a FP8 with UE8M0 scales (folded in) and fp32 scales (the codes converted), a W8A8
+  case included;
 * the default launch of a small call does not convert.
 """
 from __future__ import annotations
@@ -56,8 +57,9 @@ moe_cases = ("fp8-f32scale-T6", "fp4-T33", "fp4-w13-fp8-w2-T3", "official-fp4")
 # moe: E = 8 experts; gate / up of an expert 2 I x H bf16 (small shapes: I 64, H 256 -> 64 KiB; official 128 x 128)
 runs = [("moe_experts", moe, n, {"dequant_rows": 0}) for n in moe_cases]
 runs += [("moe_experts", moe, "fp4-w13-fp8-w2-T3", {"dequant_rows": 0, "dequant_bytes": b}) for b in (1, 3 * 65536)]
-runs += [("linear", linear, n, {"dequant_rows": 0}) for n in ("fp8-float32", "fp8-ragged-3d", "w8a8-fp8-weight")]
-runs += [("wo_a", wo_a, "fp8-f32scale-noncontig", {"dequant_rows": 0})]
+runs += [("linear", linear, n, {"dequant_rows": 0}) for n in ("fp8-float32", "fp8-float8_e8m0fnu", "fp8-ragged-3d",
+                                                              "w8a8-fp8-weight")]
+runs += [("wo_a", wo_a, n, {"dequant_rows": 0}) for n in ("fp8", "fp8-f32scale-noncontig")]
 for op, mod, name, tune in runs:
     spec = catalogue()[op]
     case = next(c for c in iter_cases(spec, "small", torch.bfloat16, "cpu", 0) if c.name == name)
@@ -89,7 +91,7 @@ def test_dequant_paths_pass_the_conformance_rule_in_interpreter(tmp_path):
     assert rep["fp4"] == dict(rows=256, exact=True, nan_rows=1, bad=0), rep["fp4"]
     bad = [c for c in rep["cases"] if c["status"] != "pass"]
     assert not bad, bad
-    assert len(rep["cases"]) == 4 + 2 + 3 + 1
+    assert len(rep["cases"]) == 4 + 2 + 4 + 2
     for c in rep["cases"]:
         if c["op"] != "moe_experts":
             continue

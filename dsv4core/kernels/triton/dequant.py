@@ -7,9 +7,12 @@ than its tensor cores the conversions, not the MMAs, bound a prefill GEMM. Past 
 rows per weight (a launch key of linear, wo_a and moe) the weight is converted once into a bf16
 scratch instead and the GEMM reads that, as it reads bf16 weights:
 
-* FP8 e4m3 (128 x 128 block scales): the codes only, as bf16 (exact: every e4m3 value is a bf16
-  value); the block scales still multiply each block's partial sum in the GEMM, so the result is
-  the one the in-register path computes, up to the order of the fp32 sums;
+* FP8 e4m3 with UE8M0 (power-of-two) 128 x 128 block scales: code x scale, a bf16 value (exact
+  down to 2^-126; below, a bf16 subnormal's step is 2^-133, so within 2^-134 of the value); the GEMM
+  then needs no scales. The product with an activation is exact in fp32 either way, so the result
+  is the in-register path's up to the order of the fp32 sums;
+* FP8 e4m3 with fp32 block scales: the codes only, as bf16 (exact: every e4m3 value is a bf16
+  value); the block scales still multiply each block's partial sum in the GEMM;
 * packed FP4 e2m1 with one UE8M0 scale per 32 columns: code x 2^(byte - 127), exact in bf16 for
   every scale byte (the smallest value, 0.5 x 2^-127, is a bf16 subnormal; byte 255 is NaN, as in
   the reference): the GEMM then needs no scales at all.
@@ -24,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import cdiv
-from .moe_weights import FMT_FP4, FMT_FP8, _format, _w_tile
+from ._util import cdiv, rne_bf16
+from .moe_weights import E8M0_MIN_SCALE, FMT_FP4, FMT_FP8, _format, _w_tile
+from .predicates import _E8M0
 
 #: the portable default of ``dequant_rows``: convert once from 1,024 rows per weight (eight
 #: 128-row tiles, so the in-register path would convert each weight at least eight times, while
@@ -72,6 +76,46 @@ def fp4_to_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+@triton.jit
+def _fp8_bf16_kernel(w_ptr, s_ptr, out_ptr, R, C, sw_g, sw_r, sw_c, RB, CB, BR: tl.constexpr, BC: tl.constexpr):
+    """out [G, R, C] bf16 = FP8 e4m3 codes w [G, R, C] (any strides) times their UE8M0 block
+    scales s [G, RB, CB] (bytes; block 128 x 128; BR, BC divide 128): code x 2^(byte - 127) in fp32
+    (exact), rounded to bf16 (exact but below 2^-126, where a bf16 subnormal's step is 2^-133)."""
+    g = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    w = tl.load(w_ptr + g * sw_g + rows[:, None] * sw_r + cols[None, :] * sw_c, mask=m, other=0.0).to(tl.float32)
+    sb = tl.load(s_ptr + (g * RB + tl.program_id(0) * BR // 128) * CB + tl.program_id(1) * BC // 128).to(tl.int32)
+    sb = sb & 0xFF
+    scale = tl.where(sb == 0, E8M0_MIN_SCALE, ((sb << 23) | ((sb == 255).to(tl.int32) << 22)).to(tl.float32, bitcast=True))
+    v = rne_bf16(w * scale)
+    v = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(out_ptr + (g * R + rows[:, None]) * C + cols[None, :], v, mask=m)
+
+
+def fp8_to_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 e4m3 weight [..., R, C] (any strides; one leading group dim at most) with UE8M0 block
+    scales [..., ceil(R/128), ceil(C/128)] as bf16 values (contiguous; into ``out`` when given)."""
+    w3 = w.reshape(-1, *w.shape[-2:]) if w.dim() != 3 else w
+    G, R, C = w3.shape
+    s3 = scale.reshape(G, *scale.shape[-2:])
+    if s3.dtype != torch.uint8:
+        s3 = s3.view(torch.uint8)
+    if out is None:
+        out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+    else:
+        out = out.reshape(-1)[:w.numel()].view(w.shape)
+    if w.numel() == 0:
+        return out
+    BC = 128 if C > 64 else 64
+    BR = 32
+    _fp8_bf16_kernel[(cdiv(R, BR), cdiv(C, BC), G)](w3, s3.contiguous(), out, R, C, w3.stride(0), w3.stride(1),
+                                                    w3.stride(2), s3.shape[1], s3.shape[2], BR=BR, BC=BC,
+                                                    num_warps=4)
+    return out
+
+
 def fp8_codes(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 e4m3 codes as bf16 (the same values; the block scales stay with the GEMM), into ``out``
     when given (contiguous bf16 scratch of at least ``w.numel()`` elements; w then contiguous)."""
@@ -114,6 +158,14 @@ def expert_weights(w: torch.Tensor, scale, e0: int, e1: int, scratch: torch.Tens
     fmt = _format(w, scale)[0]
     if fmt == FMT_FP4:
         return fp4_to_bf16(w[e0:e1], scale[e0:e1], scratch), None
+    if fmt == FMT_FP8 and foldable(scale):
+        return fp8_to_bf16(w[e0:e1], scale[e0:e1], scratch), None
     if fmt == FMT_FP8:
         return fp8_codes(w[e0:e1], scratch), scale[e0:e1]
     return w[e0:e1], None
+
+
+def foldable(scale) -> bool:
+    """Whether FP8 block scales fold into the bf16 values (UE8M0: powers of two, so code x scale
+    is a bf16 value); fp32 scales stay with the GEMM (the codes converted only)."""
+    return scale is not None and _E8M0 is not None and scale.dtype == _E8M0

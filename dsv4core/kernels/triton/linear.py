@@ -202,6 +202,8 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
         mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
         mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled if quantised is None else quantised, big)
+        if scaled:
+            BK = min(BK, 128)   # bf16 codes with block scales: a K step within one 128-column block
     cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)
     cfg.update({k: tune.get(k, v) for k, v in cfg.items()})
     if cfg["mode"] not in MODES:
@@ -242,7 +244,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     # to bf16 once (dequant.py), then bf16 tiles; the block scales still multiply each block's sum
     codes = scaled and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
         and 2 * w.numel() <= dequant.budget(tune, op)
-    if codes:
+    if codes and dequant.foldable(scale):   # UE8M0 scales: folded in, a plain bf16 GEMM
+        w, scale, scaled = dequant.fp8_to_bf16(w, scale), None, False
+    elif codes:
         w = dequant.fp8_codes(w)
     cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED,
                   quantised=scaled and not codes)

@@ -498,16 +498,19 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     if fp8_mode not in FP8_PATHS:
         raise ValueError(f"moe_experts: TUNE fp8={fp8_mode!r} must be one of {FP8_PATHS}")
     # many rows per expert: quantised weights converted to bf16 once, in chunks of experts (dequant.py)
-    quantised = ((f13 != FMT_PLAIN, w13), (f2 != FMT_PLAIN, w2))
-    deq = any(q for q, _ in quantised) and dequant.wanted(TUNE, "moe_experts", P, E)
+    quantised = (f13 != FMT_PLAIN, f2 != FMT_PLAIN)
+    deq = any(quantised) and dequant.wanted(TUNE, "moe_experts", P, E)
     chunk, scratch = E, None
     if deq:
         chunk = dequant.expert_chunks(E, 2 * I * H, dequant.budget(TUNE, "moe_experts"))
         scratch = torch.empty(chunk * 2 * I * H, dtype=torch.bfloat16, device=dev)
-        f13, f2 = (FMT_PLAIN if f == FMT_FP4 else f for f in (f13, f2))   # FP4: its scales folded in
-        fp8_mode = FP8_PATHS[0]                                           # FP8: bf16 codes, converted
-    # bf16 GEMM operands (a converted weight's are)
-    plain = all((deq and q) or w.dtype == torch.bfloat16 for q, w in quantised)
+        # FP4 and UE8M0-scaled FP8: the scales folded in (plain bf16); FP8 with fp32 scales: the codes
+        f13, f2 = (FMT_PLAIN if f == FMT_FP4 or (f == FMT_FP8 and dequant.foldable(s)) else f
+                   for f, s in ((f13, w13_scale), (f2, w2_scale)))
+        fp8_mode = FP8_PATHS[0]
+    # bf16 GEMM operands without scales (a folded weight's are)
+    plain = all(f == FMT_PLAIN and ((deq and q) or w.dtype == torch.bfloat16)
+                for q, f, w in zip(quantised, (f13, f2), (w13, w2)))
     fp8 = f13 == FMT_FP8 or f2 == FMT_FP8
     d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
     programs = target_programs(dev)
