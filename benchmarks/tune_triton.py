@@ -185,10 +185,10 @@ FP4_DECODE_TILES = [
 # 0 always). `--set dequant`.
 _DQ = [{}, {"dequant_rows": None}, {"dequant_rows": 0}, {}]
 DEQUANT = [
-    ("linear_fp8", linear, (256, 512, 1024, 4096), _DQ),
-    ("wo_a_fp8", wo_a, (512, 4096), _DQ),
-    ("moe_experts_fp4", moe, (64, 512, 2048, 4096, 8192), _DQ),
-    ("moe_experts_fp8", moe, (512, 4096), _DQ),
+    ("linear_fp8", linear, (512, 1024, 2048, 4096), _DQ),
+    ("wo_a_fp8", wo_a, (512, 1024, 4096), _DQ),
+    ("moe_experts_fp4", moe, (512, 1024, 2048, 4096, 8192), _DQ),
+    ("moe_experts_fp8", moe, (512, 1024, 4096), _DQ),
 ]
 
 
