@@ -140,8 +140,8 @@ def _mix(x2, fn, M):
     MP = max(16, np2(M))
     # portable tiles: the token block grows with T (16 / 32 / 64) so that split-K still fills the
     # device at small T; 128 columns a K step for up to 32 mix columns, 64 above (bf16x3: three
-    # dots per step); 4 warps, 3 stages: <= 48 KiB of shared memory in the sm90 compile; no device
-    # timed. Tuned (prefill) tiles are in the plugins' launch tables
+    # dots per step); 4 warps, 3 stages: <= 48 KiB of shared memory in the sm90 compile (fp32: 64);
+    # no device timed. Tuned (prefill) tiles are in the plugins' launch tables
     BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else 64))
     BK = TUNE.get("BK", 64 if MP > 32 else 128)
     ntb = cdiv(T, BT)
