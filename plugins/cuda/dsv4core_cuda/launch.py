@@ -10,7 +10,8 @@ first, then the entry below for the device's capability, then the kernel's own d
 * Every key not set here is the kernel's own default. Those are the portable choices the kernel
   modules state, except where a module still says its default was measured on an H200 (the tile
   tables of linear, wo_a and moe): those apply to every plugin that leaves them unset (rocm and
-  xpu set their own where they differ).
+  xpu set their own where they differ). norm's and rope's row blocks cite an H200 sweep without a
+  committed result: kernel defaults until one is measured.
 
 A callable entry takes the op's arguments (its HAL signature) and returns the keys for that call.
 """
