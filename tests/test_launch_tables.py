@@ -255,3 +255,31 @@ def test_a_callable_entry_may_return_nothing_through_for_target():
     t = for_target({"norm": lambda *a, **k: None, "rope": lambda *a, **k: {"launch": {"waves_per_eu": 2, "x": 1}}},
                    {"x"})
     assert t["norm"]() is None and t["rope"]() == {"launch": {"x": 1}}
+
+
+def test_cuda_sm90_entries_hold_the_h200_tiles(monkeypatch):
+    """The H200-measured attention and mhc tiles are the CUDA plugin's sm90 entries (the kernels'
+    defaults are the portable 16 x 16 / non-prefill tiles): prefill mixes only for hc_pre at T >= 2048 on a
+    device with >= 200 KiB of shared memory a block; FP8 rows (keyword or positional) 32 rows x 1 stage."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "plugins" / "cuda"))
+    cuda = importlib.import_module("dsv4core_cuda.launch")
+    mhc, att = cuda.TABLES.resolve((9, 0))["mhc"], cuda.TABLES.resolve((8, 6))["attention"]
+    big = {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
+    x, fn_pre, fn_head = torch.empty(2048, 4, 8), torch.empty(24, 32), torch.empty(4, 32)
+    for smem, want in ((232448, big), (101376, None)):
+        monkeypatch.setattr(cuda, "shared_bytes", lambda dev, smem=smem: smem)
+        assert mhc(x, fn_pre, None, None, 1e-6, 1e-6, 20) == want
+        assert mhc(x=x, fn=fn_pre) == want
+        assert mhc(x[:2047], fn_pre) is None and mhc(x, fn_head) is None
+        assert mhc(torch.empty(2048, 8), x, torch.empty(2048, 4), torch.empty(2048, 4, 4)) is None   # hc_post
+    monkeypatch.undo()
+    assert cuda.shared_bytes(torch.device("cpu")) == 0
+    q1, q128, kv = torch.empty(1, 64, 512, dtype=torch.bfloat16), torch.empty(128, 64, 512, dtype=torch.bfloat16), None
+    assert att(q1, kv, None, None, 1.0) == {"BH": 16, "BK": 64, "num_stages": 2, "pipe": 1}
+    assert att(q128, kv, None, None, 1.0) == {"BH": 32, "BK": 32, "num_stages": 2, "pipe": 0}
+    assert att(q1, kv, None, None, 1.0, "fp8") == att(q=q1, kv=kv, kv_format="fp8") == \
+        {"BH": 16, "BK": 32, "num_stages": 1, "pipe": 1}
+    assert att(q1.float(), kv, None, None, 1.0)["BK"] == 16

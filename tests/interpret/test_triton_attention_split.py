@@ -95,10 +95,16 @@ for dtype in (torch.float32, torch.bfloat16):
     # the split paths really differ from the one-split path (not the same launch under two names)
     rep.setdefault("differs", {})[str(dtype)] = bool(not torch.equal(outs["one-split"], outs["S3"]))
 # the plan's split count at DSV4-Flash decode shapes on a 132-SM GPU (below T = 128 the default
-# target is one program per SM: 132)
+# target is one program per SM: 132), with the CUDA plugin's sm90 entry (its H200 tiles)
+from pathlib import Path
+from dsv4core.kernels.triton.launch import active
+sys.path.insert(0, str(Path(A.__file__).resolve().parents[3] / "plugins" / "cuda"))
+from dsv4core_cuda.launch import TABLES
 for T_ in (1, 2, 3, 4, 5, 6, 7, 8, 64):
     A.TUNE.clear(); A.TUNE.update({"target": 132})
-    p = A.plan(T_, 64, 512, 640, False, torch.device("cpu"))
+    entry = TABLES.resolve((9, 0))["attention"](torch.empty(T_, 64, 512, dtype=torch.bfloat16))
+    with active({"attention": entry}):
+        p = A.plan(T_, 64, 512, 640, False, torch.device("cpu"))
     rep["plans"][T_] = dict(p, programs=T_ * p["nhb"] * p["S"])
 A.TUNE.clear()
 
@@ -166,8 +172,8 @@ def test_every_plan_within_the_derived_bound(report):
     for dt in ("torch.float32", "torch.bfloat16"):
         assert by[(dt, "one-split")]["S"] == 1
         assert by[(dt, "S3")]["S"] == 3
-        # the most splits K = 160 rows allow: 16-row blocks in fp32, the default 64-row blocks in bf16
-        assert by[(dt, "max-splits")]["S"] == (10 if dt == "torch.float32" else 3)
+        # the most splits K = 160 rows allow: the default 16-row blocks
+        assert by[(dt, "max-splits")]["S"] == 10
         assert by[(dt, "narrow-combine")]["CB"] == 16          # 64 // np2(3): several combine programs a token
     # (fp32: in bf16 the output rounding may hide the split's different fp32 summation order)
     assert report["differs"]["torch.float32"], report["differs"]
@@ -213,8 +219,8 @@ def test_bad_tune_values_are_named(report):
 
 def test_plan_fills_the_gpu_at_decode_batch(report):
 
-    """At T = 1..8 (Flash: 64 heads, 640 rows) the split kernel runs 64-row blocks with at most one
-    program per SM of a 132-SM GPU (target 132: the H200 sweep's fastest), splitting the rows
+    """At T = 1..8 (Flash: 64 heads, 640 rows) the split kernel runs the CUDA sm90 entry's 64-row
+    blocks with at most one program per SM of a 132-SM GPU (target 132), splitting the rows
     as far as that allows; every row is in exactly one split."""
     for T, p in report["plans"].items():
         T = int(T)

@@ -198,16 +198,15 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
     split, at most MAX_SPLITS splits); ``target``; ``cBLOCK`` elements of the combine's tile
     (S x CB), ``c_num_warps``; ``pipe`` 0 / 1 (module docstring)."""
     big = T >= 128
-    # T < 128 is latency-bound: one 64-row block per split at most and one program per SM (target
-    # / 2) is what the H200 sweep found fastest at T = 1..8 (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json: 15.2 /
-    # 18.5 / 21.0 / 25.0 us against 22.9 / 24.3 / 27.3 / 26.9 for the first path; smaller row
-    # blocks or two programs per SM were slower). T >= 128 (DSV4-Flash CSA shape): 32 heads x 32
-    # rows (fewer re-gathers of the same kv rows, 1.4x), 2 programs per SM.
+    # split target: below T = 128 the call is latency-bound, so one program per compute unit (each
+    # extra split is one more partial the combine waits for); from T = 128, two per compute unit
     target = TUNE.get("target", target_programs(device, _CPU_PROGRAMS) // (1 if big else 2))
-    BH = TUNE.get("BH", 32 if big else 16)
+    # portable tile: 16 heads x 16 rows (the smallest MMA tile), 2 stages for bf16 rows, 1 for fp32
+    # or FP8 rows: <= 64 KiB of shared memory in the sm90 and gfx942 compiles (fp32 q over FP8
+    # rows: 65 KiB on sm90); no device timed. Tuned tiles are in the plugins' launch tables
+    BH = TUNE.get("BH", 16)
     nhb = cdiv(NH, BH)
-    bk = 16 if f32 else (32 if big or fp8 else 64)    # FP8 rows: BK 32 x 1 stage (H200 sweep below)
-    BK = TUNE.get("BK", bk)
+    BK = TUNE.get("BK", 16)
     nkb = cdiv(K, BK)
     S = TUNE.get("S")
     if S is None:
@@ -223,11 +222,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
         raise ValueError(f"sparse_mqa_attention: TUNE pipe={pipe!r}; expected 0 (none) or 1 (indices one "
                          f"block ahead)")
     return dict(BH=BH, BK=BK, nhb=nhb, S=S, KPS=KPS, SP=SP, CB=CB, pipe=pipe,
-                # FP8 rows: one stage (two pipelined byte tiles of [BK, D] take 245 KiB of shared
-                # memory on sm90 at BK 64, over its 227 KiB). H200, T = 1 / 8 / 64: BK 32 x 1 stage
-                # 21.6 / 44.8 / 237 us, BK 64 x 1 26.7 / 59.9 / 410, BK 32 x 2 27.9 / 77.4 / 599
-                # (benchmarks/results/h200/2026-12-02_16080fe/bench/kv-formats-flash.json)
-                num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 1 if fp8 else 2),
+                num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 1 if fp8 or f32 else 2),
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 

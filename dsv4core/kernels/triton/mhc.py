@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import BIG_TILE_SHARED, c, np2, cdiv, interp, rne, shared_bytes, target_programs, to_out
+from ._util import c, np2, cdiv, interp, rne, target_programs, to_out
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -138,13 +138,12 @@ def _mix(x2, fn, M):
     """x2: [T, K] (contiguous, act dtype), fn [M, K] f32 -> (zpart [S, T, MP], sspart [S, T], S, MP)."""
     T, K = x2.shape
     MP = max(16, np2(M))
-    # prefill (T >= 2048): 128-token blocks of 64 columns on 8 warps, 4 stages (H200,
-    # benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json: 104.8 µs at T = 4096 against 116.3; from which T it
-    # pays is not measured yet: that sweep's T = 256 / 1024 rows). hc_pre's 2n + n^2 mixes only
-    # (hc_head's n: not measured)
-    big = T >= 2048 and M > 16 and shared_bytes(x2.device) >= BIG_TILE_SHARED
-    BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else (128 if big else 64)))
-    BK = TUNE.get("BK", 64 if big or MP > 32 else 128)
+    # portable tiles: the token block grows with T (16 / 32 / 64) so that split-K still fills the
+    # device at small T; 128 columns a K step for up to 32 mix columns, 64 above (bf16x3: three
+    # dots per step); 4 warps, 3 stages: <= 48 KiB of shared memory in the sm90 compile (fp32: 64);
+    # no device timed. Tuned (prefill) tiles are in the plugins' launch tables
+    BT = TUNE.get("BT", 16 if T <= 16 else (32 if T <= 256 else 64))
+    BK = TUNE.get("BK", 64 if MP > 32 else 128)
     ntb = cdiv(T, BT)
     nkb = cdiv(K, BK)
     S = max(1, min(nkb, TUNE.get("target", target_programs(x2.device, _CPU_PROGRAMS)) // ntb))
@@ -154,8 +153,8 @@ def _mix(x2, fn, M):
     ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
     _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
                              IEEE=x2.dtype == torch.float32 or interp(x2),
-                             num_warps=TUNE.get("num_warps", 8 if big else 4),
-                             num_stages=TUNE.get("num_stages", 4 if big else 3), **TUNE.options())
+                             num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3),
+                             **TUNE.options())
     return zp, ssp, S, MP
 
 

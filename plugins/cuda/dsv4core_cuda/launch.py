@@ -9,12 +9,15 @@ first, then the entry below for the device's capability, then the kernel's own d
   the sm90 entries until someone times them on that GPU (add a target here).
 * Every key not set here is the kernel's own default. Those are the portable choices the kernel
   modules state, except where a module still says its default was measured on an H200 (the tile
-  tables of linear, wo_a, moe, mhc and attention's block sizes): those apply to every plugin that
-  leaves them unset (rocm and xpu set their own where they differ).
+  tables of linear, wo_a and moe): those apply to every plugin that leaves them unset (rocm and
+  xpu set their own where they differ). norm's and rope's row blocks cite an H200 sweep without a
+  committed result: kernel defaults until one is measured.
 
 A callable entry takes the op's arguments (its HAL signature) and returns the keys for that call.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -25,12 +28,59 @@ def _capability(cc: tuple[int, int]) -> str:
     return f"sm{cc[0]}{cc[1]}"
 
 
-def _attention_sm90(q, *args, **kwargs) -> dict:
-    """sparse_mqa_attention: the hand-pipelined row gather (``pipe`` 1) at T <= 64, the kernel's
-    plain loop from T = 128. H200 (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json):
-    14.0 / 16.2 / 17.4 / 20.8 / 60.5 µs at T = 1 / 2 / 4 / 8 / 64 against 14.9 / 18.2 / 20.6 / 24.4
-    / 61.8 without it; 206 against 199 at T = 256. Bitwise the same result."""
-    return {"pipe": 1 if q.shape[0] <= 64 else 0}
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
+
+def shared_bytes(device: torch.device) -> int:
+    """Shared memory one block may use on ``device`` (0 for a tensor that is not on a CUDA GPU:
+    the kernels' own tiles)."""
+    if device.type != "cuda":
+        return 0
+    return _shared_bytes(torch.cuda.current_device() if device.index is None else device.index)
+
+
+#: shared memory a block may use from which the prefill tiles measured on the H200 (227 KiB a
+#: block) are taken; a capability with less (sm80, sm86, sm120: 99-163 KiB) keeps the kernel's tiles
+BIG_TILE_SHARED = 200 * 1024
+
+
+def _attention_sm90(q, *args, kv_format=None, **kwargs) -> dict:
+    """sparse_mqa_attention (H200, DSV4-Flash shapes):
+
+    * T < 128: 16 heads x 64 rows, 2 stages: 15.2 / 18.5 / 21.0 / 25.0 µs at T = 1 / 2 / 4 / 8,
+      smaller row blocks slower (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json);
+      T >= 128: 32 heads x 32 rows (fewer re-gathers of the same kv rows, 1.4x, same sweep).
+    * FP8 rows: 32 rows x 1 stage (two pipelined byte tiles of [64, D] need 245 KiB, over 227):
+      21.6 / 44.8 / 237 µs at T = 1 / 8 / 64 against BK 64 x 1 26.7 / 59.9 / 410 and BK 32 x 2
+      27.9 / 77.4 / 599 (benchmarks/results/h200/2026-12-02_16080fe/bench/kv-formats-flash.json).
+    * fp32 q: 16 x 16 rows, 2 stages (66 KiB; not timed: the fp32 path is for checking).
+    * ``pipe`` 1, the hand-pipelined row gather, at T <= 64, the kernel's plain loop from T = 128
+      (benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json): 14.0 /
+      16.2 / 17.4 / 20.8 / 60.5 µs at T = 1 / 2 / 4 / 8 / 64 against 14.9 / 18.2 / 20.6 / 24.4
+      / 61.8 without it; 206 against 199 at T = 256. Bitwise the same result."""
+    if len(args) > 4:        # (kv, indices, sink, scale, kv_format)
+        kv_format = args[4]
+    T, fp8 = q.shape[0], kv_format == "fp8"
+    big = T >= 128
+    return {"BH": 32 if big else 16, "BK": 16 if q.dtype == torch.float32 else (32 if big or fp8 else 64),
+            "num_stages": 1 if fp8 else 2, "pipe": 1 if T <= 64 else 0}
+
+
+def _mhc_sm90(*args, **kwargs) -> dict | None:
+    """hc_pre's mixes at prefill (T >= 2048, more than 16 mix columns: its 2n + n^2, not hc_head's
+    n), on a device with BIG_TILE_SHARED: 128-token blocks of 64 columns on 8 warps, 4 stages,
+    104.8 µs at T = 4096 against 116.3 with the kernel's tiles (H200,
+    benchmarks/results/h200/2026-12-01_2494243/tune/mhc-attention-variants-flash.json; from which T
+    it pays is not measured: that sweep's T = 256 / 1024 rows). hc_post and other calls: None."""
+    x = args[0] if args else kwargs.get("x")
+    fn = args[1] if len(args) > 1 else kwargs.get("fn")
+    if x is None or fn is None or x.dim() != 3 or fn.dim() != 2:      # hc_post (o, residual, post, comb)
+        return None
+    if x.shape[0] >= 2048 and fn.shape[0] > 16 and shared_bytes(x.device) >= BIG_TILE_SHARED:
+        return {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
+    return None
 
 
 def _wo_a_sm90(o, weight, weight_scale=None) -> dict:
@@ -66,6 +116,7 @@ TABLES = LaunchTable("cuda", {
         "linear": {"fp8": "via_f32"},
         "wo_a": _wo_a_sm90,
         "attention": _attention_sm90,
+        "mhc": _mhc_sm90,
     },
 }, fallback="sm90", select=_capability)
 

@@ -2,8 +2,8 @@
 
 Why the H200 defaults are not reused: on CDNA a wavefront is 64 lanes, LDS is 64 KiB per
 workgroup on gfx942 (MI300) and 160 KiB on gfx950 (MI355), and ``num_stages`` multiplies LDS use
-in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the kernels'
-own (H200-tuned) attention config, 16 heads x 64 rows x 2 stages, needs 69,632 B of LDS (gfx942
+in AMD's stream pipeliner. Compiled ahead of time for gfx942 (Triton 3.9, CPU), the H200-tuned
+attention config (the CUDA sm90 entry), 16 heads x 64 rows x 2 stages, needs 69,632 B of LDS (gfx942
 has 65,536) and spills 436-449 VGPRs (benchmarks/results/rocm-aot/2026-12-01_6426706/aot/gfx942-attention-portable-defaults-flash.json);
 with the tables below every kernel fits and spills nothing (benchmarks/results/rocm-aot/).
 
