@@ -120,7 +120,7 @@ def test_a_backend_wrong_at_one_call_site_is_caught_at_the_step_rate_in_every_se
     unsampled steps replay the same wrong kernel unseen, so the seed decides when, never whether."""
     m = capturable(bad=True)
     when = set()
-    for seed in range(4):
+    for seed in range(3):
         _verified(m, 0.25, seed)
         _, sampled = _generate_steps(m, 4)
         s = m.ops.verify_summary()
@@ -161,3 +161,22 @@ def test_a_sampled_step_that_fails_changes_no_request_state(capturable):
     m.use_graphs = False
     m.bind_ops(bind("cpu", backend="graphs", policy="allow"))
     assert torch.equal(m.forward_batch(*one, [st]), m.forward_batch(*one, [twin]))
+
+
+def test_the_overhead_benchmark_runs_whole_step_sampling_with_graphs_on(capturable, tmp_path):
+    """benchmarks/verify_overhead.py with graphs on (the stand-in capture): the verified run is
+    repeated until its steps hold the sampled ones asked for, and reports them. No timing asserted."""
+    import json
+
+    from _scripts import load_script
+
+    capturable(bad=False)
+    b = load_script("verify_overhead")
+    out = tmp_path / "r.json"
+    assert b.main(["--configs", "tiny", "--fractions", "0,0.25", "--reps", "1", "--graphs", "on", "--backend", "graphs",
+                   "--lengths", "8,2", "--min-sampled", "1", "--per-call-calls", "1000", "--json", str(out)]) == 0
+    off, quarter = json.loads(out.read_text())["results"][0]["runs"]
+    assert off["graphs"] == quarter["graphs"] == "on" and off["steps"] is None
+    assert quarter["reps"] == [4, 2]                 # ceil(1 / 0.25) prefills; 4 steps in generates of 2
+    steps = quarter["steps"]   # the timed steps and a warm-up each: 1 + 4 prefills, (1 + 2) x 2 generate steps
+    assert steps["total"] == 11 and steps["sampled"] in (2, 3) and quarter["divergences"] == 0
