@@ -180,3 +180,22 @@ def test_the_overhead_benchmark_runs_whole_step_sampling_with_graphs_on(capturab
     assert quarter["reps"] == [4, 2]                 # ceil(1 / 0.25) prefills; 4 steps in generates of 2
     steps = quarter["steps"]   # the timed steps and a warm-up each: 1 + 4 prefills, (1 + 2) x 2 generate steps
     assert steps["total"] == 11 and steps["sampled"] in (2, 3) and quarter["divergences"] == 0
+
+
+def test_the_whole_steps_of_a_verified_table_share_its_counts():
+    plain = bind("cpu", backend="reference", policy="strict", check=False)
+    assert plain.unverified() is plain and plain.whole_steps() is None
+    t = bind("cpu", backend="reference", policy="strict", check=False, verify=0.25, verify_seed=5)
+    ws = t.whole_steps()
+    assert t.unverified() is plain and ws is t.whole_steps() and ws.plain is plain and ws.checked.whole_steps() is None
+    assert len(t.capturable()) == len(t.bindings) and all("verify mode on" in v for v in t.capturable().values())
+    x, w = torch.randn(3, 16), torch.rand(16) + 0.5
+    for _ in range(3):
+        ws.checked.at("norm").rms_norm(x, w, 1e-6)          # a sampled step: every call checked
+    for _ in range(4):
+        t.at("norm").rms_norm(x, w, 1e-6)                   # per-call sampling: one of the block of 4
+    site = t.bindings["rms_norm"].verify.sites["norm:rms_norm"]
+    assert (site.calls, site.checked) == (7, 4)
+    assert [ws.draw() for _ in range(8)] == _drawn(5, 0.25, 8)
+    s = t.verify_summary()
+    assert s["steps"] == {"sampled": 2, "total": 8} and s["sites"]["norm:rms_norm"]["checked"] == 4

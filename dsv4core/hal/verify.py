@@ -42,12 +42,12 @@ callables (:meth:`~dsv4core.hal.binding.OpTable.unverified`), each step is drawn
 fraction (:class:`WholeSteps`: stratified, one step of every block of ``1 / fraction`` steps, its
 own stream of the seed), an unsampled step replays its graph unverified (a step no graph serves
 runs eagerly under per-call sampling, as on a device without graphs), and a sampled step runs
-eagerly with every call checked, counted per call site as above. So every call site is checked in the same fraction of the steps, and a bug
-confined to one site is caught within ``1 / fraction`` steps whatever the seed. What a backend
-can tell: a sampled step is an eager one, and the steps after it in its block are not sampled;
-as above, the verify mode guards against bugs, conformance judges a backend. A kernel wrong only
-inside a recording is not seen (the sampled step runs eagerly). ``verify_summary()["steps"]``
-counts the steps drawn and sampled.
+eagerly with every call checked, counted per call site as above. So every call site is checked
+in the same fraction of the steps, and a bug confined to one site is caught within
+``1 / fraction`` steps whatever the seed. What a backend can tell: a sampled step is an eager
+one, and the steps after it in its block are not sampled; as above, the verify mode guards
+against bugs, conformance judges a backend. A kernel wrong only inside a recording is not seen
+(the sampled step runs eagerly). ``verify_summary()["steps"]`` counts the steps drawn and sampled.
 
 Off (the default, or fraction 0) costs nothing: the bound callables are the plain ones.
 """
