@@ -1,18 +1,28 @@
-"""Cost of the runtime verify mode (DSV4CORE_VERIFY): prefill and decode time of the same model
-with verify off, at 1 % and at 100 % of op calls, reference backend, same process and thread count.
+"""Cost of the runtime verify mode (DSV4CORE_VERIFY): prefill and generate time of the same model
+with verify off and at each fraction of op calls (default 0, 1 %, 10 %, 100 %), same process and
+thread count, with graphs off (every step eager: per-call sampling) and with graphs on (where the
+device has graph capture and the ops are capturable: whole-step sampling, `dsv4core.hal.verify`).
 
     python benchmarks/verify_overhead.py --json benchmarks/results/cpu/<date>_<commit>/bench/verify-overhead-reference.json
+    python benchmarks/verify_overhead.py --device cuda --configs tiny,mid --json .../bench/verify-overhead-cuda.json
 
-Off must cost nothing (the bound callables are the plain ones: checked by tests); the ratios here
-are what turning it on costs. ``per_call``: the host cost of one unchecked call of a call site's
-verified callable against the plain call of the same trivial implementation (best of 7 x 200,000
-calls), the part of the cost that does not depend on the model. Measured, never asserted.
+Each run reports the mean time of one prefill (`m.logits` of the prompt) and of one `generate`
+(a prefill and the decode steps, batch 1), and their ratio to verify off in the same graph mode;
+``graphs`` is the model's `graph_status()` ('on', or why its steps ran eagerly). Under whole-step
+sampling a run's cost is in its few sampled steps, so a run with graphs on is repeated until at
+least `--min-sampled` of its steps were due to be sampled (``reps``; the means are over all of
+them, ``steps`` counts the steps drawn and sampled). Off must cost nothing (the bound callables
+are the plain ones: checked by tests); the ratios here are what turning it on costs.
+``per_call``: the host cost of one unchecked call of a call site's verified callable against the
+plain call of the same trivial implementation (best of 7 x 200,000 calls), the part of the cost
+that does not depend on the model. Measured, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -37,35 +47,52 @@ def _config(name: str):
     return DSV4Config.from_dict(json.loads(DeepseekV4Config(**kw).to_json_string()))
 
 
-def _time(fn, reps: int) -> float:
-    fn()                                   # warm-up
+def _sync(dev: torch.device) -> None:
+    mod = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and hasattr(mod, "synchronize"):
+        mod.synchronize()
+
+
+def _times(fn, reps: int, dev: torch.device) -> list[float]:
+    fn()                                   # warm-up (graph recording, compilation)
+    _sync(dev)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        _sync(dev)
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
 
 
-def measure(name: str, fractions, reps: int, dtype: torch.dtype) -> dict:
+def measure(name: str, fractions, reps: int, dtype: torch.dtype, dev: torch.device, backend: str,
+            graphs: bool, min_sampled: int = 10, max_reps: int = 2000, lengths: tuple | None = None) -> dict:
     from dsv4core.model.api import build_model
 
     cfg = _config(name)
-    P, steps = LENGTHS[name]
+    P, steps = lengths or LENGTHS[name]
     prompt = list(range(3, 3 + P))
-    out = {"config": name, "prompt_tokens": P, "decode_steps": steps, "runs": []}
+    out = {"config": name, "prompt_tokens": P, "decode_steps": steps, "graphs_asked": graphs, "runs": []}
     base = None
     for f in fractions:
-        m = build_model(cfg, dtype=dtype, backend="reference", seed=0, verify=f)
-        prefill = _time(lambda: m.logits(prompt), reps)
-        decode = _time(lambda: m.generate([prompt[:8]], steps), reps)
+        m = build_model(cfg, dtype=dtype, device=dev, backend=backend, seed=0, verify=f)
+        m.use_graphs = graphs
+        whole = graphs and f > 0 and not m.graph_status()      # whole-step sampling: repeat until sampled
+        n = min(max_reps, max(reps, math.ceil(min_sampled / f))) if whole else reps
+        prefill = _times(lambda: m.logits(prompt), n, dev)
+        decode = _times(lambda: m.generate([prompt[:8]], steps), max(reps, math.ceil(n / steps)) if whole else reps,
+                        dev)
         s = m.ops.verify_summary()
-        run = {"verify": f, "prefill_s": round(prefill, 4), "generate_s": round(decode, 4),
-               "checked_calls": s["checked"] if s else 0, "divergences": s["divergences"] if s else 0}
+        run = {"verify": f, "graphs": m.graph_status() or "on", "reps": [len(prefill), len(decode)],
+               "prefill_s": round(statistics.fmean(prefill), 5), "generate_s": round(statistics.fmean(decode), 5),
+               "prefill_median_s": round(statistics.median(prefill), 5),
+               "generate_median_s": round(statistics.median(decode), 5),
+               "checked_calls": s["checked"] if s else 0, "divergences": s["divergences"] if s else 0,
+               "steps": s["steps"] if s else None}
         if base is None:
             base = run
-        run["prefill_ratio"] = round(prefill / base["prefill_s"], 3)
-        run["generate_ratio"] = round(decode / base["generate_s"], 3)
+        run["prefill_ratio"] = round(run["prefill_s"] / base["prefill_s"], 3)
+        run["generate_ratio"] = round(run["generate_s"] / base["generate_s"], 3)
         out["runs"].append(run)
         print(name, run, flush=True)
     return out
@@ -100,20 +127,35 @@ def per_call(n: int = 200_000) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="tiny,mid")
-    ap.add_argument("--fractions", default="0,0.01,1")
+    ap.add_argument("--fractions", default="0,0.01,0.1,1")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", help="default: cuda on a CUDA device, else reference")
+    ap.add_argument("--graphs", default="off,on", help="graph modes to run (off, on)")
+    ap.add_argument("--per-call-calls", type=int, default=200_000, help="calls per timing of `per_call`")
+    ap.add_argument("--lengths", default=None, help="prompt tokens,decode steps (default per config: "
+                    + "; ".join(f"{k} {p},{d}" for k, (p, d) in LENGTHS.items()) + ")")
+    ap.add_argument("--min-sampled", type=int, default=10,
+                    help="with graphs on, repeat a run until this many of its steps were due to be sampled")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     fr = [float(f) for f in args.fractions.split(",")]
-    res = {"what": "runtime verify mode cost (median of reps; ratio to verify off in the same run)",
-           "backend": "reference", "device": "cpu", "threads": args.threads, "dtype": args.dtype,
+    if fr[0] != 0:
+        ap.error("--fractions must start with 0 (verify off: the base of the ratios)")
+    modes = [{"off": False, "on": True}[g.strip()] for g in args.graphs.split(",")]
+    lengths = tuple(int(v) for v in args.lengths.split(",")) if args.lengths else None
+    dev = torch.device(args.device)
+    backend = args.backend or ("cuda" if dev.type == "cuda" else "reference")
+    res = {"what": "runtime verify mode cost (mean of reps; ratio to verify off in the same run and graph mode)",
+           "backend": backend, "device": dev.type, "threads": args.threads, "dtype": args.dtype,
            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "per_call": per_call(),
-           "results": [measure(c, fr, args.reps, getattr(torch, args.dtype)) for c in args.configs.split(",")]}
+           "per_call": per_call(args.per_call_calls),
+           "results": [measure(c, fr, args.reps, getattr(torch, args.dtype), dev, backend, g, args.min_sampled,
+                               lengths=lengths) for c in args.configs.split(",") for g in modes]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -33,7 +33,7 @@ from .errors import BackendNotFoundError, FallbackError, HALError
 from .spec import catalogue
 from .typed_ops import TypedOps
 from .version import version_str
-from .verify import VerifyStats, parse_fraction, parse_seed, parse_strict
+from .verify import VerifyStats, WholeSteps, parse_fraction, parse_seed, parse_strict
 from .verify import wrap as verify_wrap
 
 log = logging.getLogger("dsv4core.hal")
@@ -86,6 +86,7 @@ class OpTable(TypedOps):
         object.__setattr__(self, "device_type", device_type)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "bindings", bindings)
+        object.__setattr__(self, "_verified", any(b.verify is not None for b in bindings.values()))
         for name, b in bindings.items():
             object.__setattr__(self, name, b.call)
 
@@ -139,7 +140,8 @@ class OpTable(TypedOps):
             if b.impl is None:
                 out[name] = "bound by hand (no implementation record)"
             elif getattr(b, "verify", None) is not None:
-                out[name] = "verify mode on (sampling and judging run on the host)"
+                out[name] = ("verify mode on (sampling and judging run on the host; a model records its graphs "
+                             "with unverified() and samples whole steps)")
             elif not b.impl.capturable:
                 out[name] = f"implementation of {b.impl.backend!r} not declared capturable"
         return out
@@ -154,28 +156,52 @@ class OpTable(TypedOps):
         ``layers.3.self_attn.q_a_proj``; named once, when the model is built). With the verify mode on, its
         ops are the site's own callables (sampled and counted per site, see
         :mod:`dsv4core.hal.verify`), made on first use; off, it is this table itself."""
-        if not any(b.verify is not None for b in self.bindings.values()):
+        if not self._verified:
             return self
         views = self.__dict__.setdefault("_sites", {})
         if site not in views:
             views[site] = _SiteTable(self, site)
         return views[site]
 
+    def unverified(self) -> "OpTable":
+        """The table without the verify mode (the one the verify mode wraps); this table itself
+        when the verify mode is off."""
+        return self.__dict__.get("_plain", (self,))[0]
+
+    def whole_steps(self) -> WholeSteps | None:
+        """Whole-step sampling of this verified table (made once; None when the verify mode is
+        off): the plain table, the table checking every call (a sampled step's; counted with this
+        table's counts) and the draw of the sampled steps (:class:`~dsv4core.hal.verify.WholeSteps`)."""
+        got = self.__dict__.get("_whole_steps")
+        if got is None and "_plain" in self.__dict__:
+            plain, strict = self._plain
+            specs = catalogue()
+            bindings = {n: dataclasses.replace(b, call=verify_wrap(specs[n], plain.bindings[n].call, b.verify, strict,
+                                                                   b.backend, fraction=1.0))
+                        for n, b in self.bindings.items()}
+            first = next(iter(self.bindings.values())).verify
+            got = WholeSteps(plain, OpTable(self.device_type, self.policy, bindings), first.fraction, first.seed)
+            object.__setattr__(self, "_whole_steps", got)
+        return got
+
     def verify_summary(self) -> dict[str, Any] | None:
         """Verify-mode totals, the ops that diverged, the counts per op and per call site
         (``"sites": {"<module path>:<op>": {"op", "calls", "checked", "divergences"}}``; a call
-        made on the table directly counts under the op's own name). None when the verify mode is off."""
+        made on the table directly counts under the op's own name) and the whole steps drawn and
+        sampled (``"steps": {"sampled", "total"}``, :meth:`whole_steps`; zero where the model
+        samples calls). None when the verify mode is off."""
         stats = {n: b.verify for n, b in self.bindings.items() if b.verify is not None}
         if not stats:
             return None
-        first = next(iter(stats.values()))
+        first, steps = next(iter(stats.values())), self.__dict__.get("_whole_steps")
         return {"fraction": first.fraction, "seed": first.seed,
                 "calls": sum(v.calls for v in stats.values()), "checked": sum(v.checked for v in stats.values()),
                 "divergences": sum(v.divergences for v in stats.values()),
                 "diverged": {n: v.as_dict() for n, v in stats.items() if v.divergences},
                 # per op: how many calls there were and how many of them were checked
                 "ops": {n: {"calls": v.calls, "checked": v.checked} for n, v in stats.items() if v.calls},
-                "sites": {site: c.as_dict() for v in stats.values() for site, c in v.sites.items() if c.calls}}
+                "sites": {site: c.as_dict() for v in stats.values() for site, c in v.sites.items() if c.calls},
+                "steps": steps.as_dict() if steps is not None else {"sampled": 0, "total": 0}}
 
     def __repr__(self) -> str:
         served = {}
@@ -309,7 +335,9 @@ def _with_verify(table: OpTable, fraction: float, strict: bool, seed: int) -> Op
         nb = dataclasses.replace(b, verify=stats)
         nb.call = verify_wrap(specs[name], b.call, stats, strict, b.backend)
         bindings[name] = nb
-    return OpTable(table.device_type, table.policy, bindings)
+    verified = OpTable(table.device_type, table.policy, bindings)
+    object.__setattr__(verified, "_plain", (table, strict))
+    return verified
 
 
 def auto_order(statuses: dict[str, PluginStatus], device_type: str) -> list[str]:

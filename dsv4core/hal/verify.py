@@ -34,6 +34,21 @@ first divergence raises :class:`VerifyError` instead (``dsv4core generate`` then
 The counts are in ``OpTable.report()`` / ``model.hal_report()`` (``"verify"`` per op) and
 ``OpTable.verify_summary()``.
 
+Whole-step sampling (devices that replay graphs). A graph replays recorded kernels: no host
+code runs per op, so per-call sampling cannot run inside one, and a table with the verify mode on
+is not capturable. A model on a device with graph capture therefore samples whole steps instead
+(:meth:`~dsv4core.hal.binding.OpTable.whole_steps`): its graphs are recorded with the plain
+callables (:meth:`~dsv4core.hal.binding.OpTable.unverified`), each step is drawn at the same
+fraction (:class:`WholeSteps`: stratified, one step of every block of ``1 / fraction`` steps, its
+own stream of the seed), an unsampled step replays its graph unverified (a step no graph serves
+runs eagerly under per-call sampling, as on a device without graphs), and a sampled step runs
+eagerly with every call checked, counted per call site as above. So every call site is checked
+in the same fraction of the steps, and a bug confined to one site is caught within
+``1 / fraction`` steps whatever the seed. What a backend can tell: a sampled step is an eager
+one, and the steps after it in its block are not sampled; as above, the verify mode guards
+against bugs, conformance judges a backend. A kernel wrong only inside a recording is not seen
+(the sampled step runs eagerly). ``verify_summary()["steps"]`` counts the steps drawn and sampled.
+
 Off (the default, or fraction 0) costs nothing: the bound callables are the plain ones.
 """
 
@@ -140,6 +155,31 @@ class Sampler:
         return n == self.pick
 
 
+class WholeSteps:
+    """Whole-step sampling of a verified table, for a model that replays device graphs (see the
+    module docstring): ``plain`` is the table without the verify mode (what the graphs record),
+    ``checked`` the table whose callables check every call (what a sampled
+    step runs eagerly; its counts are the verified table's own, per call site). :meth:`draw` says
+    whether the next step is sampled: stratified like a call site's calls (:class:`Sampler`), on
+    the stream :func:`sampler` of the run's seed and ``"whole-step"``."""
+
+    __slots__ = ("plain", "checked", "sampled", "total", "_draw")
+
+    def __init__(self, plain, checked, fraction: float, seed: int) -> None:
+        self.plain, self.checked = plain, checked
+        self.sampled = self.total = 0
+        self._draw = Sampler(sampler(seed, "whole-step"), fraction)
+
+    def draw(self) -> bool:
+        self.total += 1
+        hit = self._draw()
+        self.sampled += hit
+        return hit
+
+    def as_dict(self) -> dict[str, int]:
+        return {"sampled": self.sampled, "total": self.total}
+
+
 class SiteStats:
     """One call site's counts (``verify_summary()["sites"][site]``)."""
 
@@ -189,15 +229,18 @@ def _call_dtype(kw: dict) -> torch.dtype:
     return torch.float32
 
 
-def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -> Callable:
+def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str,
+         fraction: float | None = None) -> Callable:
     """``call`` with the verify mode: every call counted, the calls of each site sampled at
-    ``stats.fraction`` (:class:`Sampler` over :func:`sampler` of ``stats.seed``, the op and the
-    site). The returned callable serves the op's own site; ``.at(site)`` makes (once per site)
-    the callable of a named call site."""
+    ``fraction`` (default ``stats.fraction``; :class:`Sampler` over :func:`sampler` of
+    ``stats.seed``, the op and the site). The returned callable serves the op's own site;
+    ``.at(site)`` makes (once per site) the callable of a named call site. Two wrappers over the
+    same ``stats`` (the table's callables and those of its sampled whole steps, :class:`WholeSteps`)
+    count into the same per-site counts."""
     from . import compare
 
     sig = spec.signature
-    fraction = stats.fraction
+    fraction = stats.fraction if fraction is None else fraction
 
     def check(args, kwargs, out, site):
         """The shadow check of one call, after it returned, from its arguments and output."""
@@ -242,7 +285,9 @@ def wrap(spec, call: Callable, stats: VerifyStats, strict: bool, backend: str) -
         if name in made:
             return made[name]
         key = spec.name if name is None else f"{name}:{spec.name}"
-        site = stats.sites[key] = SiteStats(spec.name)
+        site = stats.sites.get(key)
+        if site is None:
+            site = stats.sites[key] = SiteStats(spec.name)
         site_name[id(site)] = key
         draw = Sampler(sampler(stats.seed, spec.name, name), fraction)
         writes = bool(spec.writes)

@@ -22,7 +22,7 @@ from .graphs import DecodeGraphs
 from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs
 from .inputs import DeviceTokens, InputError, _host_long, checked_prompts, eos_ids, token_ids
 from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, RMSNorm
-from .opsref import OpsRef, name_sites
+from .opsref import SAMPLED, OpsRef, UnverifiedCapture, name_sites, sampled_step
 from .step import Step
 from .parallel import SINGLE, Parallel
 
@@ -202,9 +202,12 @@ class DSV4ForCausalLM(nn.Module):
             from dsv4core.hal import graph_capture
 
             cap, why = graph_capture(self.device.type)
-            bad = self.ops.capturable() if cap is not None else {}
+            steps = self.ops.whole_steps() if cap is not None else None    # verify on: whole steps sampled
+            bad = (self.ops if steps is None else steps.plain).capturable() if cap is not None else {}
             if bad:
                 why = "ops not capturable: " + "; ".join(f"{k}: {v}" for k, v in bad.items())
+            elif steps is not None:     # the graphs record the plain ops
+                cap = UnverifiedCapture(cap, self._ops, steps.plain)
             self._graph_why = (key, why, cap)
         return self._graph_why[1]
 
@@ -331,6 +334,8 @@ class DSV4ForCausalLM(nn.Module):
         try:
             cache.sync_tables()
             logits, graphs = None, not self.graph_status()
+            checked = sampled_step(self.ops) if graphs else None    # a sampled step runs eagerly, checked
+            graphs = graphs and checked is None
             if graphs and self._graphs is None:
                 self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
             if starts.size == T and hrows is None and graphs:     # decode: one token a request
@@ -339,9 +344,11 @@ class DSV4ForCausalLM(nn.Module):
                 if self._step_graphs is None or self._step_graphs.decode is not self._graphs:
                     self._step_graphs = StepGraphs(self, self._graphs, self._graph_why[2])
                 logits = self._step_graphs.run_batch(ids, pos, counts, plan.slots, start_len, rows, hrows)
-            self._step_why = "" if logits is not None else self._step_graphs.why if graphs else self.graph_status()
+            self._step_why = ("" if logits is not None else self._step_graphs.why if graphs else
+                              SAMPLED if checked is not None else self.graph_status())
             if logits is None:                        # no graph for this step
-                logits = self._eager(ids, pos, counts, plan.slots, start_len, rows, hrows)
+                with self._ops.using(checked):
+                    logits = self._eager(ids, pos, counts, plan.slots, start_len, rows, hrows)
         except BaseException:
             plan.rollback()
             raise

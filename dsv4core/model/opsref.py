@@ -7,9 +7,15 @@ names it ``layers.3.self_attn.q_a_proj:linear``. :func:`name_sites` gives every 
 model its own :class:`OpsRef` for its site, once; each holds the table of its site
 (``OpTable.at``: under the verify mode, callables sampled and counted per site; otherwise the
 table itself), so a call costs the same attribute lookups as before and inspects no stack.
+
+With graphs on and the verify mode on, steps are sampled whole (`dsv4core.hal.verify`): the graphs
+record the plain ops (:class:`UnverifiedCapture`), and a sampled step runs eagerly with every site
+calling the table that checks every call (:func:`sampled_step`, :meth:`OpsRef.using`).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -58,6 +64,38 @@ class OpsRef:
     def official(self) -> bool:
         return self.numerics == "official"
 
+    @contextmanager
+    def using(self, table: OpTable | None):
+        """Every site calls ``table`` (None: the bound one, unchanged) for the block's duration."""
+        if table is None:
+            yield
+            return
+        bound = self.t
+        self.t = table
+        try:
+            yield
+        finally:
+            self.t = bound
+
+
+class UnverifiedCapture:
+    """The graph capture of a model whose table has the verify mode on (whole-step sampling:
+    :meth:`~dsv4core.hal.binding.OpTable.whole_steps`): what it records runs on the table's plain
+    callables (``plain``: ``OpTable.unverified()``), so a replay checks nothing and costs what an
+    unverified one does."""
+
+    def __init__(self, capture, ops: OpsRef, plain: OpTable) -> None:
+        self.inner, self.ops, self.plain = capture, ops, plain
+
+    def new_pool(self, device):
+        return self.inner.new_pool(device)
+
+    def capture(self, fn, device, pool=None):
+        def plain():
+            with self.ops.using(self.plain):
+                return fn()
+        return self.inner.capture(plain, device, pool)
+
 
 def name_sites(root: nn.Module, ops: OpsRef) -> None:
     """Give every module under ``root`` that holds ``ops`` the ref of its own call site: its
@@ -65,3 +103,15 @@ def name_sites(root: nn.Module, ops: OpsRef) -> None:
     for path, m in root.named_modules():
         if getattr(m, "_ops", None) is ops:
             m._ops = ops.site(path or "root")
+
+
+#: why a sampled step ran eagerly (`graph_status(last_step=True)`)
+SAMPLED = "verify: the step was sampled (run eagerly, every op call checked against the reference)"
+
+
+def sampled_step(table):
+    """Whole-step verify (graphs on, the verify mode on: `OpTable.whole_steps`): the table that
+    checks every call when this step is drawn (it then runs eagerly), else None (the step replays
+    unverified, or runs eagerly on the bound table, sampled per call, when no graph serves it)."""
+    steps = table.whole_steps()
+    return steps.checked if steps is not None and steps.draw() else None

@@ -122,6 +122,15 @@ def _(shapes, dtype, device, gen):
     yield Case("out-other-dtype", dict(x=randn((3, H), gen, dtype, device),
                                        weight=randn((64, H), gen, dtype, device, H ** -0.5), out_dtype=other))
     yield from _w8a8_cases(shapes, dtype, device, gen, wv)
+    # the lm_head as the published models run it (bf16 x and weight [vocab, H], fp32 logits) at
+    # decode batch sizes: the widest GEMM of the model (a grid over ~10^5 output column tiles, a
+    # 1 - 1.9 GB weight operand). Only in the flash / pro sets and in bf16 (the weight is drawn once,
+    # last, so the cases above keep their generator draws); never in the small set
+    if "V" in D and dtype == torch.bfloat16:
+        w = randn((D["V"], H), gen, dtype, device, H ** -0.5)
+        for T in (1, 2, 8):
+            yield Case(f"lm_head-T{T}-V{D['V']}", dict(x=randn((T, H), gen, dtype, device), weight=w,
+                                                       out_dtype=torch.float32), ("extreme",))
 
 
 def _w8a8_cases(shapes, dtype, device, gen, wv):
