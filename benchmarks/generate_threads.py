@@ -9,7 +9,8 @@ time and tokens/s per count, the machine's core counts and load averages. `--mod
 model, a checkpoint directory, or `small` (random weights with benchmarks/e2e_decode.py's "small"
 dims, 4 layers: hidden 256, vocabulary 1024; a step of larger matrices than the tiny model's).
 
-    python benchmarks/generate_threads.py --threads 1,2,3,4 --sample   # -> results/cpu/<date>_<commit>/bench/generate-threads-tiny-sampled.json
+    python benchmarks/generate_threads.py --threads 1,2,3,4 --sample
+        # -> results/cpu/<date>_<commit>/bench/generate-threads-tiny-sampled.json
     python benchmarks/generate_threads.py --model small --threads 1,2,4 --reps 9 --json FILE
 """
 from __future__ import annotations

@@ -64,7 +64,8 @@ def add_parser(subparsers) -> None:
                    "whose probability mass reaches P (default: 1, all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default: 0, all)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed, prompts and model "
-                   "give the same tokens, on any batch and with or without device graphs (default: a fresh one each run)")
+                   "give the same tokens, on any batch, with or without device graphs (default: a fresh one "
+                   "each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
     p.add_argument("--backend", default=None, help="HAL backend name or 'auto' (default: $DSV4CORE_BACKEND or auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")

@@ -48,7 +48,8 @@ class DecodeGraphs:
         self.model, self.capture = model, capture
         self.cache = model.cache
         self.buckets = tuple(sorted({int(b) for b in buckets if int(b) >= 1}))
-        self.graphs: dict[tuple, tuple] = {}   # (bucket, context[, draw]) -> (replay, static inputs, static outputs[, stream])
+        #: (bucket, context[, draw]) -> (replay, static inputs, static outputs[, stream])
+        self.graphs: dict[tuple, tuple] = {}
         self.replays = 0
         self.eager = 0                          # decode steps run eagerly (no bucket, or no graph)
         self.failed: dict[tuple, str] = {}      # (bucket, context) whose recording failed -> why

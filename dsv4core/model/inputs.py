@@ -70,9 +70,10 @@ def eos_ids(v) -> frozenset[int]:
 class DeviceTokens:
     """Token ids that stay on the model's device, made by `model.greedy_tokens(logits)` (the argmax
     of each logits row) or `forward_batch(sample=...)` (an argmax over noisy logits) only, so every
-    id is in [0, vocab) by construction; their values are not checked again. `forward_batch` takes them as `input_ids` without reading them back: the
-    host never waits for the step that produced them, so the next step is queued while that one
-    still runs (an engine's async decode). `tolist()` reads them (that waits)."""
+    id is in [0, vocab) by construction; their values are not checked again. `forward_batch` takes
+    them as `input_ids` without reading them back: the host never waits for the step that produced
+    them, so the next step is queued while that one still runs (an engine's async decode).
+    `tolist()` reads them (that waits)."""
 
     __slots__ = ("tensor", "vocab")
 

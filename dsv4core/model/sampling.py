@@ -158,7 +158,7 @@ def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, V: int) -> torch.Ten
 def _keep(q: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """bool [R, V]: the tokens top-k (per row, 0 = all) and top-p (per row, [R, 1]; 1 = all) keep."""
     V = q.shape[-1]
-    sq, order = q.sort(dim=-1, descending=True)
+    sq, order = q.sort(dim=-1, descending=True, stable=True)     # stable: ties in token order, on every device
     k = torch.where((top_k > 0) & (top_k < V), top_k, V)
     keep = sq >= sq.gather(-1, (k - 1).unsqueeze(-1))            # the k largest, ties with the k-th
     probs = sq.masked_fill(~keep, float("-inf")).softmax(-1)
@@ -195,8 +195,9 @@ class StepDraw:
         if not isinstance(sample, RowSampling):
             raise InputError(f"forward_batch: sample must be a RowSampling; got {type(sample).__name__}")
         if hrows is not None or len(sample) != R:
+            also = " and hidden_rows" if hrows is not None else ""
             raise InputError(f"forward_batch: sample must hold one entry per logits row ({R}) and come without "
-                             f"hidden_rows; got {len(sample)} entries" + (" and hidden_rows" if hrows is not None else ""))
+                             f"hidden_rows; got {len(sample)} entries{also}")
         self.sample, self.rows, self.vocab, self.filtered = sample, rows, vocab, sample.filtered
 
     def pack(self, pos: np.ndarray) -> np.ndarray:
