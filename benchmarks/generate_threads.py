@@ -1,13 +1,17 @@
-"""CPU generate speed of the tiny model against the torch thread count: the measurement behind
-`dsv4core generate`'s default of one thread for the built-in tiny models (README "Command line").
+"""CPU generate speed against the torch thread count: the measurement behind `dsv4core generate`'s
+default thread count on the CPU (`dsv4core.commands.generate.default_threads`, README "Command line").
 
-In one process, the README main command's generation (prompts [0, 17, 42, 7] and "Hello, DSV4",
-16 new tokens, greedy) runs `--reps` times for each thread count, the counts alternating so that
-a change of the machine's load hits every count alike; reported: the median and the range of the
-generate wall time and tokens/s per count, the machine's core counts and load averages.
+In one process, the README main command's generation (prompts [0, 17, 42, 7] and "Hello, DSV4" as
+its bytes, 16 new tokens; greedy, or with `--sample` the command's temperature 0.8, top-p 0.95,
+seed 0) runs `--reps` times for each thread count, the counts alternating so that a change of the
+machine's load hits every count alike; reported: the median and the range of the generate wall
+time and tokens/s per count, the machine's core counts and load averages. `--model`: a built-in
+model, a checkpoint directory, or `small` (random weights with benchmarks/e2e_decode.py's "small"
+dims, 4 layers: hidden 256, vocabulary 1024; a step of larger matrices than the tiny model's).
 
-    python benchmarks/generate_threads.py                    # -> results/cpu/<date>_<commit>/bench/generate-threads-tiny.json
-    python benchmarks/generate_threads.py --threads 1,2,4 --reps 9 --json FILE
+    python benchmarks/generate_threads.py --threads 1,2,3,4 --sample
+        # -> results/cpu/<date>_<commit>/bench/generate-threads-tiny-sampled.json
+    python benchmarks/generate_threads.py --model small --threads 1,2,4 --reps 9 --json FILE
 """
 from __future__ import annotations
 
@@ -32,23 +36,32 @@ def main() -> int:
                                                     f"here {default_threads})")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--sample", action="store_true", help="sample as the README main command does")
     ap.add_argument("--json", default=None, help="output file (default: results/cpu/<date>_<commit>/bench/...)")
     args = ap.parse_args()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, default_threads})
 
     import dsv4core
+    from dsv4core.commands.generate import physical_cores
 
-    model = dsv4core.load_model(args.model, backend="reference")
-    prompts = [[0, 17, 42, 7], "Hello, DSV4"]
+    if args.model == "small":
+        from dsv4core.model.api import build_model
+        from e2e_decode import config_dict
+
+        model = build_model(config_dict("small", 4, None), backend="reference", seed=1)
+    else:
+        model = dsv4core.load_model(args.model, backend="reference")
+    prompts = [[0, 17, 42, 7], list("Hello, DSV4".encode())]   # the tiny tokenizer's ids of the text
     new = 16
-    model.generate(prompts, new)                  # warm-up: pools, first-call costs
+    kw = dict(temperature=0.8, top_p=0.95, seed=0) if args.sample else {}
+    model.generate(prompts, new, **kw)            # warm-up: pools, first-call costs
     load_before = os.getloadavg()
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.reps):
         for n in counts:
             torch.set_num_threads(n)
             t = time.perf_counter()
-            model.generate(prompts, new)
+            model.generate(prompts, new, **kw)
             times[n].append(time.perf_counter() - t)
     load_after = os.getloadavg()
     tokens = len(prompts) * new
@@ -63,10 +76,12 @@ def main() -> int:
         r["time_vs_first"] = round(r["median_s"] / base["median_s"], 3)
     out = {
         "what": f"dsv4core generate, model {args.model}, reference backend, float32, {len(prompts)} prompts "
-                f"x {new} new tokens (greedy), wall time of model.generate per thread count",
+                f"x {new} new tokens ({'sampled: ' + str(kw) if kw else 'greedy'}), wall time of model.generate "
+                f"per thread count",
         "method": f"one process; {args.reps} repetitions, the thread counts alternating within each; "
                   "a warm-up generate first",
         "machine": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                    "physical_cores": physical_cores(),
                     "torch_default_threads": default_threads, "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in load_after], "platform": platform.platform(),
                     "torch": torch.__version__, "python": platform.python_version()},
@@ -77,7 +92,7 @@ def main() -> int:
     else:
         from _results import result_path
 
-        path = result_path("cpu", "bench", f"generate-threads-{args.model}.json")
+        path = result_path("cpu", "bench", f"generate-threads-{args.model}{'-sampled' if kw else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     for r in rows:

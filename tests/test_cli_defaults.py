@@ -16,17 +16,35 @@ def _gen_args(**kw):
 
 
 def test_generate_threads_default_to_one_for_the_tiny_models_on_the_cpu(monkeypatch):
+    from dsv4core.commands import generate
     from dsv4core.commands.generate import _threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert _threads(_gen_args()) == 1 and _threads(_gen_args(model="tiny-official")) == 1
-    assert _threads(_gen_args(model="/ckpt/dir")) is None          # a checkpoint: torch's choice
+    assert _threads(_gen_args(model="/ckpt/dir")) is None          # a checkpoint: decided once its config is read
+    assert _threads(_gen_args(model="/ckpt/dir"), 256) == 1         # the largest hidden size measured on one thread
+    monkeypatch.setattr(generate, "physical_cores", lambda: 6)
+    assert _threads(_gen_args(model="/ckpt/dir"), 4096) == 6       # else a thread a physical core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _threads(_gen_args(model="/ckpt/dir"), 4096) == 1       # shared among a host's ranks (6 // 4)
     assert _threads(_gen_args(device="cuda")) is None
     assert _threads(_gen_args(threads=3)) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")                     # the user's choice stands
     assert _threads(_gen_args()) is None
     with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
         _threads(_gen_args(threads=0))
+
+
+def test_physical_cores_count_the_affinity_mask_once_per_core(monkeypatch):
+    import os
+
+    from dsv4core.commands.generate import physical_cores
+
+    mask = sorted(os.sched_getaffinity(0))
+    assert 1 <= physical_cores() <= len(mask)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {mask[0]})
+    assert physical_cores() == 1
 
 
 def test_generate_sets_and_reports_the_thread_count(monkeypatch, capsys):
@@ -42,6 +60,30 @@ def test_generate_sets_and_reports_the_thread_count(monkeypatch, capsys):
         assert main(["generate", "--model", "tiny", "--backend", "reference", "--input-ids", "1,2",
                      "--max-new-tokens", "2", "--json", "--no-progress", "--threads", "2"]) == 0
         assert json.loads(capsys.readouterr().out)["threads"] == torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_checkpoint_gets_the_default_of_its_hidden_size(monkeypatch, capsys, tmp_path):
+    """The thread count of a checkpoint is decided once its config is read: hidden 64 -> 1."""
+    import json
+
+    import torch
+
+    import dsv4core
+    from dsv4core.checkpoint.writer import write_transformers
+    from dsv4core.cli import main
+    from dsv4core.model.api import TINY_CONFIG
+
+    write_transformers(dsv4core.load_model("tiny", backend="reference").state_dict(),
+                       dict(TINY_CONFIG, dtype="float32"), tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["generate", "--model", str(tmp_path), "--backend", "reference", "--input-ids", "1,2",
+                     "--max-new-tokens", "1", "--json", "--no-progress"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

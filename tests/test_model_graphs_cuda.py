@@ -98,3 +98,46 @@ def test_speculative_generate_replays_draft_graphs():
         got = model.generate(prompts, 12, speculative_tokens=k)
         assert got == want and got.speculation["rounds"] > 0
         assert model._graphs.variants["mtp_draft"].replays > 0 and not model.graph_failures()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_sampled_decode_draws_inside_the_graphs_without_waiting(backend):
+    """Sampled decode steps replay drawing graphs (the draw recorded with the step) and are queued
+    without one host/device synchronisation (sync debug mode "error"); `generate` with sampling
+    gives the eager path's tokens for the same seed (the draw is one formula of logits, seed and
+    position; the logits differ by ~1e-7 relative, below the gaps the draw decides on)."""
+    from dsv4core.model.sampling import RowSampling, SamplingParams, request_seed
+
+    model = dsv4core.load_model("tiny", backend=backend, device="cuda")
+    model.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024, window_block=8, block_tokens=32)
+    if model.graph_status():
+        pytest.skip(f"graphs off for backend {backend!r}: {model.graph_status()}")
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 30)]
+    kw = dict(temperature=0.9, top_p=0.9, top_k=50, seed=3)
+    got = model.generate(prompts, 24, **kw)
+    assert model._graphs.replays > 0 and not model.graph_failures()
+    assert all(k[-1] == "draw-filtered" for k in model._graphs.graphs)
+    model.use_graphs = False
+    assert model.generate(prompts, 24, **kw) == got
+    model.use_graphs = True
+    sts = [model.new_state() for _ in prompts]
+    for st, p in zip(sts, prompts):     # all but the last prompt token: the first draw is a decode step's
+        model.forward_batch(torch.tensor(p[:-1]), torch.arange(len(p) - 1), torch.zeros(len(p) - 1, dtype=torch.long),
+                            [st])
+    rows = RowSampling(SamplingParams(0.9, 0.9, 50), [request_seed(3, i) for i in range(3)])
+    toks = model.forward_batch(torch.tensor([p[-1] for p in prompts]), torch.tensor([s.length for s in sts]),
+                               torch.arange(3), sts, sample=rows)
+    out = [toks.tolist()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seq = []
+        for _ in range(23):
+            toks = model.forward_batch(toks, torch.tensor([s.length for s in sts]), torch.arange(3), sts, sample=rows)
+            seq.append(toks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out += [t.tolist() for t in seq]
+    for s in sts:
+        s.release()
+    assert [list(r) for r in zip(*out)] == got     # generate's draws: the same seeds and positions

@@ -84,8 +84,9 @@ def _check_layout(name: str, tp: int, ep: int, rank: int, out_dir: str) -> dict:
     prompts = [seq[:13], seq[20:37]]
     want = [ref.generate([p], 6)[0] for p in prompts]
     batch = par.generate(prompts, 6)
+    sampled = par.generate(prompts, 4, temperature=1.0, top_p=0.9)   # no seed: rank 0's fresh one on every rank
     return dict(layout=f"{name} tp={tp} ep={ep}", rank=rank, prefill=r_prefill, decode=r_decode,
-                greedy_equal=batch == want, tokens=batch)
+                greedy_equal=batch == want, tokens=[batch, sampled])
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

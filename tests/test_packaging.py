@@ -82,11 +82,14 @@ def test_the_wheel_holds_the_packages_data_entry_points_and_license(tmp_path):
 
 
 def test_ci_runs_the_fresh_environment_install_check():
-    """`.ci/run` ends with `.ci/install_check`, which installs the source tree into a new venv and
-    runs the console script from outside the tree (about 6 s, so it runs in CI, not here)."""
+    """`.ci/run` ends with `.ci/install_check`, which builds the wheel, installs that wheel file (not
+    the source tree) into a new venv and runs from outside the tree what reads its modules and
+    package data (about 10 s, so it runs in CI, not here)."""
     run = (ROOT / ".ci" / "run").read_text()
     check = (ROOT / ".ci" / "install_check").read_text()
     assert "bash .ci/install_check" in run.splitlines()[-1]
-    for part in ("--system-site-packages", "--no-deps --no-build-isolation", "unset PYTHONPATH",
-                 "dsv4core\" --help", "generate --model tiny"):
+    for part in ("-m pip wheel -q --no-deps --no-build-isolation", 'rm -rf "$tmp/src"', "--system-site-packages",
+                 'pip install -q --no-deps --no-build-isolation --disable-pip-version-check "${wheels[0]}"',
+                 "unset PYTHONPATH", "dsv4core\" --help", "backends --json", "-m dsv4core.hal.contracts",
+                 "generate --model tiny"):
         assert part in check, part

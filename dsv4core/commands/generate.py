@@ -63,8 +63,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
                    "whose probability mass reaches P (default: 1, all)")
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default: 0, all)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator: the same seed "
-                   "gives the same tokens (default: a fresh one each run)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed, prompts and model "
+                   "give the same tokens, on any batch, with or without device graphs (default: a fresh one "
+                   "each run)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default: 16)")
     p.add_argument("--backend", default=None, help="HAL backend name or 'auto' (default: $DSV4CORE_BACKEND or auto)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -81,8 +82,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens of each prompt per forward (default: whole prompts)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on the CPU: 1 for the built-in tiny models, measured faster "
-                        "than torch's choice; torch's choice, or OMP_NUM_THREADS, for a checkpoint)")
+                   help="torch CPU threads (default on the CPU, unless OMP_NUM_THREADS is set: 1 for a model of "
+                        "hidden size <= 256, such as the built-in tiny models, measured fastest; else one a physical "
+                        "core this process may run on)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (attention heads, shared expert, vocabulary); run under "
                         "torchrun --nproc-per-node tp*ep (default: 1)")
@@ -213,19 +215,55 @@ class _Progress:
         self.stream.flush()
 
 
-def _threads(args) -> int | None:
-    """The torch thread count to set, or None to leave torch's: --threads when given; else, on
-    the CPU without OMP_NUM_THREADS set, 1 for the built-in tiny models (their steps are too small
-    to split: measured by benchmarks/generate_threads.py, the figures under
-    benchmarks/results/cpu/, README "Command line")."""
+#: The largest hidden size `generate` runs on one CPU thread by default: the tiny models (64, 128)
+#: and the "small" dims (256) generated fastest on one thread of 1..4 (benchmarks/generate_threads.py;
+#: README "Command line" cites the figures).
+ONE_THREAD_HIDDEN = 256
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on: the CPUs of its affinity mask, SMT siblings of one
+    core counted once (Linux topology files; elsewhere, or without them, the number of CPUs)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for c in cpus:
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(c)))
+    return max(1, len(cores))
+
+
+def default_threads(hidden_size: int) -> int:
+    """`generate`'s CPU thread count when neither --threads nor OMP_NUM_THREADS sets one: 1 for a
+    model of hidden size <= ONE_THREAD_HIDDEN (a step of such matrices is too small to split: more
+    threads only add synchronisation), else the physical cores this process may run on
+    (`physical_cores`: a thread a core, none on an SMT sibling, none outside the affinity mask),
+    shared among the ranks a launcher started on this host (LOCAL_WORLD_SIZE)."""
+    if hidden_size <= ONE_THREAD_HIDDEN:
+        return 1
+    return max(1, physical_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or "1")))
+
+
+def _threads(args, hidden_size: int | None = None) -> int | None:
+    """The torch thread count to set, or None to leave torch's: --threads when given; else, on the
+    CPU without OMP_NUM_THREADS set, `default_threads` of the model's hidden size (None: not known
+    yet, before a checkpoint is read; a built-in model's is known by name)."""
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         return args.threads
     from dsv4core.model.api import BUILT_IN
 
-    if args.device == "cpu" and str(args.model) in BUILT_IN and not os.environ.get("OMP_NUM_THREADS"):
-        return 1
+    if hidden_size is None and str(args.model) in BUILT_IN:
+        hidden_size = BUILT_IN[str(args.model)][0]["hidden_size"]
+    if args.device == "cpu" and hidden_size is not None and not os.environ.get("OMP_NUM_THREADS"):
+        return default_threads(hidden_size)
     return None
 
 
@@ -291,6 +329,8 @@ def run(args) -> int:
         finally:   # the status line off the terminal before any error message
             status.close()
         t_load = time.perf_counter() - t0
+        if threads is None and _threads(args, model.config.hidden_size) is not None:   # a checkpoint's default
+            torch.set_num_threads(_threads(args, model.config.hidden_size))
         eos, chat_texts = None, None
         if conversation:
             return _converse(model, args, sys.stdin, sys.stdout)

@@ -68,11 +68,12 @@ def eos_ids(v) -> frozenset[int]:
 
 
 class DeviceTokens:
-    """Token ids that stay on the model's device, made by `model.greedy_tokens(logits)` only (the
-    argmax of each logits row, so every id is in [0, vocab) by construction; their values are
-    not checked again). `forward_batch` takes them as `input_ids` without reading them back: the
-    host never waits for the step that produced them, so the next step is queued while that one
-    still runs (an engine's async decode). `tolist()` reads them (that waits)."""
+    """Token ids that stay on the model's device, made by `model.greedy_tokens(logits)` (the argmax
+    of each logits row) or `forward_batch(sample=...)` (an argmax over noisy logits) only, so every
+    id is in [0, vocab) by construction; their values are not checked again. `forward_batch` takes
+    them as `input_ids` without reading them back: the host never waits for the step that produced
+    them, so the next step is queued while that one still runs (an engine's async decode).
+    `tolist()` reads them (that waits)."""
 
     __slots__ = ("tensor", "vocab")
 
@@ -117,3 +118,14 @@ def checked_prompts(prompts, max_new_tokens, config, encode) -> list[list[int]]:
             raise InputError(f"prompt {i}: {len(p)} prompt + {max_new_tokens} new tokens exceeds "
                              f"max_position_embeddings={maxpos}")
     return prompts
+
+
+def checked_rows(rows, name: str, T: int):
+    """None, or ``rows`` (``logits_rows`` / ``hidden_rows`` of a step of T tokens) as a host int64
+    vector, each in [-T, T); else InputError naming the argument."""
+    if rows is None:
+        return None
+    out = _host_long(rows, name)
+    if out.size and (int(out.min()) < -T or int(out.max()) >= T):
+        raise InputError(f"{name} must index the {T} flattened tokens; got {out.tolist()[:8]}")
+    return out

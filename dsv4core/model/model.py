@@ -20,9 +20,10 @@ from .kvcache import CacheError, KVCache, RequestState
 from .config import DSV4Config
 from .graphs import DecodeGraphs
 from .step_graphs import DEFAULT_STEP_BUCKETS, StepGraphs
-from .inputs import DeviceTokens, InputError, _host_long, checked_prompts, eos_ids, token_ids
+from .inputs import DeviceTokens, InputError, _host_long, checked_prompts, checked_rows, eos_ids, token_ids
 from .modules import FP32, DecoderLayer, HyperHead, MTPLayer, RMSNorm
 from .opsref import SAMPLED, OpsRef, UnverifiedCapture, name_sites, sampled_step
+from .sampling import StepDraw
 from .step import Step
 from .parallel import SINGLE, Parallel
 
@@ -273,7 +274,7 @@ class DSV4ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, request_ids: torch.Tensor,
                       states: Sequence[RequestState], logits_rows: torch.Tensor | None = None,
-                      hidden_rows: torch.Tensor | None = None):
+                      hidden_rows: torch.Tensor | None = None, sample=None):
         """One step over flattened tokens.
 
         input_ids, positions, request_ids: [T] int64 (input_ids may also be `DeviceTokens`, from
@@ -287,6 +288,8 @@ class DSV4ForCausalLM(nn.Module):
         hidden_rows: rows (as logits_rows) whose residual stream before the hc_head [N, hc_mult,
         hidden] (the MTP block's input, `mtp_draft`) is returned too: then (logits, hidden); such
         a step runs eagerly.
+        sample: a `sampling.RowSampling` (an entry per logits row): then the next tokens, drawn on
+        the device (`sampling.StepDraw`; in the decode graph's replay, where one runs), not the logits.
         """
         if isinstance(input_ids, DeviceTokens):
             if input_ids.vocab != self.config.vocab_size or input_ids.tensor.device != self.device:
@@ -307,20 +310,14 @@ class DSV4ForCausalLM(nn.Module):
                              f"(split the step, e.g. prefill in chunks, or configure the cache with a larger "
                              f"max_step_tokens)")
         pos, rid = (_host_long(a, w) for a, w in ((positions, "positions"), (request_ids, "request_ids")))
-        rows = None
-        if logits_rows is not None:
-            rows = _host_long(logits_rows, "logits_rows")
-            if rows.size and (int(rows.min()) < -T or int(rows.max()) >= T):
-                raise InputError(f"logits_rows must index the {T} flattened tokens; got {rows.tolist()[:8]}")
-        hrows = None
-        if hidden_rows is not None:
-            hrows = _host_long(hidden_rows, "hidden_rows")
-            if hrows.size and (int(hrows.min()) < -T or int(hrows.max()) >= T):
-                raise InputError(f"hidden_rows must index the {T} flattened tokens; got {hrows.tolist()[:8]}")
+        rows, hrows = checked_rows(logits_rows, "logits_rows", T), checked_rows(hidden_rows, "hidden_rows", T)
+        draw = None if sample is None else StepDraw(sample, T, rows, hrows, self.config.vocab_size)   # checked
         if T == 0:
             if pos.shape[0] or rid.shape[0]:
                 raise InputError(f"input_ids (0), positions ({pos.shape[0]}) and request_ids "
                                  f"({rid.shape[0]}) must have the same length")
+            if draw is not None:
+                return draw.tokens(torch.zeros(0, self.config.vocab_size, device=self.device), pos, self.cache.uploads)
             n = 0 if rows is None else rows.size
             out = torch.zeros(n, self.config.vocab_size, dtype=torch.float32, device=self.device)
             if hrows is None:
@@ -339,7 +336,7 @@ class DSV4ForCausalLM(nn.Module):
             if graphs and self._graphs is None:
                 self._graphs = DecodeGraphs(self, self.graph_buckets, self._graph_why[2])
             if starts.size == T and hrows is None and graphs:     # decode: one token a request
-                logits = self._graphs.run(ids, pos, plan.slots, rows)
+                logits = self._graphs.run(ids, pos, plan.slots, rows, draw)   # with draw: DeviceTokens
             if logits is None and graphs:             # prefill / mixed / verify, or no decode graph
                 if self._step_graphs is None or self._step_graphs.decode is not self._graphs:
                     self._step_graphs = StepGraphs(self, self._graphs, self._graph_why[2])
@@ -353,7 +350,7 @@ class DSV4ForCausalLM(nn.Module):
             plan.rollback()
             raise
         plan.commit()
-        return logits
+        return logits if draw is None or isinstance(logits, DeviceTokens) else draw.tokens(logits, pos, cache.uploads)
 
     def _eager(self, ids, pos, counts, slots, start_len, rows, hrows=None):
         """Build the step's metadata on the host (numpy), copy it to the device once (queued), run
@@ -521,7 +518,8 @@ class DSV4ForCausalLM(nn.Module):
         only the new tokens of each prompt. `progress(done, total)` counts tokens.
         A prompt is token ids or a str (encoded with `self.tokenizer`). The next token is the argmax
         (temperature 0, the default) or drawn with temperature / top_k / top_p from a generator
-        seeded by `seed` (`dsv4core.model.sampling`: the formula; eager, after each step's logits).
+        with the seed `sampling.request_seed(seed, i)` for prompt i (`dsv4core.model.sampling`: the
+        formula; on the device, inside the decode graphs; seed None: a fresh one).
         `on_token(i, token)` is called for each new token of prompt i as the host reads it (in
         order per prompt): streaming.
 
@@ -531,7 +529,7 @@ class DSV4ForCausalLM(nn.Module):
         rolls back the rejected ones; the tokens equal plain greedy decoding. k is at most the
         cache's max_rollback. The result (a list, `speculative.Generation`) then carries the
         acceptance statistics in `.speculation` (mean acceptance length, per position)."""
-        from .sampling import SamplingParams, make_generator
+        from .sampling import SamplingParams
         from .speculative import Generation, MTPProposer
 
         try:
@@ -569,8 +567,7 @@ class DSV4ForCausalLM(nn.Module):
             sched = SpeculativeScheduler(self, cache, prompts, max_new_tokens, eos, chunk, progress,
                                          proposer, speculative_tokens)
         else:
-            sched = Scheduler(self, cache, prompts, max_new_tokens, eos, chunk, progress,
-                              sampling, make_generator(sampling, self.device), on_token)
+            sched = Scheduler(self, cache, prompts, max_new_tokens, eos, chunk, progress, sampling, on_token)
         try:
             sched.run(out)
         finally:

@@ -4,6 +4,7 @@ bookkeeping only; the step itself is `forward_batch`)."""
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 
 import numpy as np
@@ -11,17 +12,30 @@ import torch
 
 from .kvcache import PoolFullError
 from .inputs import DeviceTokens, InputError, eos_ids
+from .sampling import RowSampling, request_seed
+
+
+def _base_seed(model, seed: int | None) -> int:
+    """`seed`, or (None) a fresh random one, rank 0's on every rank of a tp x ep model (all draw alike)."""
+    if seed is not None:
+        return seed
+    seed = secrets.randbits(63)
+    if model.parallel.world == 1:
+        return seed
+    mine = torch.tensor([[seed]], dtype=torch.int64, device=model.device)
+    return int(model.ops.all_gather(mine, 0, None)[0, 0])
 
 
 class Scheduler:
     """Continuous batching for `generate` (host-side bookkeeping only)."""
 
-    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, generator=None,
-                 on_token=None) -> None:
+    def __init__(self, model, cache, prompts, max_new, eos, chunk, progress, sampling=None, on_token=None) -> None:
         self.model, self.cache, self.prompts, self.max_new = model, cache, prompts, max_new
         self.eos = eos if isinstance(eos, frozenset) else eos_ids(eos)    # the ids that end a request
         self.chunk, self.progress, self.on_token = chunk, progress, on_token
-        self.sampling, self.generator = sampling, generator
+        #: sampled decoding: each prompt's row (`sampling.RowSampling`), seeded request_seed(seed, i)
+        self.rows = None if sampling is None or sampling.greedy else RowSampling(
+            sampling, [request_seed(_base_seed(model, sampling.seed), i) for i in range(len(prompts))])
         self.waiting = deque(range(len(prompts)))
         self.running: dict[int, list] = {}     # i -> [state, prompt tokens consumed]
         self.done = 0
@@ -103,9 +117,8 @@ class Scheduler:
         states = [self.running[i][0] for i in sel]
         ids = toks if len(keep) == len(owners) else DeviceTokens(
             toks.tensor.index_select(0, self.cache.uploads.to_device(np.array(keep, dtype=np.int64))), toks.vocab)
-        lg = self.model.forward_batch(ids, torch.tensor([st.length for st in states]),
-                                      torch.arange(len(states)), states)
-        return sel, self._next(lg)
+        return sel, self._next(ids, torch.tensor([st.length for st in states]), torch.arange(len(states)), states,
+                               sel)
 
     def _host_step(self, out):
         """A step built from host values: admissions, prefill chunks, decode tokens read back."""
@@ -134,17 +147,15 @@ class Scheduler:
             if last:
                 rows.append(len(ids) - 1)
                 owners.append(i)
-        lg = self.model.forward_batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states,
-                                      logits_rows=torch.tensor(rows, dtype=torch.int64))
-        return owners, self._next(lg)
+        return owners, self._next(torch.tensor(ids), torch.tensor(pos), torch.tensor(rid), states, owners,
+                                  torch.tensor(rows, dtype=torch.int64))
 
-    def _next(self, lg) -> DeviceTokens:
-        """The step's next tokens, left on the device: greedy, or drawn (`sampling.sample`)."""
-        if self.sampling is None or self.sampling.greedy:
-            return self.model.greedy_tokens(lg)
-        from .sampling import sample
-
-        return DeviceTokens(sample(lg, self.sampling, self.generator), self.model.config.vocab_size)
+    def _next(self, ids, pos, rid, states, owners, rows=None) -> DeviceTokens:
+        """Run the step; its next tokens (one per owner), left on the device: the argmax of the
+        logits, or drawn on the device (`forward_batch(sample=...)`: inside the decode graph)."""
+        if self.rows is None:
+            return self.model.greedy_tokens(self.model.forward_batch(ids, pos, rid, states, logits_rows=rows))
+        return self.model.forward_batch(ids, pos, rid, states, logits_rows=rows, sample=self.rows.select(owners))
 
     def _take(self, out, owners, toks) -> None:
         """Read a step's tokens (this waits for it): append, and retire finished requests."""
