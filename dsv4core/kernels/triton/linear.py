@@ -22,6 +22,10 @@ GEMM runs on those values: bf16 (or fp32) products of e4m3 activations and FP8 w
 exact, so the fp32-accumulated result is the FP8 x FP8 product with both scales applied, up to
 the order of the fp32 sums. (An FP8 MMA on the codes themselves would read half the activation
 bytes; not done here.)
+
+Many rows (TUNE ``dequant_rows``, dequant.py): an FP8 weight is converted to bf16 once per call
+instead of once per row tile in registers (UE8M0 scales folded in: a plain bf16 GEMM; fp32 scales:
+the codes, the scales kept on the block sums), within a scratch of ``dequant_bytes``.
 """
 from __future__ import annotations
 

@@ -28,7 +28,12 @@ partial results and (3) sums them; every sum in a fixed part order.
 first (quant.py); (1) always stores the raw gate / up sums, and ``_moe_act_official_kernel``
 rounds them to bf16, applies the SwiGLU and the pair's routing weight (before the down
 projection), rounds to bf16 and fake-quantises each ``act_block`` columns to FP8 (the values the
-down GEMM multiplies, exact in fp32 and bf16); (3) then sums the pairs' results unweighted.
+down GEMM multiplies, exact in fp32 and bf16: one bf16 dot a step, no low half); (3) then sums
+the pairs' results unweighted.
+
+Many pairs per expert (TUNE ``dequant_rows``, dequant.py): quantised expert weights are converted
+to bf16 once per call, in chunks of experts within ``dequant_bytes`` of scratch (the up / down
+kernels then launch once a chunk over that chunk's tiles, ``CHUNK``), and read as bf16 weights.
 """
 from __future__ import annotations
 
