@@ -236,7 +236,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
     ieee = f32 or interp(a)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED)
+    big = shared_bytes(a.device) >= BIG_TILE_SHARED
+    cfg = tune.memo((op, M, ieee, scaled, f32, big, tiles), lambda: _config(op, M, ieee, scaled, tune, tiles, f32, big))
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
     s = scale.contiguous() if scaled else a
