@@ -15,6 +15,10 @@ code up to the launch, on the CPU tensors a GPU step would hold on the device.
 Per batch (`--batches`, one token a request, after a 64-token prefill each):
   * `layers_ms`: the median of `--steps` eager steps of the time from the first layer's start to
     the last layer's end; `per_layer_ms` = that / layers; `step_ms` the whole `forward_batch`;
+    `*_cpu_ms`: the same in this thread's CPU time (`time.thread_time`: less disturbed by other
+    work on a shared machine than the wall time; the figures to compare);
+  * `torch_calls_per_layer`: the torch functions a step calls (tensor attribute reads included;
+    counted, so not disturbed) / layers;
   * `launches_per_layer`: recorded kernel launches of one step / layers (the lm head's and
     hc_head's included: a few a step);
   * at batch 1 only, `breakdown`: per op, calls a layer, host us a layer inside the bound op
@@ -86,14 +90,14 @@ def _timed_layers(model, marks):
     f_first, f_last = first.forward, last.forward
 
     def a(*args, **kw):
-        marks["l0"] = time.perf_counter()
+        marks["l0"], marks["c0"] = time.perf_counter(), time.thread_time()
         return f_first(*args, **kw)
 
     def z(*args, **kw):
         try:
             return f_last(*args, **kw)
         finally:
-            marks["l1"] = time.perf_counter()
+            marks["l1"], marks["c1"] = time.perf_counter(), time.thread_time()
     first.forward, last.forward = a, z
 
 
@@ -119,17 +123,20 @@ def measure(batches, steps: int, layers: int, experts: int, vocab: int) -> dict:
         rec["launches"].clear()
         step()
         launches = sum(rec["launches"].values())
-        lay, tot = [], []
+        lay, cpu, tot = [], [], []
         for _ in range(steps):
             rec["fill_s"] = 0.0
             t0 = time.perf_counter()
             step()
             t1 = time.perf_counter()
             lay.append(marks["l1"] - marks["l0"] - rec["fill_s"])
+            cpu.append(marks["c1"] - marks["c0"] - rec["fill_s"])
             tot.append(t1 - t0 - rec["fill_s"])
-        row = {"layers_ms": 1e3 * statistics.median(lay), "step_ms": 1e3 * statistics.median(tot),
-               "launches_per_layer": launches / layers}
+        row = {"layers_ms": 1e3 * statistics.median(lay), "layers_cpu_ms": 1e3 * statistics.median(cpu),
+               "step_ms": 1e3 * statistics.median(tot), "launches_per_layer": launches / layers,
+               "torch_calls_per_layer": _torch_calls(step) / layers}
         row["per_layer_ms"] = row["layers_ms"] / layers
+        row["per_layer_cpu_ms"] = row["layers_cpu_ms"] / layers
         if B == batches[0]:
             row["breakdown"] = _breakdown(model, ops, step, layers)
         out["batches"][str(B)] = row
@@ -137,6 +144,21 @@ def measure(batches, steps: int, layers: int, experts: int, vocab: int) -> dict:
             st.release()
     out["fallbacks"] = {r["op"]: r["runtime_fallbacks"] for r in ops.report() if r["runtime_fallbacks"]}
     return out
+
+
+def _torch_calls(step) -> int:
+    """The torch functions one step calls (tensor methods and attribute reads included), counted."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    return Count.n
 
 
 def _breakdown(model, ops, step, layers: int, n: int = 10) -> dict:
