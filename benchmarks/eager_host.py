@@ -29,7 +29,8 @@ Per batch (`--batches`, one token a request, after a 64-token prefill each):
     python benchmarks/eager_host.py --compare before=/path/to/old/checkout after=. --rounds 3 \\
         --json benchmarks/results/cpu/<date>_<commit>/bench/eager-host-per-layer-flash.json
 
-`--compare` runs each checkout (PYTHONPATH=that checkout and its plugins) in its own process,
+`--compare` runs each checkout (PYTHONPATH=that checkout and its plugins) in its own process
+(`NAME@COMMIT=PATH` names the commit of a checkout without git metadata, e.g. a `git archive`),
 alternating, for `--rounds` rounds, and keeps per figure the minimum over rounds (the machine is
 shared). Measured, never asserted.
 """
@@ -250,7 +251,7 @@ def main() -> None:
         res = measure(batches, a.steps, a.layers, a.experts, a.vocab)
     else:
         named = [c.split("=", 1) for c in a.compare]
-        runs: dict = {name: [] for name, _ in named}
+        runs: dict = {name.split("@")[0]: [] for name, _ in named}
         for r in range(a.rounds):
             for name, path in named:
                 root = os.path.abspath(path)
@@ -261,14 +262,19 @@ def main() -> None:
                                        "--steps", str(a.steps), "--layers", str(a.layers), "--experts",
                                        str(a.experts), "--vocab", str(a.vocab)],
                                       env=env, capture_output=True, text=True, check=True, cwd=root)
-                runs[name].append(json.loads(proc.stdout))
+                runs[name.split("@")[0]].append(json.loads(proc.stdout))
                 print(f"round {r + 1}/{a.rounds} {name}: done", file=sys.stderr, flush=True)
         res = {"what": "eager decode step host time per layer on the Triton kernel path, launches recorded "
                        "not run (benchmarks/eager_host.py; Flash dims, CPU, 1 torch thread; checkouts "
                        "alternate in one run, per figure the minimum over rounds)",
                "rounds": a.rounds, "steps": a.steps, "triton_launch_not_timed": True,
                "python": platform.python_version(), "checkouts": {n: _merge(r) for n, r in runs.items()}}
+        for name, _ in named:
+            if "@" in name:
+                res["checkouts"][name.split("@")[0]]["commit"] = name.split("@", 1)[1]
         for name, path in named:
+            if "@" in name:                  # NAME@COMMIT=PATH: a checkout without git metadata (an export)
+                continue
             try:
                 res["checkouts"][name]["commit"] = subprocess.run(
                     ["git", "rev-parse", "--short", "HEAD"], cwd=path, text=True, capture_output=True,
