@@ -18,7 +18,10 @@ Per batch (`--batches`, one token a request, after a 64-token prefill each):
     `*_cpu_ms`: the same in this thread's CPU time (`time.thread_time`: less disturbed by other
     work on a shared machine than the wall time; the figures to compare);
   * `torch_calls_per_layer`: the torch functions a step calls (tensor attribute reads included;
-    counted, so not disturbed) / layers;
+    counted, so not disturbed) / layers; `python_calls_per_layer`, `builtin_calls_per_layer`: the
+    Python-level and built-in (C: torch ops, dict / len / isinstance ...) function calls a step
+    makes (a profile hook counts them) / layers: the host work in counts, which the load of a
+    shared machine does not change;
   * `launches_per_layer`: recorded kernel launches of one step / layers (the lm head's and
     hc_head's included: a few a step);
   * at batch 1 only, `breakdown`: per op, calls a layer, host us a layer inside the bound op
@@ -136,6 +139,9 @@ def measure(batches, steps: int, layers: int, experts: int, vocab: int) -> dict:
         row = {"layers_ms": 1e3 * statistics.median(lay), "layers_cpu_ms": 1e3 * statistics.median(cpu),
                "step_ms": 1e3 * statistics.median(tot), "launches_per_layer": launches / layers,
                "torch_calls_per_layer": _torch_calls(step) / layers}
+        calls = _calls(step)
+        row["python_calls_per_layer"] = calls["python"] / layers
+        row["builtin_calls_per_layer"] = calls["builtin"] / layers
         row["per_layer_ms"] = row["layers_ms"] / layers
         row["per_layer_cpu_ms"] = row["layers_cpu_ms"] / layers
         if B == batches[0]:
@@ -160,6 +166,24 @@ def _torch_calls(step) -> int:
     with Count():
         step()
     return Count.n
+
+
+def _calls(step) -> dict:
+    """Function calls one step makes, counted with a profile hook (deterministic, unlike the
+    timings on a shared machine): Python functions and built-in / C functions (torch's included)."""
+    n = {"python": 0, "builtin": 0}
+
+    def hook(frame, event, arg):
+        if event == "call":
+            n["python"] += 1
+        elif event == "c_call":
+            n["builtin"] += 1
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return n
 
 
 def _breakdown(model, ops, step, layers: int, n: int = 10) -> dict:

@@ -118,3 +118,35 @@ def test_device_guard_only_where_a_device_type_has_several_devices(monkeypatch):
         looked.clear()
         assert impl(x, None, 1e-6) is x and impl(x, None, 1e-6) is x
         assert len(looked) == (2 if guarded else 0), count
+
+
+def test_supports_compares_device_indices_only_where_there_are_several(monkeypatch):
+    """The registration's device check reads each tensor's device index only on a device type
+    with several devices; a tensor of another type is declined either way."""
+    import types
+
+    from dsv4core.kernels.triton.predicates import rms_norm_supports
+
+    class Indexed(torch.Tensor):                      # a CPU tensor that reports device index i
+        def get_device(self):
+            return self.i
+
+    def on(i):
+        t = torch.zeros(2, 8).as_subclass(Indexed)
+        t.i = i
+        return t
+    w0 = torch.ones(8).as_subclass(Indexed)
+    w0.i = 0
+    for name, accel, compared in (("cpu", None, False),
+                                  ("fakeone", types.SimpleNamespace(device_count=lambda: 1), False),
+                                  ("fakemany", types.SimpleNamespace(device_count=lambda: 2), True),
+                                  ("fakenone", None, True)):             # no torch module: compared
+        if accel is not None:
+            monkeypatch.setattr(torch, name, accel, raising=False)
+        if name != "cpu":                             # the fake types' flag: every tensor has it
+            monkeypatch.setattr(torch.Tensor, f"is_{name}", property(lambda self: True), raising=False)
+        sup = registry._on_device(rms_norm_supports, name)
+        assert sup(on(0), w0, 1e-6) is True, name
+        assert sup(on(1), w0, 1e-6) is (not compared), name       # cuda:1 with cuda:0
+    sup = registry._on_device(rms_norm_supports, "cpu")
+    assert sup(torch.zeros(2, 8, device="meta"), None, 1e-6) is False

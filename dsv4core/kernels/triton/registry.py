@@ -165,24 +165,30 @@ def _on_device(pred, device_type: str):
 
     Per call, host cost: a tensor's device type is read from its ``is_<type>`` flag and its device
     index from ``get_device()`` (no ``torch.device`` object is built: ``t.device.type`` alone costs
-    more than the rest of a typical predicate)."""
+    more than the rest of a typical predicate); the index only on a device type with several
+    devices (``_several``, decided at the first call)."""
     sig = inspect.signature(pred)
     flag = f"is_{device_type}" if hasattr(torch.Tensor, f"is_{device_type}") else None   # else t.device.type
 
     Tensor = torch.Tensor
+    several = []     # whether the type has several devices (read at the first call: `_several`)
 
     def supports(*args, **kwargs):
         try:
-            index = None
+            if not several:      # the CPU and meta: one device; a type without a torch module: unknown
+                accel = getattr(torch, device_type, None)
+                several.append(device_type not in ("cpu", "meta") and (accel is None or _several(accel)))
+            index, check = None, several[0]      # one device of the type: no index to compare
             for v in (args if not kwargs else (*args, *kwargs.values())):
                 if isinstance(v, Tensor):
                     if not (getattr(v, flag) if flag is not None else v.device.type == device_type):
                         return False
-                    i = v.get_device()
-                    if index is None:
-                        index = i
-                    elif i != index:
-                        return False
+                    if check:
+                        i = v.get_device()
+                        if index is None:
+                            index = i
+                        elif i != index:
+                            return False
             return bool(pred(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a predicate declines, it never raises
             return False
