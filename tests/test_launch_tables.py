@@ -283,3 +283,90 @@ def test_cuda_sm90_entries_hold_the_h200_tiles(monkeypatch):
     assert att(q1, kv, None, None, 1.0, "fp8") == att(q=q1, kv=kv, kv_format="fp8") == \
         {"BH": 16, "BK": 32, "num_stages": 1, "pipe": 1}
     assert att(q1.float(), kv, None, None, 1.0)["BK"] == 16
+
+
+def test_tune_memo_follows_the_parameters_in_effect():
+    """A memoised launch configuration is rebuilt whenever an override or the active table's entry
+    changes (compared by value, value types included), and never kept for unhashable ones."""
+    t = Tune("dsv4core.kernels.triton.norm", ("ROWS", "num_warps"))
+    built = []
+
+    def cfg():
+        built.append(1)
+        return {"ROWS": t.get("ROWS", 1), "options": t.options()}
+
+    assert t.memo("k", cfg) == {"ROWS": 1, "options": {}} and t.memo("k", cfg) is t.memo("k", cfg)
+    assert len(built) == 1
+    assert t.memo("other", cfg) and len(built) == 2                       # another key
+    t["ROWS"] = 4
+    assert t.memo("k", cfg)["ROWS"] == 4
+    with active({"norm": {"ROWS": 2}}):
+        assert t.memo("k", cfg)["ROWS"] == 4                               # the override still wins
+        t.clear()
+        assert t.memo("k", cfg)["ROWS"] == 2
+    with active({"norm": {"ROWS": 2}}):                                    # an equal entry: reused
+        n = len(built)
+        assert t.memo("k", cfg)["ROWS"] == 2 and len(built) == n
+    with active({"norm": {"ROWS": True}}):                                 # True == 1 == 1.0, not the same
+        assert t.memo("k", cfg)["ROWS"] is True
+    with active({"norm": {"ROWS": 1}}):
+        assert type(t.memo("k", cfg)["ROWS"]) is int
+    with active({"norm": {"launch": {"waves_per_eu": 2}}}):
+        assert t.memo("k", cfg)["options"] == {"waves_per_eu": 2}
+    assert t.memo("k", cfg) == {"ROWS": 1, "options": {}}                  # the table gone
+    with active({"norm": {"ROWS": [2]}}):                                  # unhashable: built each call
+        n = len(built)
+        t.memo("k", cfg), t.memo("k", cfg)
+        assert len(built) == n + 2
+
+    def bad():
+        raise ValueError("bad TUNE")
+    for _ in range(2):                                                     # a failure is not remembered
+        with pytest.raises(ValueError, match="bad TUNE"):
+            t.memo("bad", bad)
+
+
+def test_np2_is_tritons_next_power_of_2():
+    pytest.importorskip("triton")
+    import triton
+
+    from dsv4core.kernels.triton._util import np2
+
+    for n in [*range(-3, 4100), 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 1, 2 ** 40 + 5]:
+        assert np2(n) == triton.next_power_of_2(max(n, 1)), n
+    assert np2(4096.0) == 4096 and type(np2(7)) is int
+
+
+def test_linear_launch_follows_overrides_and_the_table_call_by_call(monkeypatch):
+    """linear's per-call configuration is memoised (Tune.memo): a later call still launches what a
+    TUNE override, the active table's entry or the shapes ask for."""
+    pytest.importorskip("triton")
+    from launch_recorder import Recorder
+
+    from dsv4core.kernels.triton import linear
+
+    rec = Recorder()
+    monkeypatch.setattr(linear, "_gemm_kernel", rec)
+    monkeypatch.setattr(linear, "_reduce_kernel", Recorder())
+    monkeypatch.setattr(linear, "interp", lambda t: False)   # the GPU's tiles (nothing runs)
+    linear.TUNE.clear()
+    x, w = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(512, 256, dtype=torch.bfloat16)
+
+    def launched(x=x):
+        linear.linear(x, w)
+        kw = rec.launches[-1][2]
+        return kw["BM"], kw["BN"], kw["BK"], kw["num_warps"]
+
+    try:
+        assert launched() == (16, 64, 128, 4)                      # linear_tiles(1): the default
+        linear.TUNE["BN"] = 32
+        assert launched() == (16, 32, 128, 4)
+        with active({"linear": {"BK": 64, "num_warps": 8}}):
+            assert launched() == (16, 32, 64, 8)
+            linear.TUNE.clear()
+            assert launched() == (16, 64, 64, 8)
+        assert launched() == (16, 64, 128, 4)
+        assert launched(torch.zeros(40, 256, dtype=torch.bfloat16)) == (64, 64, 128, 4)   # M <= 64
+        assert launched() == (16, 64, 128, 4)
+    finally:
+        linear.TUNE.clear()

@@ -91,3 +91,62 @@ def test_registration_declines_tensors_of_another_device_type_or_device():
     assert c.impls["rms_norm"].supports(torch.randn(2, 8), None, 1e-6) is True
     assert c.impls["rms_norm"].supports(x, None, 1e-6) is False
     assert c.impls["rms_norm"].supports(x=torch.randn(2, 8), weight=w, eps=1e-6) is False   # by keyword
+
+
+def test_device_guard_only_where_a_device_type_has_several_devices(monkeypatch):
+    """The wrapper makes a tensor's device current only on a device type with more than one
+    device (or one whose count is unknown); with one, it reads no device per call."""
+    import types
+
+    assert registry._several(None) is False
+    assert registry._several(types.SimpleNamespace(device_count=lambda: 1)) is False
+    assert registry._several(types.SimpleNamespace(device_count=lambda: 2)) is True
+    assert registry._several(types.SimpleNamespace()) is True                    # no count: guarded
+
+    def broken():
+        raise RuntimeError("no driver")
+    assert registry._several(types.SimpleNamespace(device_count=broken)) is True
+    looked = []
+    monkeypatch.setattr(registry, "_first_device", lambda a, k: looked.append(1))
+    monkeypatch.setitem(registry._mods, "norm", types.SimpleNamespace(TUNE=None))
+    monkeypatch.setitem(registry.KERNELS, "rms_norm", lambda x, weight, eps: x)
+    sig = inspect.signature(predicates.rms_norm_supports)
+    x = torch.zeros(2, 4)
+    for count, guarded in ((1, False), (2, True)):
+        monkeypatch.setattr(torch, "fakedev", types.SimpleNamespace(device_count=lambda c=count: c), raising=False)
+        impl = registry._lazy("rms_norm", "norm", sig, "fakedev")
+        looked.clear()
+        assert impl(x, None, 1e-6) is x and impl(x, None, 1e-6) is x
+        assert len(looked) == (2 if guarded else 0), count
+
+
+def test_supports_compares_device_indices_only_where_there_are_several(monkeypatch):
+    """The registration's device check reads each tensor's device index only on a device type
+    with several devices; a tensor of another type is declined either way."""
+    import types
+
+    from dsv4core.kernels.triton.predicates import rms_norm_supports
+
+    class Indexed(torch.Tensor):                      # a CPU tensor that reports device index i
+        def get_device(self):
+            return self.i
+
+    def on(i):
+        t = torch.zeros(2, 8).as_subclass(Indexed)
+        t.i = i
+        return t
+    w0 = torch.ones(8).as_subclass(Indexed)
+    w0.i = 0
+    for name, accel, compared in (("cpu", None, False),
+                                  ("fakeone", types.SimpleNamespace(device_count=lambda: 1), False),
+                                  ("fakemany", types.SimpleNamespace(device_count=lambda: 2), True),
+                                  ("fakenone", None, True)):             # no torch module: compared
+        if accel is not None:
+            monkeypatch.setattr(torch, name, accel, raising=False)
+        if name != "cpu":                             # the fake types' flag: every tensor has it
+            monkeypatch.setattr(torch.Tensor, f"is_{name}", property(lambda self: True), raising=False)
+        sup = registry._on_device(rms_norm_supports, name)
+        assert sup(on(0), w0, 1e-6) is True, name
+        assert sup(on(1), w0, 1e-6) is (not compared), name       # cuda:1 with cuda:0
+    sup = registry._on_device(rms_norm_supports, "cpu")
+    assert sup(torch.zeros(2, 8, device="meta"), None, 1e-6) is False

@@ -10,7 +10,11 @@ from dsv4core.hal.util import cdiv  # noqa: F401  (re-exported for the kernel mo
 
 
 def np2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The power of two >= n (1 for n <= 1): ``triton.next_power_of_2``'s value, in plain integer
+    arithmetic (that one is a constexpr function, several microseconds a host call; launchers call
+    this a few times a launch)."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def c(t: torch.Tensor) -> torch.Tensor:

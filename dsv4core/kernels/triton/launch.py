@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import types
 from collections.abc import Callable, Iterator, Mapping
 
 #: the launch table of the backend whose op is running (None: kernel defaults)
@@ -80,6 +81,19 @@ def unknown_keys(module: str, entry: Mapping, where: str, known=None) -> None:
                          f"{', '.join(sorted(map(str, unknown)))}; expected some of {', '.join(sorted(known))}")
 
 
+_NONE: Mapping = types.MappingProxyType({})   # no entry for the module (read only)
+_MISSING = object()
+#: distinct (key, parameters) configurations a module's ``Tune.memo`` keeps (then forgotten at once)
+_MEMO_MAX = 4096
+
+
+def _frozen(entry: Mapping) -> tuple:
+    """A launch-parameter mapping as a hashable value, each value with its type (1, 1.0 and True
+    are equal keys otherwise) and the ``launch`` keywords, a dict, as their items; TypeError for a
+    value that is not hashable."""
+    return tuple((k, type(v), tuple(v.items()) if type(v) is dict else v) for k, v in entry.items())
+
+
 class Tune(dict):
     """A kernel module's launch parameters: its own entries (tuning overrides) over the active
     launch table's entry for the module, over the default the kernel passes to :meth:`get`.
@@ -99,6 +113,7 @@ class Tune(dict):
                                  f"(dsv4core/kernels/triton/launch.py); known: {', '.join(sorted(TUNING_KEYS))}")
             keys = TUNING_KEYS[self.module]
         self.keys = frozenset(keys) | {"launch"}
+        self._memo: dict = {}
 
     def check(self, entry: Mapping, where: str = "TUNE") -> Mapping:
         """``entry`` unchanged, or ValueError naming the module, the unknown keys and the known ones."""
@@ -122,13 +137,42 @@ class Tune(dict):
         return super().setdefault(key, default)
 
     def _table(self) -> Mapping:
-        entry = (_ACTIVE.get() or {}).get(self.module)
-        return entry if isinstance(entry, Mapping) else {}   # callables are resolved by the registry
+        active = _ACTIVE.get()
+        entry = active.get(self.module) if active is not None else None
+        if entry is None:
+            return _NONE
+        if type(entry) is dict or isinstance(entry, Mapping):   # (the common case first: no ABC check)
+            return entry
+        return _NONE                                              # callables are resolved by the registry
 
     def get(self, key, default=None):
-        if dict.__contains__(self, key):
+        if dict.__len__(self) and dict.__contains__(self, key):
             return dict.__getitem__(self, key)
+        active = _ACTIVE.get()              # (``_table`` inlined: launchers read a few keys a launch)
+        entry = active.get(self.module) if active is not None else None
+        if entry is None:
+            return default
+        if type(entry) is dict:
+            return entry.get(key, default)
         return self._table().get(key, default)
+
+    def memo(self, key, build: Callable[[], object]):
+        """``build()``'s value for ``key`` (hashable: the shapes, dtypes and flags it depends on) under
+        the launch parameters in effect now (this module's own overrides and the active table's entry,
+        compared by value), computed once and then reused: for a launcher's per-call configuration,
+        which depends on nothing else. The value is shared between calls (read it, never change it).
+        Parameters that cannot be compared by value (unhashable) are not memoised: ``build()`` then
+        runs every time."""
+        try:
+            k = (key, _frozen(self) if dict.__len__(self) else (), _frozen(self._table()))
+            v = self._memo.get(k, _MISSING)
+        except TypeError:
+            return build()
+        if v is _MISSING:
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()
+            v = self._memo[k] = build()
+        return v
 
     def sets_any(self) -> bool:
         """Whether any launch parameter is set for this call: an own override (``launch``
@@ -141,7 +185,8 @@ class Tune(dict):
 
     def options(self) -> dict:
         """Extra keywords for every launch of this module (e.g. ``waves_per_eu``); ``{}`` by default."""
-        return dict(self.get("launch") or {})
+        extra = self.get("launch")
+        return dict(extra) if extra else {}
 
 
 class active:

@@ -228,6 +228,33 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     return cfg
 
 
+def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype):
+    """grouped_gemm's launch for these shapes: (S, grid, {KPS, NB, KB, const: the GEMM's constexprs
+    and launch keywords}, the reduction's (grid, keywords) or None)."""
+    fp8 = scaled and w_dtype != torch.bfloat16      # FP8 codes read (not bf16 codes converted once)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8)
+    BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
+    NB, KB = cdiv(N, 128), cdiv(K, 128)
+    mt, nt = cdiv(M, BM), cdiv(N, BN)
+    # split K when the (M, N, G) tiles alone leave the GPU idle; a split is whole 128-blocks
+    step = max(BK * KSUB * NBLK, 128)  # a multiple of BK * KSUB * NBLK (all powers of two)
+    kblocks = cdiv(K, step)
+    S = tune.get("S") or tune.get("target", target_programs(out.device)) // (mt * nt * G)
+    KPS = cdiv(kblocks, max(1, min(kblocks, S))) * step
+    S = cdiv(K, KPS)
+    # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
+    via = {"VIA32": True} if fp8 and cfg["fp8"] == "via_f32" else {}
+    const = dict(G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
+                 EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
+    red = None
+    if S > 1:
+        SP = np2(S)
+        BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program
+        red = ((cdiv(M * G * N, BLOCK),), dict(BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **tune.options()))
+    return S, (mt, nt, G * S), {"KPS": KPS, "NB": NB, "KB": KB, "const": const}, red
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype, *, tune=TUNE,
                  tiles=linear_tiles, op: str = "linear") -> torch.Tensor:
     """``out[m, g, n] = sum_k a[m, g, k] * W[g, n, k] (* block scale)``; a [M, G, K] and w [G, N, K]
@@ -252,35 +279,23 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
         w, scale, scaled = dequant.fp8_to_bf16(w, scale), None, False
     elif codes:
         w = dequant.fp8_codes(w)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, shared_bytes(a.device) >= BIG_TILE_SHARED,
-                  quantised=scaled and not codes)
-    BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
+    big = shared_bytes(a.device) >= BIG_TILE_SHARED
     e8 = scaled and _E8M0 is not None and scale.dtype == _E8M0
+    # the launch (everything but the tensors and their strides) depends on these values and the
+    # launch parameters only: planned once per such key (Tune.memo; the device helpers in the key:
+    # aot.device_branch and tests replace them)
+    S, grid, kw, red = tune.memo((op, M, G, K, N, a.dtype, w.dtype, out_dtype, a.device, scaled, e8, ieee, big,
+                                  tiles, target_programs, rne),
+                                 lambda: _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w.dtype))
     s = scale.contiguous() if scaled else a
     if e8:
         s = s.view(torch.uint8)
-    NB, KB = cdiv(N, 128), cdiv(K, 128)
-    mt, nt = cdiv(M, BM), cdiv(N, BN)
-    # split K when the (M, N, G) tiles alone leave the GPU idle; a split is whole 128-blocks
-    step = max(BK * KSUB * NBLK, 128)  # a multiple of BK * KSUB * NBLK (all powers of two)
-    kblocks = cdiv(K, step)
-    S = tune.get("S") or tune.get("target", target_programs(a.device)) // (mt * nt * G)
-    KPS = cdiv(kblocks, max(1, min(kblocks, S))) * step
-    S = cdiv(K, KPS)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
-    grid = (mt, nt, G * S)
-    # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
-    via = {"VIA32": True} if scaled and not codes and cfg["fp8"] == "via_f32" else {}
-    _gemm_kernel[grid](a, w, s, out, part, M, N, K, KPS, S, NB, KB,
-                       a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), NB * KB,
-                       G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
-                       EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
+    _gemm_kernel[grid](a, w, s, out, part, M, N, K, kw["KPS"], S, kw["NB"], kw["KB"],
+                       a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), kw["NB"] * kw["KB"],
+                       **kw["const"])
     if S > 1:
-        R = M * G * N
-        SP = np2(S)
-        BLOCK = max(32, min(1024, 8192 // SP))      # <= 8192 partials in flight per program
-        _reduce_kernel[(cdiv(R, BLOCK),)](part, out, R, S, BLOCK=BLOCK, SP=SP, RNE=rne(out), num_warps=4, **tune.options())
+        _reduce_kernel[red[0]](part, out, M * G * N, S, **red[1])
     return out
 
 

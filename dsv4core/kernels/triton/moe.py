@@ -519,8 +519,9 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     fp8 = f13 == FMT_FP8 or f2 == FMT_FP8
     d13, d2 = _decode_keys(f13, f32, fp4_mode, fp8_mode), _decode_keys(f2, f32, fp4_mode, fp8_mode)
     programs = target_programs(dev)
-    cfg = _config(P, E, ieee, f32, fp8, H, I, programs, plain=plain,
-                  scaled=d13["SCALED"] or d2["SCALED"], big=shared_bytes(dev) >= BIG_TILE_SHARED)
+    scaled, big = d13["SCALED"] or d2["SCALED"], shared_bytes(dev) >= BIG_TILE_SHARED
+    cfg = TUNE.memo(("cfg", P, E, ieee, f32, fp8, H, I, programs, plain, scaled, big),   # once per shapes and TUNE
+                    lambda: _config(P, E, ieee, f32, fp8, H, I, programs, plain=plain, scaled=scaled, big=big))
     BM, BNu, BNd, BK, nw, ns, KSUB = cfg
     if (fp8 and BK * KSUB != 128) or ((f13 == FMT_FP4 or f2 == FMT_FP4) and BK % 32):
         raise ValueError(f"moe_experts: BK={BK} must divide 128 (FP8) and be a multiple of 32 (FP4) (TUNE override?)")

@@ -90,16 +90,17 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
 
     Device guard: Triton launches on the CURRENT device, so a call whose tensors live on another
     device of the same type (``cuda:1`` while ``cuda:0`` is current) runs with that device made
-    current for the call (``supports`` already declined calls mixing devices)."""
+    current for the call (``supports`` already declined calls mixing devices). With one device of
+    the type (its ``device_count()``, read at the first call) every tensor is on the current one:
+    no guard, nothing read per call."""
     target = []
     accel = getattr(torch, device_type, None) if device_type != "cpu" else None
 
-    def run(fn, args, kwargs):
-        if accel is not None:
-            dev = _first_device(args, kwargs)
-            if dev is not None and dev.index is not None and dev.index != accel.current_device():
-                with accel.device(dev):
-                    return fn(*args, **kwargs)
+    def guarded(fn, args, kwargs):
+        dev = _first_device(args, kwargs)
+        if dev is not None and dev.index is not None and dev.index != accel.current_device():
+            with accel.device(dev):
+                return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
     def impl(*args, **kwargs):
@@ -113,10 +114,11 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
                                  f"launch parameters")
             if entry is not None and not callable(entry):
                 tune.check(entry, f"the launch table's entry, op {op}")
-            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}, tune]
-        fn, entry, static, tune = target
+            target[:] = [fn, entry, None if entry is None or callable(entry) else {modname: entry}, tune,
+                         _several(accel)]
+        fn, entry, static, tune, several = target
         if entry is None:
-            return run(fn, args, kwargs)
+            return guarded(fn, args, kwargs) if several else fn(*args, **kwargs)
         if static is None:   # a callable entry: its result checked per call (a subset test, ~0.1 µs)
             got = entry(*args, **kwargs)
             if got is not None:
@@ -128,7 +130,7 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
             static = {modname: got}
         tok = _ACTIVE.set(static)
         try:
-            return run(fn, args, kwargs)
+            return guarded(fn, args, kwargs) if several else fn(*args, **kwargs)
         finally:
             _ACTIVE.reset(tok)
 
@@ -136,6 +138,18 @@ def _lazy(op: str, modname: str, sig: inspect.Signature, device_type: str, launc
     impl.__name__ = impl.__qualname__ = op
     impl.__doc__ = f"Triton kernel for {op} ({__package__}.{modname})."
     return impl
+
+
+def _several(accel) -> bool:
+    """Whether the device module ``accel`` (``torch.cuda``, ...; None for the CPU) may hold tensors
+    on a device other than the current one: it has more than one device, or does not say."""
+    if accel is None:
+        return False
+    count = getattr(accel, "device_count", None)
+    try:
+        return count is None or int(count()) > 1
+    except Exception:  # noqa: BLE001 - a count it cannot give: keep the guard
+        return True
 
 
 def _entries(table):
@@ -151,25 +165,30 @@ def _on_device(pred, device_type: str):
 
     Per call, host cost: a tensor's device type is read from its ``is_<type>`` flag and its device
     index from ``get_device()`` (no ``torch.device`` object is built: ``t.device.type`` alone costs
-    more than the rest of a typical predicate)."""
+    more than the rest of a typical predicate); the index only on a device type with several
+    devices (``_several``, decided at the first call)."""
     sig = inspect.signature(pred)
     flag = f"is_{device_type}" if hasattr(torch.Tensor, f"is_{device_type}") else None   # else t.device.type
 
-    def on_type(v) -> bool:
-        return getattr(v, flag) if flag is not None else v.device.type == device_type
+    Tensor = torch.Tensor
+    several = []     # whether the type has several devices (read at the first call: `_several`)
 
     def supports(*args, **kwargs):
         try:
-            index = None
+            if not several:      # the CPU and meta: one device; a type without a torch module: unknown
+                accel = getattr(torch, device_type, None)
+                several.append(device_type not in ("cpu", "meta") and (accel is None or _several(accel)))
+            index, check = None, several[0]      # one device of the type: no index to compare
             for v in (args if not kwargs else (*args, *kwargs.values())):
-                if isinstance(v, torch.Tensor):
-                    if not on_type(v):
+                if isinstance(v, Tensor):
+                    if not (getattr(v, flag) if flag is not None else v.device.type == device_type):
                         return False
-                    i = v.get_device()
-                    if index is None:
-                        index = i
-                    elif i != index:
-                        return False
+                    if check:
+                        i = v.get_device()
+                        if index is None:
+                            index = i
+                        elif i != index:
+                            return False
             return bool(pred(*args, **kwargs))
         except Exception:  # noqa: BLE001 - a predicate declines, it never raises
             return False
