@@ -117,6 +117,49 @@ for dt in (torch.float32, torch.bfloat16):
         masked_ok=bool((got[~valid] == float("-inf")).all()), valid_finite=bool(torch.isfinite(got[valid]).all()),
         shape=list(got.shape))
 
+# ---- paged pools (HAL 1.4): blocks whose stride is not a multiple of the row stride, other bytes between
+from dsv4core.hal import rowformats
+from dsv4core.kernels.triton import attention
+def paged(buf, B, J, W, rs, bs, off):
+    return torch.as_strided(buf, (B, J, W), (bs, rs, 1), off)
+for fmt, W, D in ((None, 64, 64), ("fp8", rowformats.row_bytes("fp8", 128), 128)):
+    dt = torch.bfloat16 if fmt is None else torch.uint8
+    B, J, rs = 5, 3, W + 2
+    bs = J * rs + 7                                            # 7: not a multiple of the row stride
+    buf = (torch.randn(11 + B * bs, generator=g).to(dt) if fmt is None
+           else torch.randint(0, 256, (11 + B * bs,), generator=g, dtype=torch.uint8))
+    pool = paged(buf, B, J, W, rs, bs, 11)
+    rows = torch.randn(6, D, generator=g) * 3
+    index = torch.tensor([14, -1, 0, 4, 8, 13], dtype=torch.int64)
+    want = buf.clone()
+    wv = paged(want, B, J, W, rs, bs, 11)
+    keep = index >= 0
+    vals = rows.to(dt) if fmt is None else rowformats.pack("fp8", rows)
+    for i in keep.nonzero().flatten().tolist():
+        wv[index[i] // J, index[i] % J] = vals[i]
+    extra = {} if fmt is None else dict(row_format=fmt)
+    cache.cache_store(pool, index, rows, paged=True, **extra)
+    out[f"paged/cache_store/{fmt}"] = dict(bitwise=bool(torch.equal(buf.view(torch.uint8), want.view(torch.uint8))))
+    # the reads: the same rows as a flat pool give the same bits (one kernel, one arithmetic order)
+    flat = pool.reshape(B * J, W).contiguous()
+    idx = torch.tensor([[14, 0, 3, -1, 7], [1, 2, -1, -1, 9]], dtype=torch.int32)
+    if fmt is None:
+        q = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        sink = torch.randn(4, generator=g)
+        a_p = attention.sparse_mqa_attention(q, pool, idx, sink, 0.1, kv_paged=True)
+        a_f = attention.sparse_mqa_attention(q, flat, idx, sink, 0.1)
+        qi = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        wi = torch.randn(2, 4, generator=g)
+        s_p = indexer.indexer_scores_rows(qi, pool, wi, idx, 0.3, k_paged=True)
+        s_f = indexer.indexer_scores_rows(qi, flat, wi, idx, 0.3)
+        out["paged/indexer/None"] = dict(bitwise=bool(torch.equal(s_p, s_f)))
+    else:
+        q = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        sink = torch.randn(4, generator=g)
+        a_p = attention.sparse_mqa_attention(q, pool, idx, sink, 0.1, kv_format="fp8", kv_paged=True)
+        a_f = attention.sparse_mqa_attention(q, flat, idx, sink, 0.1, kv_format="fp8")
+    out[f"paged/attention/{fmt}"] = dict(bitwise=bool(torch.equal(a_p.view(torch.uint8), a_f.view(torch.uint8))))
+
 json.dump(out, open(sys.argv[1], "w"))
 """
 
@@ -134,6 +177,15 @@ def test_cache_store_writes_only_the_destination_rows_bitwise(results, dtypes):
     # the whole buffer the pool is a view of: destination rows hold rows[i] rounded once (RNE,
     # the ties included), skipped rows (-1), other pool rows and the bytes outside the view keep theirs
     assert r["bitwise"], r["first_diffs"]
+
+
+@pytest.mark.parametrize("what", ["cache_store/None", "cache_store/fp8", "attention/None", "attention/fp8",
+                                  "indexer/None"])
+def test_paged_pools_write_only_their_rows_and_read_as_flat_rows(results, what):
+    # cache_store: the whole buffer behind a paged pool (block stride not a multiple of the row
+    # stride) holds the destination rows and keeps every other byte; the reads of a paged pool are
+    # bitwise those of the same rows as a flat pool (the kernels differ only in the row address)
+    assert results[f"paged/{what}"]["bitwise"]
 
 
 @pytest.mark.parametrize("case", ["csa-S6-DP20", "hca-S5-DP600"])
