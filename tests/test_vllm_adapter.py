@@ -207,9 +207,13 @@ def test_build_step_refuses_inconsistent_inputs(tiny):
 
 
 def test_block_stride_alignment_is_a_multiple_of_every_row():
-    parts = cache_parts(_flash(), torch.bfloat16, "fp8")
+    # bf16: every row is viewed flat; fp8: the FP8 rows and FP4 keys are viewed paged and ask
+    # nothing of the block stride (8192 B, the fp32 state rows' lcm, instead of 10,166,272 B)
+    parts = cache_parts(_flash(), torch.bfloat16)
     a = block_stride_alignment(parts)
     assert all(a % p.row_bytes == 0 for p in parts)
+    fp8 = cache_parts(_flash(), torch.bfloat16, "fp8")
+    assert block_stride_alignment(fp8) == 8192 and all(8192 % p.row_bytes == 0 for p in fp8 if p.format is None)
     _, t = allocate_packed(cache_parts(_flash(), torch.bfloat16)[:6], 3)
     for x in t.values():
         rows_view(x)                                        # every part's block stride is a whole number of rows
@@ -226,3 +230,31 @@ def test_the_plugin_registers_nothing_unless_switched_on(monkeypatch):
     had = "vllm" in sys.modules
     assert plugin.register() is False
     assert ("vllm" in sys.modules) == had
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["window-first", "entries-first"])
+def test_fp8_rows_in_engine_blocks_give_the_native_fp8_logits_bit_for_bit(order):
+    # FP8 KV rows and FP4 keys (hal.rowformats) in the engine's packed blocks, viewed paged (HAL
+    # 1.4): the block stride is a multiple of no 584 B / 68 B row, yet prefill chunks and decodes
+    # through the adapter equal dsv4core's own FP8-KV cache bitwise (the same stored bytes, read in
+    # the same order; the FP8 row's rope channels are bf16: a bf16 model)
+    m = load_model("tiny-official", backend="reference", dtype=torch.bfloat16)   # head_dim 128: 64 + 64 rope
+    m.use_graphs = False
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512, kv_dtype="fp8")
+    parts = cache_parts(m.config, m.act_dtype, "fp8")
+    assert {p.dtype for p in parts if p.part in ("window", "entries", "keys")} == {torch.uint8}
+    groups = groups_like_vllm(parts)
+    eng = MiniEngine(parts, groups, num_blocks=128, order=order)
+    kv_row = next(p.row_bytes for p in parts if p.part == "window")
+    key_row = next(p.row_bytes for p in parts if p.part == "keys")
+    stride = next(iter(eng.tensors.values())).untyped_storage().nbytes() // 128
+    assert stride % kv_row and stride % key_row            # the flat row views could not address these
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    assert pools.rows[1].dim() == 3 and pools.row_read == {"kv_format": "fp8", "kv_paged": True}
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    for s, sched in enumerate(step_plan(prompts)):
+        inp = eng.step(sched, slot_mappings=s % 2 == 0)
+        want = native_logits(m, states, sched, inp["positions"])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert torch.isfinite(want).all() and torch.equal(got, want), (s, (got - want).abs().max().item())

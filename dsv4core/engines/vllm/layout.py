@@ -141,8 +141,11 @@ def kv_bytes_per_token(parts: list[CachePart]) -> dict[str, Fraction]:
 
 
 def block_stride_alignment(parts: list[CachePart]) -> int:
-    """The least multiple of every part's row bytes: a physical block stride that is one lets a
-    pool view address every part's rows as one strided row sequence (`pools.rows_view`)."""
+    """The least multiple of the row bytes of every part viewed as flat rows: a physical block
+    stride that is one lets a pool view address each such part's rows as one strided row sequence
+    (`pools.rows_view`). Parts in a stored row format (FP8 rows, FP4 keys) are viewed paged
+    (`pools.paged_layer_view`, HAL 1.4) and ask nothing of the block stride."""
     from math import lcm
 
-    return lcm(*{p.row_bytes for p in parts}) if parts else 1
+    flat = {p.row_bytes for p in parts if p.format is None}
+    return lcm(*flat) if flat else 1

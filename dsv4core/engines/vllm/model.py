@@ -101,8 +101,10 @@ def vllm_classes():
 def _kv_dtype(cache_dtype: str) -> str | None:
     if cache_dtype in (None, "auto"):
         return None
-    raise NotImplementedError(f"kv_cache_dtype={cache_dtype!r}: only 'auto' (rows in the model dtype) is mapped; "
-                              f"dsv4core's FP8 rows are not yet declared to vLLM (docs/vllm.md)")
+    if cache_dtype == "fp8":     # dsv4core's FP8 KV rows and FP4 indexer keys (`hal.rowformats`), paged views
+        return "fp8"
+    raise NotImplementedError(f"kv_cache_dtype={cache_dtype!r}: 'auto' (rows in the model dtype) and 'fp8' "
+                              f"(dsv4core's FP8 KV rows, FP4 indexer keys) are mapped (docs/vllm.md)")
 
 
 class DeepseekV4ForCausalLM(nn.Module):
