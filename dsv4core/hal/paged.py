@@ -36,17 +36,19 @@ def put(pool: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, paged: bool
         pool.index_put_((idx // J, idx % J), values)
 
 
-def blocks_of(rows: torch.Tensor, J: int, gap: int = 3, pad: int = 5) -> torch.Tensor:
+def blocks_of(rows: torch.Tensor, J: int, gap: int = 8, pad: int = 8, offset: int = 16) -> torch.Tensor:
     """A paged copy of ``rows`` [R, W] (R a multiple of J): ``[R / J, J, W]`` whose rows are ``W +
     pad`` elements apart and whose blocks are ``J (W + pad) + gap`` apart (a block stride that is
-    not a multiple of the row stride for ``0 < gap < W + pad``), in a larger buffer at a storage
-    offset; the bytes outside the rows hold other values."""
+    not a multiple of the row stride for ``0 < gap < W + pad``), in a larger buffer at storage
+    offset ``offset``; the elements outside the rows hold other values. The defaults keep every
+    stride a multiple of 8 elements, as an engine's blocks are (its pages start at whole rows)."""
     R, W = rows.shape
     if R % J:
         raise ValueError(f"blocks_of: {R} rows are not whole blocks of {J}")
     B, rs = R // J, W + pad
     bs = J * rs + gap
-    buf = torch.full((7 + B * bs,), 0x5A if rows.dtype == torch.uint8 else -7, dtype=rows.dtype, device=rows.device)
-    view = torch.as_strided(buf, (B, J, W), (bs, rs, 1), 7)
+    buf = torch.full((offset + B * bs,), 0x5A if rows.dtype == torch.uint8 else -7, dtype=rows.dtype,
+                     device=rows.device)
+    view = torch.as_strided(buf, (B, J, W), (bs, rs, 1), offset)
     view.copy_(rows.reshape(B, J, W))
     return view

@@ -38,6 +38,8 @@ pipe 1's 14.0 / 16.2 / 17.4 / 20.8; pipe 2 took 77.4 / 289 µs at T = 64 / 256 a
 """
 from __future__ import annotations
 
+from math import gcd
+
 import torch
 import triton
 import triton.language as tl
@@ -65,21 +67,12 @@ def _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK: tl.constexpr):
 
 
 @triton.jit
-def _row_offsets(rows, J, SB, SR, PAGED: tl.constexpr):
-    """Element offsets of pool rows ``rows``: ``rows * SR``, or paged (HAL 1.4: blocks of J rows,
-    SB elements apart) ``(rows // J) * SB + (rows % J) * SR``."""
-    if PAGED:
-        return (rows // J) * SB + (rows % J) * SR
-    return rows * SR
-
-
-@triton.jit
-def _fp8_kv_rows(kv_ptr, offs, valid, D: tl.constexpr, NOPE: tl.constexpr):
-    """fp32 [BK, D]: the FP8 KV rows at byte offsets ``offs`` of a uint8 pool (hal.rowformats "fp8"):
+def _fp8_kv_rows(kv_ptr, rows, valid, W: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr):
+    """fp32 [BK, D]: FP8 KV rows ``rows`` of a uint8 pool of W-byte rows (hal.rowformats "fp8"):
     bytes [0, NOPE) e4m3, [NOPE, NOPE + 2 (D - NOPE)) bf16 rope channels, then one UE8M0 byte per
     64 non-rope channels (2^(b - 127), built from its bits: b >= 1, as every stored scale is)."""
     dc = tl.arange(0, D)
-    base = offs[:, None]
+    base = rows[:, None] * W
     nope = (dc < NOPE)[None, :]
     m = valid[:, None] & nope
     b = tl.load(kv_ptr + base + dc[None, :], mask=m, other=0)
@@ -93,10 +86,10 @@ def _fp8_kv_rows(kv_ptr, offs, valid, D: tl.constexpr, NOPE: tl.constexpr):
 
 @triton.jit
 def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr,
-                 T, NH, N, K, KPS, S, scale, J, SB, SR,
+                 T, NH, N, K, KPS, S, scale,
                  D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PIPE: tl.constexpr,
                  F32: tl.constexpr, FINAL: tl.constexpr, INTERP: tl.constexpr, RNE: tl.constexpr,
-                 FP8: tl.constexpr, NOPE: tl.constexpr, PAGED: tl.constexpr):
+                 FP8: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -118,10 +111,9 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
         if PIPE == 0:
             rows, valid = _smqa_rows(idx_ptr, t, K, N, k0, k_hi, BK)
         if FP8:
-            kv = _fp8_kv_rows(kv_ptr, _row_offsets(rows, J, SB, SR, PAGED), valid, D, NOPE).to(q.dtype)
+            kv = _fp8_kv_rows(kv_ptr, rows, valid, W, D, NOPE).to(q.dtype)
         else:
-            kv = tl.load(kv_ptr + _row_offsets(rows, J, SB, SR, PAGED)[:, None] + dc[None, :], mask=valid[:, None],
-                         other=0.0)
+            kv = tl.load(kv_ptr + rows[:, None] * W + dc[None, :], mask=valid[:, None], other=0.0)
         if PIPE == 1:
             rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK)
         if F32:
@@ -241,6 +233,20 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 
+def _paged_offsets(kv, indices):
+    """A paged pool (HAL 1.4, [B, J, W], any strides) as the offsets of its rows in units of U
+    elements, U the largest power of two (<= 64) dividing both strides: int64 ``((i // J) *
+    stride(0) + (i % J) * stride(1)) / U`` per index, -1 kept (on the device: capturable). The
+    kernel reads row ``offset`` as a pool of U-element "rows" (W = U: the loads keep the alignment
+    the strides give), the pool not copied. Returns (offsets, U, the offset bound)."""
+    i = indices.long()
+    J, s0, s1 = kv.shape[1], kv.stride(0), kv.stride(1)
+    g = gcd(s0, s1)
+    U = min(g & -g, 64) if g else 64
+    off = torch.where(i >= 0, ((i // J) * s0 + (i % J) * s1) // U, -1)
+    return off, U, ((kv.shape[0] - 1) * s0 + (J - 1) * s1) // U + 1
+
+
 @implements("sparse_mqa_attention", supports=predicates.sparse_mqa_attention_supports)
 def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     T, NH, D = q.shape
@@ -250,28 +256,30 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=F
     K = indices.shape[1]
     if K == 0:
         return o.zero_()
-    q, indices, sink = c(q), c(indices), c(sink)
-    kv = kv if kv_paged else c(kv)            # a paged pool is read through its strides (no copy)
-    N = kv.shape[0] * kv.shape[1] if kv_paged else kv.shape[0]
+    q, sink = c(q), c(sink)
+    if kv_paged:
+        indices, U, N = _paged_offsets(kv, indices)
+    else:
+        kv, indices = c(kv), c(indices)
+        N = kv.shape[0]
     f32 = q.dtype == torch.float32
     p = plan(T, NH, D, K, f32, q.device, kv_format == "fp8")
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb)
     fp8 = kv_format == "fp8"
     common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
-                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, PAGED=kv_paged,
+                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=U if kv_paged else kv.shape[1],
                   num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
-    rows = (kv.shape[1], kv.stride(0), kv.stride(1)) if kv_paged else (N, 0, kv.stride(0))   # J, SB, SR
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                 float(scale), *rows, FINAL=True, **common)
+                                 float(scale), FINAL=True, **common)
         return o
     # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     _smqa_kernel[(*grid, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                             float(scale), *rows, FINAL=False, **common)
+                             float(scale), FINAL=False, **common)
     CB = p["CB"]
     _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
                                                 RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())

@@ -35,17 +35,18 @@ TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
-def _dst_offset(dst, J, SB, sp_r, PAGED: tl.constexpr):
+def _dst_offset(dst, J: tl.constexpr, SB, sp_r, PAGED: tl.constexpr):
     """The element offset of pool row ``dst``: ``dst * sp_r``, or paged (HAL 1.4: blocks of J rows,
-    SB elements apart) ``(dst // J) * SB + (dst % J) * sp_r``."""
+    SB elements apart) ``(dst // J) * SB + (dst % J) * sp_r`` (J a constant: no division routine)."""
     if PAGED:
         return (dst // J) * SB + (dst % J) * sp_r
     return dst * sp_r
 
 
 @triton.jit
-def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r, sr_c, J, SB,
-                        BR: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, PAGED: tl.constexpr):
+def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r, sr_c, SB,
+                        BR: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, PAGED: tl.constexpr,
+                        J: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = (tl.program_id(1) * BD + tl.arange(0, BD)).to(tl.int64)
     rm = r < E
@@ -85,9 +86,9 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, J, SB,
+def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB,
                       NOPE: tl.constexpr, GP: tl.constexpr, PAD: tl.constexpr, RNE: tl.constexpr,
-                      PAGED: tl.constexpr):
+                      PAGED: tl.constexpr, J: tl.constexpr):
     """Row e of rows [E, NOPE + 64] -> its FP8 KV row at pool row index[e] (skipped when -1)."""
     e = tl.program_id(0).to(tl.int64)
     dst = tl.load(idx_ptr + e * si).to(tl.int64)
@@ -108,8 +109,8 @@ def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, J, SB,
 
 
 @triton.jit
-def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, J, SB, D: tl.constexpr, GP: tl.constexpr,
-                      PAGED: tl.constexpr):
+def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB, D: tl.constexpr, GP: tl.constexpr,
+                      PAGED: tl.constexpr, J: tl.constexpr):
     """Row e of rows [E, D] -> its FP4 key at pool row index[e] (skipped when -1)."""
     e = tl.program_id(0).to(tl.int64)
     dst = tl.load(idx_ptr + e * si).to(tl.int64)
@@ -132,9 +133,9 @@ def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, J, SB, 
 
 
 def _pool_rows(pool, paged):
-    """(J, SB, row stride): a paged pool's rows a block, block stride and row stride; a flat pool's
-    row count, 0 and row stride."""
-    return (pool.shape[1], pool.stride(0), pool.stride(1)) if paged else (pool.shape[0], 0, pool.stride(0))
+    """(J, SB, row stride): a paged pool's rows a block (a kernel constant), block stride and row
+    stride; a flat pool's 1, 0 and row stride."""
+    return (pool.shape[1], pool.stride(0), pool.stride(1)) if paged else (1, 0, pool.stride(0))
 
 
 def _store_format(pool, index, rows, row_format, paged):
@@ -142,14 +143,14 @@ def _store_format(pool, index, rows, row_format, paged):
     if E == 0 or pool.shape[0] == 0:
         return None
     J, SB, SR = _pool_rows(pool, paged)
-    args = (pool, index, rows, index.stride(0), SR, rows.stride(0), rows.stride(1), J, SB)
+    args = (pool, index, rows, index.stride(0), SR, rows.stride(0), rows.stride(1), SB)
     if row_format == "fp8":
         G = (D - ROPE_DIM) // 64
         _store_fp8_kernel[(E,)](*args, NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
                                 RNE=rne_for(pool.device, torch.bfloat16),   # the rope channels' rounding
-                                PAGED=paged, num_warps=TUNE.get("num_warps", 4))
+                                PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4))
     else:
-        _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), PAGED=paged, num_warps=TUNE.get("num_warps", 4))
+        _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4))
     return None
 
 
@@ -164,6 +165,6 @@ def cache_store(pool, index, rows, row_format=None, paged=False):
     BR = TUNE.get("BR", max(1, min(16, 4096 // BD)))
     J, SB, SR = _pool_rows(pool, paged)
     _cache_store_kernel[(cdiv(E, BR), cdiv(D, BD))](
-        pool, index, rows, E, D, index.stride(0), SR, pool.stride(-1), rows.stride(0), rows.stride(1), J, SB,
-        BR=BR, BD=BD, RNE=rne(pool), PAGED=paged, num_warps=TUNE.get("num_warps", 4), **TUNE.options())
+        pool, index, rows, E, D, index.stride(0), SR, pool.stride(-1), rows.stride(0), rows.stride(1), SB,
+        BR=BR, BD=BD, RNE=rne(pool), PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4), **TUNE.options())
     return None

@@ -55,17 +55,17 @@ def _fp4_keys(k_ptr, ro, d0, m, DI: tl.constexpr):
 
 @triton.jit
 def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, L, scale,
-                                sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l, J, SB,
+                                sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l, SB,
                                 NIP: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
                                 F32: tl.constexpr, INTERP: tl.constexpr, FP4: tl.constexpr,
-                                DIC: tl.constexpr, PAGED: tl.constexpr):
+                                DIC: tl.constexpr, PAGED: tl.constexpr, J: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = (tl.program_id(1) * BL + tl.arange(0, BL)).to(tl.int64)
     sm = slot < L
     r = tl.load(rows_ptr + t * sr_t + slot * sr_l, mask=sm, other=-1).to(tl.int64)
     valid = sm & (r >= 0)
     r = tl.where(valid, r, 0)
-    if PAGED:   # HAL 1.4: blocks of J keys, SB elements apart
+    if PAGED:   # HAL 1.4: blocks of J keys (a constant: no division routine), SB elements apart
         ro = (r // J) * SB + (r % J) * sk_n
     else:
         ro = r * sk_n
@@ -110,9 +110,9 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False
     BL = TUNE.get("BL", 32 if f32 else 64)
     _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
         q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride()[-2:], *weights.stride(),
-        *rows.stride(), k.shape[1] if k_paged else 0, k.stride(0) if k_paged else 0,
+        *rows.stride(), k.stride(0) if k_paged else 0,
         NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
-        DIC=DI if k_format == "fp4" else 0, PAGED=k_paged,
+        DIC=DI if k_format == "fp4" else 0, PAGED=k_paged, J=k.shape[1] if k_paged else 1,
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
 

@@ -113,7 +113,10 @@ def _paged_rows(t, paged):
     stand-in [B * J, W], ok); a flat pool: ([R, W], ok)."""
     if not paged:
         return t.shape, t.dim() == 2
-    return (t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), t.dim() == 3 and t.stride(2) == 1
+    if t.dim() != 3:
+        return t.shape, False
+    ok = t.stride(2) == 1 and t.shape[1] >= 1
+    return (t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), ok
 
 
 def sparse_mqa_attention_supports(q, kv, indices, sink, scale, kv_format=None, kv_paged=False) -> bool:
