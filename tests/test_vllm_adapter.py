@@ -258,3 +258,30 @@ def test_fp8_rows_in_engine_blocks_give_the_native_fp8_logits_bit_for_bit(order)
         want = native_logits(m, states, sched, inp["positions"])
         got = m.forward_step(build_step(m, pools, **inp))
         assert torch.isfinite(want).all() and torch.equal(got, want), (s, (got - want).abs().max().item())
+
+
+def test_paged_layer_view_addresses_both_pages_and_refuses_offsets_between_rows():
+    from dsv4core.engines.vllm.pools import paged_layer_view
+
+    # blocks of 100 B: a layer's window page (3 rows of 12 B) at byte 40, its entries (2 rows) at 4
+    buf = torch.arange(5 * 100, dtype=torch.int32).to(torch.uint8)
+    win = torch.as_strided(buf, (5, 3, 12), (100, 12, 1), 40)
+    ent = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 4)
+    view, (wb, J), (eb, J2) = paged_layer_view(win, ent, "layers.1")
+    assert (wb, eb, J, J2) == (3, 0, 6, 6) and view.shape == (5, 6, 12)
+    for b in range(5):
+        for o in range(3):
+            r = b * J + wb + o
+            assert torch.equal(view[r // J, r % J], win[b, o])
+        for o in range(2):
+            r = b * J + eb + o
+            assert torch.equal(view[r // J, r % J], ent[b, o])
+    off = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 10)       # 30 B before the window: not whole rows
+    with pytest.raises(ValueError, match="layers.1: the window pages start 30 B after"):
+        paged_layer_view(win, off, "layers.1")
+    after = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 76)     # the entries right after the window page
+    _, (wb, J), (eb, _) = paged_layer_view(win, after, "layers.1")
+    assert (wb, eb, J) == (0, 3, 5)
+    far = torch.as_strided(buf, (4, 2, 12), (100, 12, 1), 40 + 7 * 12)   # 84 B after the window: past a block
+    with pytest.raises(ValueError, match="span 108 B, more than the block stride 100 B"):
+        paged_layer_view(win[:4], far, "layers.1")
