@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, e2m1_rne, exp2_int, group_scale_exp, interpreting, np2, rne_bf16
+from .attention import _paged_offsets
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -38,37 +39,33 @@ TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
-def _fp4_keys(k_ptr, ro, d0, m, DI: tl.constexpr):
-    """fp32 [BL, 32]: channels d0 .. d0 + 32 (one scale group) of the FP4 keys at byte offsets ``ro``
-    of a uint8 pool: e2m1 codes two a byte (even channel in the low nibble), then one UE8M0 byte
-    per 32 channels."""
+def _fp4_keys(k_ptr, r, d0, m, KW: tl.constexpr, DI: tl.constexpr):
+    """fp32 [BL, 32]: channels d0 .. d0 + 32 (one scale group) of the FP4 keys in rows ``r`` of a
+    uint8 pool of KW-byte rows: e2m1 codes two a byte (even channel in the low nibble), then one
+    UE8M0 byte per 32 channels."""
     dc = tl.arange(0, 32)
-    b = tl.load(k_ptr + ro[:, None] + (d0 // 2 + dc // 2)[None, :], mask=m, other=0).to(tl.int32)
+    b = tl.load(k_ptr + r[:, None] * KW + (d0 // 2 + dc // 2)[None, :], mask=m, other=0).to(tl.int32)
     code = tl.where(((dc & 1) == 1)[None, :], b >> 4, b) & 0xF
     i = code & 7                                           # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
     pow2 = (((i >> 1) + 126) << 23).to(tl.float32, bitcast=True)          # 2^((i >> 1) - 1)
     mag = tl.where(i < 2, i.to(tl.float32) * 0.5, pow2 * (1.0 + 0.5 * (i & 1).to(tl.float32)))
     v = tl.where((code & 8) != 0, -mag, mag)
-    e = tl.load(k_ptr + ro + (DI // 2 + d0 // 32), mask=tl.max(m, axis=1) > 0, other=127).to(tl.int32)
+    e = tl.load(k_ptr + r * KW + (DI // 2 + d0 // 32), mask=tl.max(m, axis=1) > 0, other=127).to(tl.int32)
     return v * (e << 23).to(tl.float32, bitcast=True)[:, None]
 
 
 @triton.jit
 def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, L, scale,
-                                sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l, SB,
+                                sq_t, sq_h, sq_d, sk_n, sk_d, sw_t, sw_h, sr_t, sr_l,
                                 NIP: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
                                 F32: tl.constexpr, INTERP: tl.constexpr, FP4: tl.constexpr,
-                                DIC: tl.constexpr, PAGED: tl.constexpr, J: tl.constexpr):
+                                KW: tl.constexpr, DIC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = (tl.program_id(1) * BL + tl.arange(0, BL)).to(tl.int64)
     sm = slot < L
     r = tl.load(rows_ptr + t * sr_t + slot * sr_l, mask=sm, other=-1).to(tl.int64)
     valid = sm & (r >= 0)
     r = tl.where(valid, r, 0)
-    if PAGED:   # HAL 1.4: blocks of J keys (a constant: no division routine), SB elements apart
-        ro = (r // J) * SB + (r % J) * sk_n
-    else:
-        ro = r * sk_n
     heads = tl.arange(0, NIP).to(tl.int64)
     hm = heads < NI
     acc = tl.zeros([NIP, BL], dtype=tl.float32)
@@ -78,9 +75,9 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
         q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + dc[None, :] * sq_d,
                     mask=hm[:, None] & dm[None, :], other=0.0)
         if FP4:
-            k = _fp4_keys(k_ptr, ro, d0, valid[:, None] & dm[None, :], DIC).to(q.dtype)   # BD = 32
+            k = _fp4_keys(k_ptr, r, d0, valid[:, None] & dm[None, :], KW, DIC).to(q.dtype)   # BD = 32
         else:
-            k = tl.load(k_ptr + ro[:, None] + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
+            k = tl.load(k_ptr + r[:, None] * sk_n + dc[None, :] * sk_d, mask=valid[:, None] & dm[None, :], other=0.0)
         if F32:
             acc += tl.dot(q, tl.trans(k), input_precision="ieee")
         elif INTERP:   # the interpreter's bf16 dot is unreliable; bf16 products are exact in fp32
@@ -101,6 +98,11 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False
         return out
     if k.shape[0] == 0 or (k_paged and k.shape[1] == 0):   # an empty pool: every row is -1 (the HAL input check)
         return out.fill_(float("-inf"))
+    if k_paged:   # HAL 1.4: the keys' offsets in units of U elements, a key "row" U elements (the pool not copied)
+        rows, U, _ = _paged_offsets(k, rows)
+        ks = (U, k.stride(2))
+    else:
+        ks = k.stride()
     f32 = q.dtype == torch.float32
     # tl.dot needs every tile dimension >= 16: heads are padded (zero q rows, zero weights)
     NIP = max(16, np2(NI))
@@ -109,10 +111,9 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False
         BD = 32                # one chunk = one FP4 scale group
     BL = TUNE.get("BL", 32 if f32 else 64)
     _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
-        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride()[-2:], *weights.stride(),
-        *rows.stride(), k.stride(0) if k_paged else 0,
-        NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
-        DIC=DI if k_format == "fp4" else 0, PAGED=k_paged, J=k.shape[1] if k_paged else 1,
+        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *ks, *weights.stride(),
+        *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
+        KW=ks[0] if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
 
