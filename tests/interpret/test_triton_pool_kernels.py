@@ -278,3 +278,28 @@ def test_predicates_decline_what_the_kernels_do_not_run():
     assert not idx(q, k.bfloat16(), w, rows, 0.1)                              # k's dtype must be q's
     assert not idx(torch.zeros(2, 200, 16), k, torch.zeros(2, 200), rows, 0.1)  # > 128 heads
     assert store(None, None, None) is False                                   # predicates never raise
+
+
+@pytest.mark.parametrize("op", ["cache_store", "indexer_scores_rows"])
+def test_paged_launchers_read_no_device_data(monkeypatch, op):
+    """The paged pools (HAL 1.4) on meta tensors: the row offsets are computed on the device (no
+    host read), the kernel gets the pool itself (no copy) and U-element rows (8 here: the strides'
+    power-of-two alignment). (sparse_mqa_attention's launcher asks the device for its program
+    count, which a meta tensor has not; its paged offsets are the same function.)"""
+    from dsv4core.kernels.triton import cache, indexer
+
+    rec = Recorder()
+    buf = _meta(16 + 5 * (4 * 72 + 8), dtype=torch.bfloat16)
+    pool = torch.as_strided(buf, (5, 4, 64), (4 * 72 + 8, 72, 1), 16)     # block stride 296: not 72 k
+    if op == "cache_store":
+        monkeypatch.setattr(cache, "_cache_store_kernel", rec)
+        assert cache.cache_store(pool, _meta(7, dtype=torch.int64), _meta(7, 64), paged=True) is None
+        (grid, args, _), = rec.launches
+        assert args[0] is pool and args[1].dtype == torch.int64 and args[6] == 8
+    else:
+        monkeypatch.setattr(indexer, "_indexer_scores_rows_kernel", rec)
+        q, w, rows = _meta(6, 4, 64, dtype=torch.bfloat16), _meta(6, 4), _meta(6, 24, dtype=torch.int32)
+        out = indexer.indexer_scores_rows(q, pool, w, rows, 0.125, k_paged=True)
+        assert out.shape == (6, 24)
+        (grid, args, _), = rec.launches
+        assert args[1] is pool and args[3].shape == (6, 24) and args[3].dtype == torch.int64

@@ -38,8 +38,6 @@ pipe 1's 14.0 / 16.2 / 17.4 / 20.8; pipe 2 took 77.4 / 289 µs at T = 64 / 256 a
 """
 from __future__ import annotations
 
-from math import gcd
-
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +45,7 @@ import triton.language as tl
 from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import c, cdiv, interp, rne, target_programs, to_out
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -233,20 +232,6 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
                 c_num_warps=TUNE.get("c_num_warps", 4))
 
 
-def _paged_offsets(kv, indices):
-    """A paged pool (HAL 1.4, [B, J, W], any strides) as the offsets of its rows in units of U
-    elements, U the largest power of two (<= 64) dividing both strides: int64 ``((i // J) *
-    stride(0) + (i % J) * stride(1)) / U`` per index, -1 kept (on the device: capturable). The
-    kernel reads row ``offset`` as a pool of U-element "rows" (W = U: the loads keep the alignment
-    the strides give), the pool not copied. Returns (offsets, U, the offset bound)."""
-    i = indices.long()
-    J, s0, s1 = kv.shape[1], kv.stride(0), kv.stride(1)
-    g = gcd(s0, s1)
-    U = min(g & -g, 64) if g else 64
-    off = torch.where(i >= 0, ((i // J) * s0 + (i % J) * s1) // U, -1)
-    return off, U, ((kv.shape[0] - 1) * s0 + (J - 1) * s1) // U + 1
-
-
 @implements("sparse_mqa_attention", supports=predicates.sparse_mqa_attention_supports)
 def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     T, NH, D = q.shape
@@ -258,7 +243,7 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=F
         return o.zero_()
     q, sink = c(q), c(sink)
     if kv_paged:
-        indices, U, N = _paged_offsets(kv, indices)
+        indices, U, N = _paged.offsets(kv, indices)   # the kernel reads U-element rows; kv not copied
     else:
         kv, indices = c(kv), c(indices)
         N = kv.shape[0]

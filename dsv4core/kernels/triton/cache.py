@@ -4,7 +4,7 @@ One program = (a block of BR source rows, a block of BD columns). A program read
 destinations from the device (no host read: the launch is capturable) and stores only where the
 destination is >= 0, so a skipped row (-1) and every pool row that ``index`` does not name are
 never written. The pool is written through its strides (a layer's region of a larger buffer stays
-that region; a paged pool, HAL 1.4, through its block stride as well); ``rows`` and ``index`` are read through theirs; nothing is copied. Destinations are
+that region); ``rows`` and ``index`` are read through theirs; nothing is copied. Destinations are
 distinct (the HAL input check), so no two programs write one element: the pool ends bitwise equal
 to the reference's (bf16 and fp32 widen exactly to fp32; the one rounding is round-to-nearest-even).
 
@@ -26,6 +26,7 @@ import triton.language as tl
 from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import cdiv, exp2_int, group_scale_exp, np2, rne, rne_for, to_out
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -35,18 +36,8 @@ TUNE = Tune(__name__)   # its keys: launch.TUNING_KEYS
 
 
 @triton.jit
-def _dst_offset(dst, J: tl.constexpr, SB, sp_r, PAGED: tl.constexpr):
-    """The element offset of pool row ``dst``: ``dst * sp_r``, or paged (HAL 1.4: blocks of J rows,
-    SB elements apart) ``(dst // J) * SB + (dst % J) * sp_r`` (J a constant: no division routine)."""
-    if PAGED:
-        return (dst // J) * SB + (dst % J) * sp_r
-    return dst * sp_r
-
-
-@triton.jit
-def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r, sr_c, SB,
-                        BR: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, PAGED: tl.constexpr,
-                        J: tl.constexpr):
+def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r, sr_c,
+                        BR: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = (tl.program_id(1) * BD + tl.arange(0, BD)).to(tl.int64)
     rm = r < E
@@ -55,7 +46,7 @@ def _cache_store_kernel(pool_ptr, idx_ptr, rows_ptr, E, D, si, sp_r, sp_c, sr_r,
     m = ok[:, None] & (cols < D)[None, :]
     src = r.to(tl.int64)[:, None] * sr_r + cols[None, :] * sr_c
     x = tl.load(rows_ptr + src, mask=m, other=0.0).to(tl.float32)   # bf16 and fp32 are exact in fp32
-    dst_off = _dst_offset(tl.where(ok, dst, 0), J, SB, sp_r, PAGED)[:, None] + cols[None, :] * sp_c
+    dst_off = tl.where(ok, dst, 0)[:, None] * sp_r + cols[None, :] * sp_c
     tl.store(pool_ptr + dst_off, to_out(x, pool_ptr, RNE), mask=m)
 
 
@@ -86,9 +77,8 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB,
-                      NOPE: tl.constexpr, GP: tl.constexpr, PAD: tl.constexpr, RNE: tl.constexpr,
-                      PAGED: tl.constexpr, J: tl.constexpr):
+def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c,
+                      NOPE: tl.constexpr, GP: tl.constexpr, PAD: tl.constexpr, RNE: tl.constexpr):
     """Row e of rows [E, NOPE + 64] -> its FP8 KV row at pool row index[e] (skipped when -1)."""
     e = tl.program_id(0).to(tl.int64)
     dst = tl.load(idx_ptr + e * si).to(tl.int64)
@@ -101,7 +91,7 @@ def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB,
         x = tl.load(rows_ptr + e * sr_r + ch * sr_c, mask=gm, other=0.0).to(tl.float32)
         se = group_scale_exp(tl.max(tl.abs(x), axis=1), 1e-4, 1.0 / 448.0)   # the scale's exponent
         v = tl.minimum(tl.maximum(x * exp2_int(-se)[:, None], -448.0), 448.0)
-        out = pool_ptr + _dst_offset(dst, J, SB, sp_r, PAGED)
+        out = pool_ptr + dst * sp_r
         tl.store(out + ch, _e4m3_code(v), mask=gm)
         rope_ptr = (out + NOPE).to(tl.pointer_type(tl.bfloat16))
         tl.store(rope_ptr + j, to_out(tl.load(rows_ptr + e * sr_r + (NOPE + j) * sr_c).to(tl.float32), rope_ptr, RNE))
@@ -109,8 +99,7 @@ def _store_fp8_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB,
 
 
 @triton.jit
-def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB, D: tl.constexpr, GP: tl.constexpr,
-                      PAGED: tl.constexpr, J: tl.constexpr):
+def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, D: tl.constexpr, GP: tl.constexpr):
     """Row e of rows [E, D] -> its FP4 key at pool row index[e] (skipped when -1)."""
     e = tl.program_id(0).to(tl.int64)
     dst = tl.load(idx_ptr + e * si).to(tl.int64)
@@ -127,44 +116,40 @@ def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, SB, D: 
         inv = exp2_int(-se)
         clo = _e2m1_code(tl.minimum(tl.maximum(lo * inv[:, None], -6.0), 6.0))
         chi = _e2m1_code(tl.minimum(tl.maximum(hi * inv[:, None], -6.0), 6.0))
-        out = pool_ptr + _dst_offset(dst, J, SB, sp_r, PAGED)
+        out = pool_ptr + dst * sp_r
         tl.store(out + pair, (clo | (chi << 4)).to(tl.uint8), mask=gm)
         tl.store(out + D // 2 + g, (se + 127).to(tl.uint8), mask=g < G)
 
 
-def _pool_rows(pool, paged):
-    """(J, SB, row stride): a paged pool's rows a block (a kernel constant), block stride and row
-    stride; a flat pool's 1, 0 and row stride."""
-    return (pool.shape[1], pool.stride(0), pool.stride(1)) if paged else (1, 0, pool.stride(0))
-
-
-def _store_format(pool, index, rows, row_format, paged):
+def _store_format(pool, index, rows, row_format, sp_r):
     E, D = rows.shape
     if E == 0 or pool.shape[0] == 0:
         return None
-    J, SB, SR = _pool_rows(pool, paged)
-    args = (pool, index, rows, index.stride(0), SR, rows.stride(0), rows.stride(1), SB)
+    args = (pool, index, rows, index.stride(0), sp_r, rows.stride(0), rows.stride(1))
     if row_format == "fp8":
         G = (D - ROPE_DIM) // 64
         _store_fp8_kernel[(E,)](*args, NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
                                 RNE=rne_for(pool.device, torch.bfloat16),   # the rope channels' rounding
-                                PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4))
+                                num_warps=TUNE.get("num_warps", 4))
     else:
-        _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4))
+        _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), num_warps=TUNE.get("num_warps", 4))
     return None
 
 
 @implements("cache_store", supports=predicates.cache_store_supports)
 def cache_store(pool, index, rows, row_format=None, paged=False):
+    if paged and pool.shape[1] == 0:
+        return None
+    # a paged pool (HAL 1.4): the destinations' offsets in U-element rows, the flat kernels as they are
+    index, sp_r, _ = _paged.offsets(pool, index) if paged else (index, pool.stride(0), 0)
     if row_format is not None:
-        return _store_format(pool, index, rows, row_format, paged)
+        return _store_format(pool, index, rows, row_format, sp_r)
     E, D = rows.shape
-    if E == 0 or D == 0 or pool.shape[0] == 0 or (paged and pool.shape[1] == 0):
+    if E == 0 or D == 0 or pool.shape[0] == 0:
         return None
     BD = TUNE.get("BD", min(np2(D), 1024))
     BR = TUNE.get("BR", max(1, min(16, 4096 // BD)))
-    J, SB, SR = _pool_rows(pool, paged)
     _cache_store_kernel[(cdiv(E, BR), cdiv(D, BD))](
-        pool, index, rows, E, D, index.stride(0), SR, pool.stride(-1), rows.stride(0), rows.stride(1), SB,
-        BR=BR, BD=BD, RNE=rne(pool), PAGED=paged, J=J, num_warps=TUNE.get("num_warps", 4), **TUNE.options())
+        pool, index, rows, E, D, index.stride(0), sp_r, pool.stride(-1), rows.stride(0), rows.stride(1),
+        BR=BR, BD=BD, RNE=rne(pool), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
     return None

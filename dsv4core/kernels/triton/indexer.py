@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, e2m1_rne, exp2_int, group_scale_exp, interpreting, np2, rne_bf16
-from .attention import _paged_offsets
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -99,7 +99,7 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False
     if k.shape[0] == 0 or (k_paged and k.shape[1] == 0):   # an empty pool: every row is -1 (the HAL input check)
         return out.fill_(float("-inf"))
     if k_paged:   # HAL 1.4: the keys' offsets in units of U elements, a key "row" U elements (the pool not copied)
-        rows, U, _ = _paged_offsets(k, rows)
+        rows, U, _ = _paged.offsets(k, rows)
         ks = (U, k.stride(2))
     else:
         ks = k.stride()
