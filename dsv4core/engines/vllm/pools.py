@@ -15,6 +15,12 @@ both parts of a layer are viewed as one row sequence starting at the lower of th
 (`layer_rows_view`): the window rows at `window_base + b * s + o`, the entries at `Rw + ...`, the
 entries' base in the layer's pool (the attribute the layers read, as of `KVCache`).
 
+Rows in a stored format (the FP8 KV row, the FP4 key: uint8) are viewed paged instead (HAL 1.4,
+`hal.paged`): the ops take ``[B, J, row]`` with any strides, so the block stride need not be a
+multiple of 584 / 68 B. A layer's window and entries are one ``[B, J, row]`` view from the lower of
+its two pages (`paged_layer_view`, J rows covering both), the window rows at ``b * J + window base
++ o``, the entries at ``b * J + entry base + o`` (`Rw` 0); the keys are their block tensor as it is.
+
 `EnginePools` holds these views and, per layer, the object the layers read as `step.cache` (the
 attributes of `KVCache` that `dsv4core.model.modules` uses) and where each part's rows are
 (`Addr`), which the step builder (`metadata.py`) turns into row indices.
