@@ -20,7 +20,7 @@ from dsv4core.engines.vllm.layout import block_stride_alignment
 from dsv4core.model import CacheConfig, DSV4Config, state_bytes
 from dsv4core.model.api import load_model
 
-from _vllm_engine import MiniEngine, groups_like_vllm, native_logits, step_plan, tokens
+from _vllm_engine import MiniEngine, allocate_overlaid, groups_like_vllm, native_logits, step_plan, tokens
 
 
 def _flash() -> DSV4Config:
@@ -232,7 +232,7 @@ def test_the_plugin_registers_nothing_unless_switched_on(monkeypatch):
     assert ("vllm" in sys.modules) == had
 
 
-@pytest.mark.parametrize("order", [1, -1], ids=["window-first", "entries-first"])
+@pytest.mark.parametrize("order", [1, -1, 0], ids=["window-first", "entries-first", "vllm-overlaid"])
 def test_fp8_rows_in_engine_blocks_give_the_native_fp8_logits_bit_for_bit(order):
     # FP8 KV rows and FP4 keys (hal.rowformats) in the engine's packed blocks, viewed paged (HAL
     # 1.4): the block stride is a multiple of no 584 B / 68 B row, yet prefill chunks and decodes
@@ -241,10 +241,23 @@ def test_fp8_rows_in_engine_blocks_give_the_native_fp8_logits_bit_for_bit(order)
     m = load_model("tiny-official", backend="reference", dtype=torch.bfloat16)   # head_dim 128: 64 + 64 rope
     m.use_graphs = False
     m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512, kv_dtype="fp8")
-    parts = cache_parts(m.config, m.act_dtype, "fp8")
+    # "vllm-overlaid": vLLM's packing (each group's pages side by side, the groups overlaid), whose
+    # key pages lie between a layer's entries and the window pages: the key rows padded (tiny-official:
+    # 34 B keys, 200 B KV rows -> 50 B, a key page of 64 rows = 16 KV rows; Flash dims: 68 -> 73 B)
+    # make a key page whole KV rows; unpadded, the layer after a key page is refused
+    parts = cache_parts(m.config, m.act_dtype, "fp8", align_key_pages=order == 0)
     assert {p.dtype for p in parts if p.part in ("window", "entries", "keys")} == {torch.uint8}
     groups = groups_like_vllm(parts)
-    eng = MiniEngine(parts, groups, num_blocks=128, order=order)
+    if order == 0:
+        plain = cache_parts(m.config, m.act_dtype, "fp8")
+        kv_b, key_b = (next(p.row_bytes for p in plain if p.part == k) for k in ("window", "keys"))
+        assert (kv_b, key_b) == (200, 34) and {p.row_width for p in parts if p.part == "keys"} == {50}
+        assert {p.row_width for p in cache_parts(_flash(), torch.bfloat16, "fp8", align_key_pages=True)
+                if p.part == "keys"} == {73}
+        with pytest.raises(ValueError, match=r"layers\.2: the entries pages start \d+ B after the layer's first page"):
+            EnginePools(m.config, plain, allocate_overlaid(plain, groups_like_vllm(plain), 8), groups_like_vllm(plain))
+    tensors = allocate_overlaid(parts, groups, 128) if order == 0 else None
+    eng = MiniEngine(parts, groups, num_blocks=128, order=order or 1, tensors=tensors)
     kv_row = next(p.row_bytes for p in parts if p.part == "window")
     key_row = next(p.row_bytes for p in parts if p.part == "keys")
     stride = next(iter(eng.tensors.values())).untyped_storage().nbytes() // 128

@@ -124,7 +124,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
         self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None)
         self.dsv4.use_graphs = False
-        self.parts = cache_parts(config, self.dsv4.act_dtype, _kv_dtype(vllm_config.cache_config.cache_dtype))
+        # fp8: key pages of whole KV rows, so vLLM's side-by-side packing keeps every layer's window and
+        # entry pages whole KV rows apart (docs/vllm.md)
+        self.parts = cache_parts(config, self.dsv4.act_dtype, _kv_dtype(vllm_config.cache_config.cache_dtype),
+                                 align_key_pages=True)
         base = f"{prefix}." if prefix else ""
         specs = kv_cache_specs(self.parts, base)
         self.cache_modules = nn.ModuleDict({p.key.replace(".", "_"): CacheModule(specs[base + p.key], base + p.key,

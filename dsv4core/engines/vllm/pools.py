@@ -33,6 +33,7 @@ from math import lcm
 
 import torch
 
+from dsv4core.hal.rowformats import row_bytes
 from dsv4core.model.config import DSV4Config
 
 from .layout import CachePart, block_stride_alignment
@@ -203,8 +204,9 @@ class EnginePools:
                 self.epb[i] = ent.rows_per_block
             if (i, "keys") in by:
                 k = by[(i, "keys")]
-                if self.paged:
-                    self.keys[i], per = _blocks3(tensors[k.key], k.key), k.rows_per_block
+                if self.paged:      # a padded key row (`cache_parts(..., align_key_pages=True)`): the key first
+                    kb = row_bytes(kfmt, config.index_head_dim)
+                    self.keys[i], per = _blocks3(tensors[k.key], k.key)[..., :kb], k.rows_per_block
                 else:
                     self.keys[i], per = rows_view(tensors[k.key], k.key)
                 a["keys"] = Addr(groups[k.key], k.block_tokens, k.rows_per_block, per)
