@@ -102,6 +102,32 @@ class MiniEngine:
         self.computed[dst] = n
 
 
+def allocate_overlaid(parts, groups, num_blocks, fill=0xFF):
+    """vLLM's packed layout (ENGINES.md 1.2): one allocation of `num_blocks` blocks; within a block,
+    each cache group's pages side by side from byte 0 in `parts` order (no padding between pages),
+    the groups laid over each other (a block id serves one group); the block stride the longest
+    group's pages, rounded up to `block_stride_alignment` and 8 bytes. Part key -> block tensor."""
+    from math import lcm
+
+    from dsv4core.engines.vllm.layout import block_stride_alignment
+
+    offs, ends = {}, {}
+    for p in parts:
+        g = groups[p.key]
+        offs[p.key] = ends.get(g, 0)
+        ends[g] = offs[p.key] + p.page_bytes
+    align = lcm(block_stride_alignment(parts), 8)
+    stride = -(-max(ends.values()) // align) * align
+    buf = torch.full((num_blocks * stride,), fill, dtype=torch.uint8)
+    out = {}
+    for p in parts:
+        es = p.dtype.itemsize
+        assert offs[p.key] % es == 0 and stride % es == 0, p.key
+        out[p.key] = torch.as_strided(buf.view(p.dtype), (num_blocks, p.rows_per_block, p.row_width),
+                                      (stride // es, p.row_width, 1), offs[p.key] // es)
+    return out
+
+
 def groups_like_vllm(parts):
     """vLLM's grouping of the tiny model's parts (what vLLM's own grouping gives, see
     tests/test_vllm_real.py): the window rows in two groups, every compressed part in one 256-token

@@ -252,7 +252,13 @@ def _encode_fp4_keys(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat((codes[:, 0::2] | (codes[:, 1::2] << 4), sb), 1)
 
 
-def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
+def _rows_of(t, paged):
+    """A paged pool (HAL 1.4, [B, J, W]) as its [B * J, W] rows (a copy; row r = t[r // J, r % J])."""
+    return t.reshape(-1, t.shape[-1]) if paged else t
+
+
+def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
+    kv = _rows_of(kv, kv_paged)
     if kv_format == "fp8":
         kv = _decode_fp8_rows(kv, q.shape[-1]).to(q.dtype)
     return _attention(q, kv, indices, sink, scale)
@@ -324,7 +330,8 @@ def compress_windows(kv, score, overlap):
     return out
 
 
-def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
+def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False):
+    k = _rows_of(k, k_paged)
     if k_format == "fp4":
         k = _decode_fp4_keys(k, q.shape[-1]).to(q.dtype)
     T, L = rows.shape
@@ -342,12 +349,14 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
     return out
 
 
-def cache_store(pool, index, rows, row_format=None):
+def cache_store(pool, index, rows, row_format=None, paged=False):
     if row_format is not None:
         rows = (_encode_fp8_rows if row_format == "fp8" else _encode_fp4_keys)(rows)
     for i in range(index.shape[0]):            # one row at a time
-        if int(index[i]) >= 0:
-            pool[int(index[i])] = rows[i].to(pool.dtype)
+        r = int(index[i])
+        if r >= 0:
+            dst = pool[r // pool.shape[1], r % pool.shape[1]] if paged else pool[r]
+            dst.copy_(rows[i].to(pool.dtype))
 
 
 def _topk(scores, k_lengths, topk, off_by_one=False):
@@ -583,18 +592,21 @@ def rope_neox(x, positions, inv_freq, inverse=False):
     return torch.cat((xf[..., :xf.shape[-1] - d_r], rot), -1).to(x.dtype)
 
 
-def attention_no_sink(q, kv, indices, sink, scale, kv_format=None):
+def attention_no_sink(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
+    kv = _rows_of(kv, kv_paged)
     kv = _decode_fp8_rows(kv, q.shape[-1]).to(q.dtype) if kv_format == "fp8" else kv
     return _attention(q, kv, indices, sink, scale, use_sink=False)
 
 
-def attention_sink_scaled(q, kv, indices, sink, scale, kv_format=None):
+def attention_sink_scaled(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
+    kv = _rows_of(kv, kv_paged)
     kv = _decode_fp8_rows(kv, q.shape[-1]).to(q.dtype) if kv_format == "fp8" else kv
     """Multiplies the sink by the softmax scale (the spec's sink is a raw logit)."""
     return _attention(q, kv, indices, sink * scale, scale)
 
 
-def attention_scale_ignored(q, kv, indices, sink, scale, kv_format=None):
+def attention_scale_ignored(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
+    kv = _rows_of(kv, kv_paged)
     kv = _decode_fp8_rows(kv, q.shape[-1]).to(q.dtype) if kv_format == "fp8" else kv
     """Hard-codes the model's softmax scale d^-0.5 (found by an outside test: every case used to pass
     exactly that value)."""
@@ -648,7 +660,8 @@ def compress_windows_prev_b_half(kv, score, overlap):
     return compress_windows(kv2, sc2, overlap)
 
 
-def indexer_scores_rows_no_relu(q, k, weights, rows, scale, k_format=None):
+def indexer_scores_rows_no_relu(q, k, weights, rows, scale, k_format=None, k_paged=False):
+    k = _rows_of(k, k_paged)
     k = _decode_fp4_keys(k, q.shape[-1]).to(q.dtype) if k_format == "fp4" else k
     r = rows.long()
     keys = k[r.clamp_min(0)].to(_ct(q))
@@ -656,11 +669,22 @@ def indexer_scores_rows_no_relu(q, k, weights, rows, scale, k_format=None):
     return sc.masked_fill(r < 0, float("-inf")).to(torch.promote_types(_ct(q), torch.float32))
 
 
-def cache_store_skips_to_row0(pool, index, rows, row_format=None):
+def cache_store_skips_to_row0(pool, index, rows, row_format=None, paged=False):
     """Sends the -1 rows to row 0 (a null-row convention the spec does not allow)."""
     if row_format is not None:
         rows = (_encode_fp8_rows if row_format == "fp8" else _encode_fp4_keys)(rows)
-    pool.index_copy_(0, index.long().clamp_min(0), rows.to(pool.dtype))
+    r = index.long().clamp_min(0)
+    if paged:
+        pool.index_put_((r // pool.shape[1], r % pool.shape[1]), rows.to(pool.dtype))
+    else:
+        pool.index_copy_(0, r, rows.to(pool.dtype))
+
+
+def attention_paged_at_row_stride(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
+    """Reads a paged pool's row r at r * row stride (the block stride ignored)."""
+    if kv_paged:
+        kv = torch.as_strided(kv, (kv.shape[0] * kv.shape[1], kv.shape[2]), (kv.stride(1), 1), kv.storage_offset())
+    return sparse_mqa_attention(q, kv, indices, sink, scale, kv_format)
 
 
 def moe_experts_no_clamp(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale=None, act_block=None):
@@ -745,16 +769,18 @@ QUANT_BROKEN = {
     "indexer-no-rotation": ("indexer_rotate_quant",
                             lambda x: fake_quant(x.to(torch.bfloat16), "fp4", 32).to(x.dtype)),
     # the stored row formats
-    "kv-fp8-store-scale-floor": ("cache_store", lambda pool, index, rows, row_format=None: cache_store(
-        pool, index, _encode_fp8_rows(rows, floor=True) if row_format == "fp8" else rows, None)
-        if row_format != "fp4" else cache_store(pool, index, rows, row_format)),
-    "kv-fp8-read-without-scales": ("sparse_mqa_attention", lambda q, kv, indices, sink, scale, kv_format=None: _attention(
-        q, _decode_fp8_rows(kv, q.shape[-1], use_scales=False).to(q.dtype), indices, sink, scale)
-        if kv_format == "fp8" else _attention(q, kv, indices, sink, scale)),
-    "key-fp4-high-nibble-first": ("indexer_scores_rows", lambda q, k, weights, rows, scale, k_format=None:
-                                  indexer_scores_rows(q, _decode_fp4_keys(k, q.shape[-1], high_first=True).to(q.dtype),
+    "kv-fp8-store-scale-floor": ("cache_store", lambda pool, index, rows, row_format=None, paged=False: cache_store(
+        pool, index, _encode_fp8_rows(rows, floor=True) if row_format == "fp8" else rows, None, paged)
+        if row_format != "fp4" else cache_store(pool, index, rows, row_format, paged)),
+    "kv-fp8-read-without-scales": ("sparse_mqa_attention", lambda q, kv, indices, sink, scale, kv_format=None,
+                                   kv_paged=False: _attention(
+        q, _decode_fp8_rows(_rows_of(kv, kv_paged), q.shape[-1], use_scales=False).to(q.dtype), indices, sink, scale)
+        if kv_format == "fp8" else _attention(q, _rows_of(kv, kv_paged), indices, sink, scale)),
+    "key-fp4-high-nibble-first": ("indexer_scores_rows", lambda q, k, weights, rows, scale, k_format=None, k_paged=False:
+                                  indexer_scores_rows(q, _decode_fp4_keys(_rows_of(k, k_paged), q.shape[-1],
+                                                                          high_first=True).to(q.dtype),
                                                       weights, rows, scale) if k_format == "fp4"
-                                  else indexer_scores_rows(q, k, weights, rows, scale)),
+                                  else indexer_scores_rows(q, k, weights, rows, scale, k_paged=k_paged)),
 }
 
 
@@ -796,6 +822,7 @@ BROKEN = {
     "hc-post-comb-transposed": ("hc_post", hc_post_comb_transposed),
     "rope-neox-pairs": ("rope", rope_neox),
     "attention-sink-ignored": ("sparse_mqa_attention", attention_no_sink),
+    "attention-paged-kv-at-row-stride": ("sparse_mqa_attention", attention_paged_at_row_stride),
     "attention-sink-scaled": ("sparse_mqa_attention", attention_sink_scaled),
     "compress-pool-ape-halves-swapped": ("compress_pool", compress_pool_ape_halves_swapped),
     "moe-route-bias-in-weights": ("moe_route", moe_route_bias_in_weights),

@@ -270,8 +270,8 @@ def test_ascend_sparse_attention_opt_in(monkeypatch):
     res = _by_op(rep)["sparse_mqa_attention"]
     assert not rep.failed, [c.id + ": " + c.message for c in rep.failures()]
     declined = {c.case for c in res.cases if c.status == "declined"}
-    # declined: T = 0, and the FP8 KV rows (kv_format: not wired to the NPU op)
-    assert declined == {"T0-K640", "fp8-T1", "fp8-T7", "fp8-scale-sharp"} and {"scattered-noncontig", "all-masked"} <= {
+    # declined: T = 0, the FP8 KV rows (kv_format) and paged pools (kv_paged): not wired to the NPU op
+    assert declined == {"T0-K640", "fp8-T1", "fp8-T7", "fp8-scale-sharp", "paged-T1", "paged-T6", "paged-fp8"} and {"scattered-noncontig", "all-masked"} <= {
         c.case for c in res.cases if c.status == "passed"}, declined
     small = [c for c in _cases_of("sparse_mqa_attention", "small", torch.bfloat16)][0]
     assert "head dim is fixed at 512" in b.impls["sparse_mqa_attention"].why_not(**small.kwargs)

@@ -20,7 +20,7 @@ from dsv4core.engines.vllm.layout import block_stride_alignment
 from dsv4core.model import CacheConfig, DSV4Config, state_bytes
 from dsv4core.model.api import load_model
 
-from _vllm_engine import MiniEngine, groups_like_vllm, native_logits, step_plan, tokens
+from _vllm_engine import MiniEngine, allocate_overlaid, groups_like_vllm, native_logits, step_plan, tokens
 
 
 def _flash() -> DSV4Config:
@@ -207,9 +207,13 @@ def test_build_step_refuses_inconsistent_inputs(tiny):
 
 
 def test_block_stride_alignment_is_a_multiple_of_every_row():
-    parts = cache_parts(_flash(), torch.bfloat16, "fp8")
+    # bf16: every row is viewed flat; fp8: the FP8 rows and FP4 keys are viewed paged and ask
+    # nothing of the block stride (8192 B, the fp32 state rows' lcm, instead of 10,166,272 B)
+    parts = cache_parts(_flash(), torch.bfloat16)
     a = block_stride_alignment(parts)
     assert all(a % p.row_bytes == 0 for p in parts)
+    fp8 = cache_parts(_flash(), torch.bfloat16, "fp8")
+    assert block_stride_alignment(fp8) == 8192 and all(8192 % p.row_bytes == 0 for p in fp8 if p.format is None)
     _, t = allocate_packed(cache_parts(_flash(), torch.bfloat16)[:6], 3)
     for x in t.values():
         rows_view(x)                                        # every part's block stride is a whole number of rows
@@ -226,3 +230,71 @@ def test_the_plugin_registers_nothing_unless_switched_on(monkeypatch):
     had = "vllm" in sys.modules
     assert plugin.register() is False
     assert ("vllm" in sys.modules) == had
+
+
+@pytest.mark.parametrize("order", [1, -1, 0], ids=["window-first", "entries-first", "vllm-overlaid"])
+def test_fp8_rows_in_engine_blocks_give_the_native_fp8_logits_bit_for_bit(order):
+    # FP8 KV rows and FP4 keys (hal.rowformats) in the engine's packed blocks, viewed paged (HAL
+    # 1.4): the block stride is a multiple of no 584 B / 68 B row, yet prefill chunks and decodes
+    # through the adapter equal dsv4core's own FP8-KV cache bitwise (the same stored bytes, read in
+    # the same order; the FP8 row's rope channels are bf16: a bf16 model)
+    m = load_model("tiny-official", backend="reference", dtype=torch.bfloat16)   # head_dim 128: 64 + 64 rope
+    m.use_graphs = False
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512, kv_dtype="fp8")
+    # "vllm-overlaid": vLLM's packing (each group's pages side by side, the groups overlaid), whose
+    # key pages lie between a layer's entries and the window pages: the key rows padded (tiny-official:
+    # 34 B keys, 200 B KV rows -> 50 B, a key page of 64 rows = 16 KV rows; Flash dims: 68 -> 73 B)
+    # make a key page whole KV rows; unpadded, the layer after a key page is refused
+    parts = cache_parts(m.config, m.act_dtype, "fp8", align_key_pages=order == 0)
+    assert {p.dtype for p in parts if p.part in ("window", "entries", "keys")} == {torch.uint8}
+    groups = groups_like_vllm(parts)
+    if order == 0:
+        plain = cache_parts(m.config, m.act_dtype, "fp8")
+        kv_b, key_b = (next(p.row_bytes for p in plain if p.part == k) for k in ("window", "keys"))
+        assert (kv_b, key_b) == (200, 34) and {p.row_width for p in parts if p.part == "keys"} == {50}
+        assert {p.row_width for p in cache_parts(_flash(), torch.bfloat16, "fp8", align_key_pages=True)
+                if p.part == "keys"} == {73}
+        with pytest.raises(ValueError, match=r"layers\.2: the entries pages start \d+ B after the layer's first page"):
+            EnginePools(m.config, plain, allocate_overlaid(plain, groups_like_vllm(plain), 8), groups_like_vllm(plain))
+    tensors = allocate_overlaid(parts, groups, 128) if order == 0 else None
+    eng = MiniEngine(parts, groups, num_blocks=128, order=order or 1, tensors=tensors)
+    kv_row = next(p.row_bytes for p in parts if p.part == "window")
+    key_row = next(p.row_bytes for p in parts if p.part == "keys")
+    stride = next(iter(eng.tensors.values())).untyped_storage().nbytes() // 128
+    assert stride % kv_row and stride % key_row            # the flat row views could not address these
+    pools = EnginePools(m.config, parts, eng.tensors, groups)
+    assert pools.rows[1].dim() == 3 and pools.row_read == {"kv_format": "fp8", "kv_paged": True}
+    prompts = {r: tokens(n, r) for r, n in enumerate((300, 70, 5, 140))}
+    states = {r: m.new_state() for r in prompts}
+    for s, sched in enumerate(step_plan(prompts)):
+        inp = eng.step(sched, slot_mappings=s % 2 == 0)
+        want = native_logits(m, states, sched, inp["positions"])
+        got = m.forward_step(build_step(m, pools, **inp))
+        assert torch.isfinite(want).all() and torch.equal(got, want), (s, (got - want).abs().max().item())
+
+
+def test_paged_layer_view_addresses_both_pages_and_refuses_offsets_between_rows():
+    from dsv4core.engines.vllm.pools import paged_layer_view
+
+    # blocks of 100 B: a layer's window page (3 rows of 12 B) at byte 40, its entries (2 rows) at 4
+    buf = torch.arange(5 * 100, dtype=torch.int32).to(torch.uint8)
+    win = torch.as_strided(buf, (5, 3, 12), (100, 12, 1), 40)
+    ent = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 4)
+    view, (wb, J), (eb, J2) = paged_layer_view(win, ent, "layers.1")
+    assert (wb, eb, J, J2) == (3, 0, 6, 6) and view.shape == (5, 6, 12)
+    for b in range(5):
+        for o in range(3):
+            r = b * J + wb + o
+            assert torch.equal(view[r // J, r % J], win[b, o])
+        for o in range(2):
+            r = b * J + eb + o
+            assert torch.equal(view[r // J, r % J], ent[b, o])
+    off = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 10)       # 30 B before the window: not whole rows
+    with pytest.raises(ValueError, match="layers.1: the window pages start 30 B after"):
+        paged_layer_view(win, off, "layers.1")
+    after = torch.as_strided(buf, (5, 2, 12), (100, 12, 1), 76)     # the entries right after the window page
+    _, (wb, J), (eb, _) = paged_layer_view(win, after, "layers.1")
+    assert (wb, eb, J) == (0, 3, 5)
+    far = torch.as_strided(buf, (4, 2, 12), (100, 12, 1), 40 + 7 * 12)   # 84 B after the window: past a block
+    with pytest.raises(ValueError, match="span 108 B, more than the block stride 100 B"):
+        paged_layer_view(win[:4], far, "layers.1")

@@ -100,6 +100,7 @@ class TypedOps:
             sink: torch.Tensor,
             scale: float,
             kv_format: str | None = None,
+            kv_paged: bool = False,
         ) -> torch.Tensor:
             """Spec and reference math: :func:`dsv4core.hal.ops.attention.sparse_mqa_attention`."""
             ...
@@ -144,6 +145,7 @@ class TypedOps:
             rows: torch.Tensor,
             scale: float,
             k_format: str | None = None,
+            k_paged: bool = False,
         ) -> torch.Tensor:
             """Spec and reference math: :func:`dsv4core.hal.ops.compression.indexer_scores_rows`."""
             ...
@@ -162,6 +164,7 @@ class TypedOps:
             index: torch.Tensor,
             rows: torch.Tensor,
             row_format: str | None = None,
+            paged: bool = False,
         ) -> None:
             """Spec and reference math: :func:`dsv4core.hal.ops.cache.cache_store`."""
             ...

@@ -5,7 +5,7 @@ every signature change is recorded per parameter (``op(..., params_since=...)``)
 against the frozen contracts in ``dsv4core/hal/contracts/``. A breaking change needs a new major.
 """
 
-HAL_API_VERSION = (1, 3)
+HAL_API_VERSION = (1, 4)
 
 
 def version_str(v) -> str:

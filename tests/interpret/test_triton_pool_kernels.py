@@ -117,6 +117,49 @@ for dt in (torch.float32, torch.bfloat16):
         masked_ok=bool((got[~valid] == float("-inf")).all()), valid_finite=bool(torch.isfinite(got[valid]).all()),
         shape=list(got.shape))
 
+# ---- paged pools (HAL 1.4): blocks whose stride is not a multiple of the row stride, other bytes between
+from dsv4core.hal import rowformats
+from dsv4core.kernels.triton import attention
+def paged(buf, B, J, W, rs, bs, off):
+    return torch.as_strided(buf, (B, J, W), (bs, rs, 1), off)
+for fmt, W, D in ((None, 64, 64), ("fp8", rowformats.row_bytes("fp8", 128), 128)):
+    dt = torch.bfloat16 if fmt is None else torch.uint8
+    B, J, rs = 5, 3, W + 2
+    bs = J * rs + 7                                            # 7: not a multiple of the row stride
+    buf = (torch.randn(11 + B * bs, generator=g).to(dt) if fmt is None
+           else torch.randint(0, 256, (11 + B * bs,), generator=g, dtype=torch.uint8))
+    pool = paged(buf, B, J, W, rs, bs, 11)
+    rows = torch.randn(6, D, generator=g) * 3
+    index = torch.tensor([14, -1, 0, 4, 8, 13], dtype=torch.int64)
+    want = buf.clone()
+    wv = paged(want, B, J, W, rs, bs, 11)
+    keep = index >= 0
+    vals = rows.to(dt) if fmt is None else rowformats.pack("fp8", rows)
+    for i in keep.nonzero().flatten().tolist():
+        wv[index[i] // J, index[i] % J] = vals[i]
+    extra = {} if fmt is None else dict(row_format=fmt)
+    cache.cache_store(pool, index, rows, paged=True, **extra)
+    out[f"paged/cache_store/{fmt}"] = dict(bitwise=bool(torch.equal(buf.view(torch.uint8), want.view(torch.uint8))))
+    # the reads: the same rows as a flat pool give the same bits (one kernel, one arithmetic order)
+    flat = pool.reshape(B * J, W).contiguous()
+    idx = torch.tensor([[14, 0, 3, -1, 7], [1, 2, -1, -1, 9]], dtype=torch.int32)
+    if fmt is None:
+        q = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        sink = torch.randn(4, generator=g)
+        a_p = attention.sparse_mqa_attention(q, pool, idx, sink, 0.1, kv_paged=True)
+        a_f = attention.sparse_mqa_attention(q, flat, idx, sink, 0.1)
+        qi = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        wi = torch.randn(2, 4, generator=g)
+        s_p = indexer.indexer_scores_rows(qi, pool, wi, idx, 0.3, k_paged=True)
+        s_f = indexer.indexer_scores_rows(qi, flat, wi, idx, 0.3)
+        out["paged/indexer/None"] = dict(bitwise=bool(torch.equal(s_p, s_f)))
+    else:
+        q = torch.randn(2, 4, D, generator=g).to(torch.bfloat16)
+        sink = torch.randn(4, generator=g)
+        a_p = attention.sparse_mqa_attention(q, pool, idx, sink, 0.1, kv_format="fp8", kv_paged=True)
+        a_f = attention.sparse_mqa_attention(q, flat, idx, sink, 0.1, kv_format="fp8")
+    out[f"paged/attention/{fmt}"] = dict(bitwise=bool(torch.equal(a_p.view(torch.uint8), a_f.view(torch.uint8))))
+
 json.dump(out, open(sys.argv[1], "w"))
 """
 
@@ -134,6 +177,15 @@ def test_cache_store_writes_only_the_destination_rows_bitwise(results, dtypes):
     # the whole buffer the pool is a view of: destination rows hold rows[i] rounded once (RNE,
     # the ties included), skipped rows (-1), other pool rows and the bytes outside the view keep theirs
     assert r["bitwise"], r["first_diffs"]
+
+
+@pytest.mark.parametrize("what", ["cache_store/None", "cache_store/fp8", "attention/None", "attention/fp8",
+                                  "indexer/None"])
+def test_paged_pools_write_only_their_rows_and_read_as_flat_rows(results, what):
+    # cache_store: the whole buffer behind a paged pool (block stride not a multiple of the row
+    # stride) holds the destination rows and keeps every other byte; the reads of a paged pool are
+    # bitwise those of the same rows as a flat pool (the kernels differ only in the row address)
+    assert results[f"paged/{what}"]["bitwise"]
 
 
 @pytest.mark.parametrize("case", ["csa-S6-DP20", "hca-S5-DP600"])
@@ -226,3 +278,28 @@ def test_predicates_decline_what_the_kernels_do_not_run():
     assert not idx(q, k.bfloat16(), w, rows, 0.1)                              # k's dtype must be q's
     assert not idx(torch.zeros(2, 200, 16), k, torch.zeros(2, 200), rows, 0.1)  # > 128 heads
     assert store(None, None, None) is False                                   # predicates never raise
+
+
+@pytest.mark.parametrize("op", ["cache_store", "indexer_scores_rows"])
+def test_paged_launchers_read_no_device_data(monkeypatch, op):
+    """The paged pools (HAL 1.4) on meta tensors: the row offsets are computed on the device (no
+    host read), the kernel gets the pool itself (no copy) and U-element rows (8 here: the strides'
+    power-of-two alignment). (sparse_mqa_attention's launcher asks the device for its program
+    count, which a meta tensor has not; its paged offsets are the same function.)"""
+    from dsv4core.kernels.triton import cache, indexer
+
+    rec = Recorder()
+    buf = _meta(16 + 5 * (4 * 72 + 8), dtype=torch.bfloat16)
+    pool = torch.as_strided(buf, (5, 4, 64), (4 * 72 + 8, 72, 1), 16)     # block stride 296: not 72 k
+    if op == "cache_store":
+        monkeypatch.setattr(cache, "_cache_store_kernel", rec)
+        assert cache.cache_store(pool, _meta(7, dtype=torch.int64), _meta(7, 64), paged=True) is None
+        (grid, args, _), = rec.launches
+        assert args[0] is pool and args[1].dtype == torch.int64 and args[6] == 8
+    else:
+        monkeypatch.setattr(indexer, "_indexer_scores_rows_kernel", rec)
+        q, w, rows = _meta(6, 4, 64, dtype=torch.bfloat16), _meta(6, 4), _meta(6, 24, dtype=torch.int32)
+        out = indexer.indexer_scores_rows(q, pool, w, rows, 0.125, k_paged=True)
+        assert out.shape == (6, 24)
+        (grid, args, _), = rec.launches
+        assert args[1] is pool and args[3].shape == (6, 24) and args[3].dtype == torch.int64

@@ -73,10 +73,14 @@ class CachePart:
 
 
 def cache_parts(config: DSV4Config, dtype: torch.dtype, kv_dtype: str | None = None, *, window_block: int = 64,
-                block_tokens: int = 256, state_block=default_state_block) -> list[CachePart]:
+                block_tokens: int = 256, state_block=default_state_block,
+                align_key_pages: bool = False) -> list[CachePart]:
     """Every cache part of the model's layers (`config.layer_types`). `dtype`: the activation dtype
     (rows stored in it unless `kv_dtype` is "fp8": the FP8 KV row and FP4 key of
-    `hal.rowformats`, uint8); `state_block(m)`: tokens a state block covers at rate m."""
+    `hal.rowformats`, uint8); `state_block(m)`: tokens a state block covers at rate m.
+    `align_key_pages` (fp8): the key rows padded (`row_width` > the key's bytes, the key first) so a
+    key page is a whole number of KV rows: an engine that packs a group's pages side by side (vLLM)
+    then starts every entry page a whole number of KV rows after a window page (`pools.paged_layer_view`)."""
     kv_fmt, key_fmt = kv_formats(config, kv_dtype)
     d, dI, W = config.head_dim, config.index_head_dim, config.sliding_window
     ratios = sorted({config.compress_ratio(i) for i in range(config.num_hidden_layers)} - {0})
@@ -88,6 +92,13 @@ def cache_parts(config: DSV4Config, dtype: torch.dtype, kv_dtype: str | None = N
         raise ValueError(f"cache_parts: window_block must be >= 1; got {window_block}")
     row = (row_bytes(kv_fmt, d), torch.uint8) if kv_fmt else (d, dtype)
     key = (row_bytes(key_fmt, dI), torch.uint8) if key_fmt else (dI, dtype)
+    if key_fmt and align_key_pages:
+        n = block_tokens // config.compress_ratio(next(i for i, t in enumerate(config.layer_types) if t == CSA)) \
+            if CSA in config.layer_types else 1
+        pitch = key[0]
+        while (n * pitch) % row[0]:
+            pitch += 1
+        key = (pitch, torch.uint8)
     out = []
     for i, t in enumerate(config.layer_types):
         out.append(CachePart(i, "window", "sliding", window_block, 1, *row, window=W, format=kv_fmt))
@@ -141,8 +152,11 @@ def kv_bytes_per_token(parts: list[CachePart]) -> dict[str, Fraction]:
 
 
 def block_stride_alignment(parts: list[CachePart]) -> int:
-    """The least multiple of every part's row bytes: a physical block stride that is one lets a
-    pool view address every part's rows as one strided row sequence (`pools.rows_view`)."""
+    """The least multiple of the row bytes of every part viewed as flat rows: a physical block
+    stride that is one lets a pool view address each such part's rows as one strided row sequence
+    (`pools.rows_view`). Parts in a stored row format (FP8 rows, FP4 keys) are viewed paged
+    (`pools.paged_layer_view`, HAL 1.4) and ask nothing of the block stride."""
     from math import lcm
 
-    return lcm(*{p.row_bytes for p in parts}) if parts else 1
+    flat = {p.row_bytes for p in parts if p.format is None}
+    return lcm(*flat) if flat else 1

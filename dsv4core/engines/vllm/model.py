@@ -101,8 +101,10 @@ def vllm_classes():
 def _kv_dtype(cache_dtype: str) -> str | None:
     if cache_dtype in (None, "auto"):
         return None
-    raise NotImplementedError(f"kv_cache_dtype={cache_dtype!r}: only 'auto' (rows in the model dtype) is mapped; "
-                              f"dsv4core's FP8 rows are not yet declared to vLLM (docs/vllm.md)")
+    if cache_dtype == "fp8":     # dsv4core's FP8 KV rows and FP4 indexer keys (`hal.rowformats`), paged views
+        return "fp8"
+    raise NotImplementedError(f"kv_cache_dtype={cache_dtype!r}: 'auto' (rows in the model dtype) and 'fp8' "
+                              f"(dsv4core's FP8 KV rows, FP4 indexer keys) are mapped (docs/vllm.md)")
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -122,7 +124,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
         self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None)
         self.dsv4.use_graphs = False
-        self.parts = cache_parts(config, self.dsv4.act_dtype, _kv_dtype(vllm_config.cache_config.cache_dtype))
+        # fp8: key pages of whole KV rows, so vLLM's side-by-side packing keeps every layer's window and
+        # entry pages whole KV rows apart (docs/vllm.md)
+        self.parts = cache_parts(config, self.dsv4.act_dtype, _kv_dtype(vllm_config.cache_config.cache_dtype),
+                                 align_key_pages=True)
         base = f"{prefix}." if prefix else ""
         specs = kv_cache_specs(self.parts, base)
         self.cache_modules = nn.ModuleDict({p.key.replace(".", "_"): CacheModule(specs[base + p.key], base + p.key,

@@ -15,6 +15,12 @@ both parts of a layer are viewed as one row sequence starting at the lower of th
 (`layer_rows_view`): the window rows at `window_base + b * s + o`, the entries at `Rw + ...`, the
 entries' base in the layer's pool (the attribute the layers read, as of `KVCache`).
 
+Rows in a stored format (the FP8 KV row, the FP4 key: uint8) are viewed paged instead (HAL 1.4,
+`hal.paged`): the ops take ``[B, J, row]`` with any strides, so the block stride need not be a
+multiple of 584 / 68 B. A layer's window and entries are one ``[B, J, row]`` view from the lower of
+its two pages (`paged_layer_view`, J rows covering both), the window rows at ``b * J + window base
++ o``, the entries at ``b * J + entry base + o`` (`Rw` 0); the keys are their block tensor as it is.
+
 `EnginePools` holds these views and, per layer, the object the layers read as `step.cache` (the
 attributes of `KVCache` that `dsv4core.model.modules` uses) and where each part's rows are
 (`Addr`), which the step builder (`metadata.py`) turns into row indices.
@@ -27,6 +33,7 @@ from math import lcm
 
 import torch
 
+from dsv4core.hal.rowformats import row_bytes
 from dsv4core.model.config import DSV4Config
 
 from .layout import CachePart, block_stride_alignment
@@ -96,6 +103,39 @@ def layer_rows_view(window: torch.Tensor, entries: torch.Tensor | None, what: st
     return view, (bases[0], pers[0]), (bases[1], pers[1])
 
 
+def paged_layer_view(window: torch.Tensor, entries: torch.Tensor | None, what: str):
+    """(one paged ``[B, J, row]`` view over a layer's window and entry blocks, (window base, J),
+    (entry base, J) or None): row ``b * J + base + o`` is row o of block b of that part. For pools
+    the HAL ops take paged (HAL 1.4: `cache_store(..., paged=True)`, `sparse_mqa_attention(...,
+    kv_paged=True)`): the block stride need not be a multiple of the row stride, only the offset
+    between the two parts' pages must be."""
+    w = _blocks3(window, f"{what} window")
+    if entries is None:
+        return w, (0, w.shape[1]), None
+    e = _blocks3(entries, f"{what} entries")
+    if (w.dtype, w.shape[2], w.stride(1)) != (e.dtype, e.shape[2], e.stride(1)) or \
+            w.untyped_storage().data_ptr() != e.untyped_storage().data_ptr() or \
+            (min(w.shape[0], e.shape[0]) > 1 and w.stride(0) != e.stride(0)) or w.shape[0] != e.shape[0]:
+        raise ValueError(f"{what}: the window and entry blocks must be rows of one dtype, width and stride in "
+                         f"one allocation with one block stride; got {w.dtype} {tuple(w.shape)} / {e.dtype} "
+                         f"{tuple(e.shape)}, strides {w.stride()} / {e.stride()}")
+    rs, es = w.stride(1), w.element_size()
+    start = min(w.storage_offset(), e.storage_offset())
+    bases = []
+    for b, name in ((w, "window"), (e, "entries")):
+        delta = b.storage_offset() - start
+        if delta % rs:
+            raise ValueError(f"{what}: the {name} pages start {delta * es} B after the layer's first page, not a "
+                             f"multiple of the row stride {rs * es} B")
+        bases.append(delta // rs)
+    J = max(bases[0] + w.shape[1], bases[1] + e.shape[1])
+    if w.shape[0] > 1 and J * rs > w.stride(0):
+        raise ValueError(f"{what}: the window and entry pages span {J * rs * es} B, more than the block stride "
+                         f"{w.stride(0) * es} B")
+    view = torch.as_strided(w, (w.shape[0], J, w.shape[2]), (w.stride(0), rs, 1), start)
+    return view, (bases[0], J), (bases[1], J)
+
+
 class LayerPools:
     """What one layer reads as `step.cache` (the `KVCache` attributes the layers use), over engine
     memory: `rows`, `keys`, `ring_pairs`, `ring_cap`, `epb` are indexed by layer (this layer's
@@ -132,10 +172,13 @@ class EnginePools:
                                  f"{p.row_width}]; got {t.dtype} {tuple(t.shape)}")
         fmt = next((p.format for p in parts if p.part == "window"), None)
         kfmt = next((p.format for p in parts if p.part == "keys"), None)
-        self.row_store = {"row_format": fmt} if fmt else {}
-        self.key_store = {"row_format": kfmt} if kfmt else {}
-        self.row_read = {"kv_format": fmt} if fmt else {}
-        self.key_read = {"k_format": kfmt} if kfmt else {}
+        # stored row formats (uint8 rows): paged views (HAL 1.4), so the block stride need not be
+        # a multiple of the 584 B / 68 B rows
+        self.paged = fmt is not None
+        self.row_store = {"row_format": fmt, "paged": True} if fmt else {}
+        self.key_store = {"row_format": kfmt, "paged": True} if kfmt else {}
+        self.row_read = {"kv_format": fmt, "kv_paged": True} if fmt else {}
+        self.key_read = {"k_format": kfmt, "k_paged": True} if kfmt else {}
         self.rows: list = [None] * L
         self.keys: list = [None] * L
         self.ring_pairs: list = [None] * L
@@ -146,19 +189,26 @@ class EnginePools:
         widths = set()
         for i in range(L):
             win, ent = by[(i, "window")], by.get((i, "entries"))
-            view, (wb, wper), e = layer_rows_view(tensors[win.key], tensors[ent.key] if ent else None,
-                                                  f"layers.{i}")
+            views = paged_layer_view if self.paged else layer_rows_view
+            view, (wb, wper), e = views(tensors[win.key], tensors[ent.key] if ent else None, f"layers.{i}")
             self.rows[i] = view
             a = self.addr[i]
             a["window"] = Addr(groups[win.key], win.block_tokens, win.rows_per_block, wper, wb)
             Rw = 0
             if ent is not None:
-                Rw = e[0]
-                a["entries"] = Addr(groups[ent.key], ent.block_tokens, ent.rows_per_block, e[1])
+                # flat views: the entries from row Rw of the layer's view on; paged: Rw = 0 and the
+                # entries' base within a block in their Addr
+                Rw = 0 if self.paged else e[0]
+                a["entries"] = Addr(groups[ent.key], ent.block_tokens, ent.rows_per_block, e[1],
+                                    e[0] if self.paged else 0)
                 self.epb[i] = ent.rows_per_block
             if (i, "keys") in by:
                 k = by[(i, "keys")]
-                self.keys[i], per = rows_view(tensors[k.key], k.key)
+                if self.paged:      # a padded key row (`cache_parts(..., align_key_pages=True)`): the key first
+                    kb = row_bytes(kfmt, config.index_head_dim)
+                    self.keys[i], per = _blocks3(tensors[k.key], k.key)[..., :kb], k.rows_per_block
+                else:
+                    self.keys[i], per = rows_view(tensors[k.key], k.key)
                 a["keys"] = Addr(groups[k.key], k.block_tokens, k.rows_per_block, per)
             for part, name in (("state", "kv"), ("index_state", "ikv")):
                 if (i, part) in by:

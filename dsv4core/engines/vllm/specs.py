@@ -5,8 +5,9 @@ states as `SlidingWindowMLASpec` (64-token blocks for the window; 4 / 8-token bl
 states of rate 4 / 128), the compressed entries and indexer keys as `MLAAttentionSpec` of
 256-token blocks with `tokens_per_state = m`. The rows are dsv4core's (`layout.cache_parts`):
 a spec's `state_content_bytes` is one row's bytes, so its page is the part's page, and every
-spec asks for a physical block stride that is a multiple of every row's bytes
-(`block_stride_alignment`), which the pool views need (`pools.rows_view`).
+spec asks for a physical block stride that is a multiple of the bytes of every row viewed flat
+(`block_stride_alignment`), which the flat pool views need (`pools.rows_view`; FP8 rows and FP4
+keys are viewed paged, `pools.paged_layer_view`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..paged import blocks_of, gather, num_rows
 from ..rowformats import check_row_format, pack, row_bytes, unpack
 from ..spec import ACT_DTYPES, F32, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
@@ -12,12 +13,12 @@ from ._cases import TOKENS, dims, noncontig, randn
 _GATHER_BUDGET = 1 << 24
 
 
-@op(family="attention", params_since={"kv_format": (1, 3)}, tolerance=Tolerance(
+@op(family="attention", params_since={"kv_format": (1, 3), "kv_paged": (1, 4)}, tolerance=Tolerance(
     k=4.0, floor=1e-6,
     why="a length-d dot product per logit, a softmax over up to K rows and a weighted sum of K "
         "rows: three reductions whose order a kernel is free to choose (online softmax, split K)"))
 def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
-                         scale: float, kv_format: str | None = None) -> torch.Tensor:
+                         scale: float, kv_format: str | None = None, kv_paged: bool = False) -> torch.Tensor:
     """Attention of q [T, h, d] over the rows ``kv[indices[t]]`` (K = V), -1 entries ignored.
 
     ``o_h = sum_u exp(l_u) kv_u / (sum_u exp(l_u) + exp(sink_h))`` with ``l_u = scale * q_h . kv_u``.
@@ -27,11 +28,14 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     ``hal.rowformats``; kv is uint8 [N, row_bytes("fp8", d)] and ``kv_u`` is
     ``rowformats.unpack("fp8", kv[u], d)`` rounded to q's dtype (for the official rows, exactly the
     values a plain pool would hold).
+
+    ``kv_paged`` (HAL 1.4; False = kv is [N, d] rows): kv is [B, J, d] (or [B, J, row bytes]),
+    blocks of J rows with any strides (`hal.paged`): row u is ``kv[u // J, u % J]``, N = B * J.
     """
     T, h, d = q.shape
     ct = compute_dtype(q)
     K = indices.shape[1]
-    if K == 0 or kv.shape[0] == 0:               # no row for any query: every S_t is empty -> 0
+    if K == 0 or num_rows(kv, kv_paged) == 0:               # no row for any query: every S_t is empty -> 0
         return torch.zeros((T, h, d), dtype=q.dtype, device=q.device)
     out = torch.empty((T, h, d), dtype=q.dtype, device=q.device)
     chunk = max(1, _GATHER_BUDGET // max(1, K * d))
@@ -39,7 +43,7 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     for s in range(0, T, chunk):
         idx = indices[s:s + chunk].long()
         valid = idx >= 0
-        rows = kv[idx.clamp_min(0)]
+        rows = gather(kv, idx.clamp_min(0), kv_paged)
         rows = (rows if kv_format is None else unpack(kv_format, rows, d, q.dtype)).to(ct)   # [t, K, d]
         logits = torch.einsum("thd,tkd->thk", q[s:s + chunk].to(ct), rows) * scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
@@ -51,24 +55,26 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 @sparse_mqa_attention.check
-def _(q, kv, indices, sink, scale, kv_format=None):
+def _(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     d = Dims("sparse_mqa_attention").tensor("q", q, ("T", "h", "d"), ACT_DTYPES + (torch.float64,))
+    expect("sparse_mqa_attention", "kv_paged", isinstance(kv_paged, bool), "a bool", repr(kv_paged))
+    lead = ("B", "J") if kv_paged else ("N",)
     if kv_format is None:
-        d.tensor("kv", kv, ("N", "d"), (q.dtype,))
+        d.tensor("kv", kv, lead + ("d",), (q.dtype,))
     else:
         check_row_format("sparse_mqa_attention", "kv_format", kv_format, q.shape[-1], ("fp8",))
         expect("sparse_mqa_attention", "q", q.dtype in ACT_DTYPES, f"one of {ACT_DTYPES} with kv_format", q.dtype)
-        d.tensor("kv", kv, ("N", "W"), (torch.uint8,))
+        d.tensor("kv", kv, lead + ("W",), (torch.uint8,))
         W = row_bytes(kv_format, q.shape[-1])
-        expect("sparse_mqa_attention", "kv", kv.shape[1] == W,
-               f"{W} bytes a row ({kv_format!r} rows of d = {q.shape[-1]})", kv.shape[1])
+        expect("sparse_mqa_attention", "kv", kv.shape[-1] == W,
+               f"{W} bytes a row ({kv_format!r} rows of d = {q.shape[-1]})", kv.shape[-1])
     d.tensor("indices", indices, ("T", "K"), (torch.int32, torch.int64))
     d.tensor("sink", sink, ("h",), F32)
     if indices.numel():
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < -1 or hi >= kv.shape[0]:
+        lo, hi, N = int(indices.min()), int(indices.max()), num_rows(kv, kv_paged)
+        if lo < -1 or hi >= N:
             from ..errors import OpInputError
-            raise OpInputError("sparse_mqa_attention", "indices", f"values in [-1, {kv.shape[0] - 1}]",
+            raise OpInputError("sparse_mqa_attention", "indices", f"values in [-1, {N - 1}]",
                                f"range [{lo}, {hi}]")
 
 
@@ -147,3 +153,18 @@ def _(shapes, dtype, device, gen):
                                            indices=_window_indices(4, N, K, gen, device),
                                            sink=randn((h,), gen, torch.float32, device), scale=4.0 * scale,
                                            kv_format="fp8"), ("format", "scale"))
+    # paged pools (HAL 1.4): kv as blocks of J rows whose block stride is not a multiple of the row
+    # stride (a kernel that addresses row u at u * row stride reads the wrong bytes), plain and FP8 rows
+    J = 8 if N % 8 == 0 else 1
+    for T in (1, 6):
+        yield Case(f"paged-T{T}", dict(q=randn((T, h, d), gen, dtype, device),
+                                       kv=blocks_of(randn((N, d), gen, dtype, device), J),
+                                       indices=_window_indices(T, N, K, gen, device),
+                                       sink=randn((h,), gen, torch.float32, device), scale=scale, kv_paged=True),
+                   ("paged",))
+    if d > 64 and (d - 64) % 64 == 0:
+        rows = randn((N, d), gen, torch.float32, "cpu") * levels
+        yield Case("paged-fp8", dict(q=randn((5, h, d), gen, dtype, device), kv=blocks_of(pack("fp8", rows).to(device), J),
+                                     indices=_window_indices(5, N, K, gen, device),
+                                     sink=randn((h,), gen, torch.float32, device), scale=scale, kv_format="fp8",
+                                     kv_paged=True), ("paged", "format"))

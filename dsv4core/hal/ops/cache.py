@@ -11,25 +11,30 @@ import torch
 
 from ..errors import OpInputError
 from ..spec import ACT_DTYPES, INT_DTYPES, Case, Dims, Tolerance, expect, op
+from ..paged import blocks_of, num_rows, put
 from ..rowformats import FORMATS, check_row_format, pack, row_bytes
 from ._cases import dims, noncontig, randn
 
 
-@op(family="cache", since=(1, 1), writes=("pool",), params_since={"row_format": (1, 3)}, tolerance=Tolerance(
+@op(family="cache", since=(1, 1), writes=("pool",), params_since={"row_format": (1, 3), "paged": (1, 4)}, tolerance=Tolerance(
     k=0.0, floor=0.0, metric="bitwise",
     why="a store: each written row is rows[i] cast once to the pool dtype (round to nearest even), "
         "or encoded once with the exact rule of its row format; every other row of the pool keeps "
         "its bits"))
-def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, row_format: str | None = None) -> None:
+def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, row_format: str | None = None,
+                paged: bool = False) -> None:
     """``pool[index[i]] = rows[i]`` (cast to pool.dtype) for every ``index[i] >= 0``; ``-1`` skips
     row i. pool [R, D] (any row stride), index [E] int, rows [E, D]. The valid destinations are
     distinct. Writes in place; returns None. Capturable: no host synchronisation, fixed shapes.
 
     ``row_format`` (HAL 1.3; None = rows as they are): ``"fp8"`` (the FP8 KV row) or ``"fp4"`` (the
     FP4 indexer key) of ``hal.rowformats``: pool is uint8 [R, row_bytes(row_format, D)] and row i
-    is stored as ``rowformats.pack(row_format, rows[i])``."""
+    is stored as ``rowformats.pack(row_format, rows[i])``.
+
+    ``paged`` (HAL 1.4; False = pool is [R, D] rows): pool is [B, J, D] (or [B, J, row bytes]),
+    blocks of J rows with any strides (`hal.paged`): row r is ``pool[r // J, r % J]``, R = B * J."""
     E = index.shape[0]
-    if E == 0 or pool.shape[0] == 0:
+    if E == 0 or num_rows(pool, paged) == 0:
         return None
     idx = index.long()
     valid = idx >= 0
@@ -41,31 +46,34 @@ def cache_store(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, row
     any_valid = valid.index_select(0, first)                                   # [1]
     src = rows.to(pool.dtype) if row_format is None else pack(row_format, rows)
     fallback_idx = torch.where(any_valid, idx.index_select(0, first), torch.zeros_like(first))
-    fallback_row = torch.where(any_valid[:, None], src.index_select(0, first), pool[:1])
+    fallback_row = torch.where(any_valid[:, None], src.index_select(0, first), pool[0, :1] if paged else pool[:1])
     tgt = torch.where(valid, idx, fallback_idx)
     val = torch.where(valid[:, None], src, fallback_row)
-    pool.index_copy_(0, tgt, val)
+    put(pool, tgt, val, paged)
     return None
 
 
 @cache_store.check
-def _(pool, index, rows, row_format=None):
+def _(pool, index, rows, row_format=None, paged=False):
     d = Dims("cache_store")
+    expect("cache_store", "paged", isinstance(paged, bool), "a bool", repr(paged))
+    lead = ("B", "J") if paged else ("R",)
     if row_format is None:
-        d.tensor("pool", pool, ("R", "D"), ACT_DTYPES + (torch.float64,))
+        d.tensor("pool", pool, lead + ("D",), ACT_DTYPES + (torch.float64,))
         d.tensor("rows", rows, ("E", "D"), ACT_DTYPES + (torch.float64,))
     else:
         check_row_format("cache_store", "row_format", row_format, rows.shape[-1], FORMATS)
         d.tensor("rows", rows, ("E", "D"), ACT_DTYPES)
-        d.tensor("pool", pool, ("R", "W"), (torch.uint8,))
-        expect("cache_store", "pool", pool.shape[1] == row_bytes(row_format, rows.shape[1]),
+        d.tensor("pool", pool, lead + ("W",), (torch.uint8,))
+        expect("cache_store", "pool", pool.shape[-1] == row_bytes(row_format, rows.shape[1]),
                f"{row_bytes(row_format, rows.shape[1])} bytes a row ({row_format!r} rows of {rows.shape[1]} values)",
-               f"{pool.shape[1]}")
+               f"{pool.shape[-1]}")
     d.tensor("index", index, ("E",), INT_DTYPES)
+    R = num_rows(pool, paged)
     if index.numel():
         lo, hi = int(index.min()), int(index.max())
-        if lo < -1 or hi >= pool.shape[0]:
-            raise OpInputError("cache_store", "index", f"values in [-1, {pool.shape[0] - 1}]", f"range [{lo}, {hi}]")
+        if lo < -1 or hi >= R:
+            raise OpInputError("cache_store", "index", f"values in [-1, {R - 1}]", f"range [{lo}, {hi}]")
         v = index[index >= 0]
         expect("cache_store", "index", v.unique().numel() == v.numel(), "distinct destination rows",
                f"{v.numel() - v.unique().numel()} repeated")
@@ -115,3 +123,14 @@ def _(shapes, dtype, device, gen):
         rows[1, :group] = 0.0
         yield Case(f"{fmt}-E{E}", dict(pool=pool, index=_distinct(E, R, gen, 0.2).to(device, torch.int32),
                                        rows=rows.to(dtype), row_format=fmt), ("format",))
+    # paged pools (HAL 1.4): blocks of J rows whose block stride is not a multiple of the row stride,
+    # other bytes between the blocks (they must keep their bits), plain rows and both row formats
+    for fmt, width, J in ((None, d, 4), ("fp8", D["d"], 4), ("fp4", D["dI"], 8), (None, 2 * d, 2)):
+        R, E = 24, 7
+        flat = (randn((R, width), gen, torch.float32 if J == 2 else dtype, device) if fmt is None else
+                torch.randint(0, 256, (R, row_bytes(fmt, width)), generator=gen, dtype=torch.uint8).to(device))
+        rows = randn((E, width), gen, torch.float32, device, 3.0)
+        extra = {} if fmt is None else dict(row_format=fmt)
+        yield Case(f"paged-{fmt or 'rows'}-J{J}", dict(pool=blocks_of(flat, J), index=_distinct(E, R, gen, 0.3).to(device),
+                                                     rows=rows if fmt is None else rows.to(dtype), paged=True, **extra),
+                   ("paged",))

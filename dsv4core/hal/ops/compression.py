@@ -7,6 +7,7 @@ import torch
 
 from ..errors import OpInputError
 from ..quant import FP4_GROUP, OFFICIAL_ACT_DTYPE, fake_quant, hadamard, hadamard_matrix
+from ..paged import blocks_of, gather, num_rows
 from ..rowformats import check_row_format, pack, row_bytes, unpack
 from ..spec import ACT_DTYPES, F32, INT_DTYPES, Case, Dims, Tolerance, compute_dtype, expect, op
 from ._cases import TOKENS, dims, noncontig, randn
@@ -229,12 +230,12 @@ def _(shapes, dtype, device, gen):
                                    k_lengths=torch.tensor([12, 10, 5, 9], device=device), scale=0.3), ("scale",))
 
 
-@op(family="compression", since=(1, 1), params_since={"k_format": (1, 3)}, tolerance=Tolerance(
+@op(family="compression", since=(1, 1), params_since={"k_format": (1, 3), "k_paged": (1, 4)}, tolerance=Tolerance(
     k=4.0, floor=1e-5,
     why="a length-dI dot product per (head, key), ReLU, then a weighted sum over nI heads: two "
         "reductions in fp32; the floor absorbs cancellation when the weighted sum is near zero"))
 def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-                        scale: float, k_format: str | None = None) -> torch.Tensor:
+                        scale: float, k_format: str | None = None, k_paged: bool = False) -> torch.Tensor:
     """``score[t, w] = scale * sum_h weights[t, h] * relu(q[t, h] . k[rows[t, w]])`` for
     ``rows[t, w] >= 0``, ``-inf`` where ``rows[t, w] = -1``. q [T, nI, dI]; k [N, dI] (a key pool:
     any rows, any order); rows [T, L] int. Returns [T, L] f32. Fixed output shape (capturable).
@@ -242,17 +243,20 @@ def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     ``k_format`` (HAL 1.3; None = k holds [N, dI] keys in q's dtype): ``"fp4"``, the FP4 key of
     ``hal.rowformats``; k is uint8 [N, row_bytes("fp4", dI)] and key u is
     ``rowformats.unpack("fp4", k[u], dI)`` rounded to q's dtype (for the official keys, exactly
-    the values a plain pool would hold)."""
+    the values a plain pool would hold).
+
+    ``k_paged`` (HAL 1.4; False = k is [N, dI] keys): k is [B, J, dI] (or [B, J, row bytes]),
+    blocks of J keys with any strides (`hal.paged`): key u is ``k[u // J, u % J]``, N = B * J."""
     T, L = rows.shape
     ct = compute_dtype(q)
     out = torch.full((T, L), float("-inf"), dtype=torch.promote_types(ct, torch.float32), device=q.device)
-    if L == 0 or T == 0 or k.shape[0] == 0:
+    if L == 0 or T == 0 or num_rows(k, k_paged) == 0:
         return out
     chunk = max(1, _GATHER_BUDGET // (L * q.shape[2]))
     for s in range(0, T, chunk):
         r = rows[s:s + chunk].long()
         valid = r >= 0
-        keys = k[r.clamp_min(0)]
+        keys = gather(k, r.clamp_min(0), k_paged)
         keys = (keys if k_format is None else unpack(k_format, keys, q.shape[2], q.dtype)).to(ct)   # [t, L, dI]
         dots = torch.relu(torch.einsum("thd,tld->thl", q[s:s + chunk].to(ct), keys))
         sc = torch.einsum("th,thl->tl", weights[s:s + chunk].to(ct), dots) * scale
@@ -261,23 +265,25 @@ def indexer_scores_rows(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
 
 @indexer_scores_rows.check
-def _(q, k, weights, rows, scale, k_format=None):
+def _(q, k, weights, rows, scale, k_format=None, k_paged=False):
     d = Dims("indexer_scores_rows").tensor("q", q, ("T", "nI", "dI"), ACT_DTYPES + (torch.float64,))
+    expect("indexer_scores_rows", "k_paged", isinstance(k_paged, bool), "a bool", repr(k_paged))
+    lead = ("B", "J") if k_paged else ("N",)
     if k_format is None:
-        d.tensor("k", k, ("N", "dI"), (q.dtype,))
+        d.tensor("k", k, lead + ("dI",), (q.dtype,))
     else:
         check_row_format("indexer_scores_rows", "k_format", k_format, q.shape[-1], ("fp4",))
         expect("indexer_scores_rows", "q", q.dtype in ACT_DTYPES, f"one of {ACT_DTYPES} with k_format", q.dtype)
-        d.tensor("k", k, ("N", "W"), (torch.uint8,))
+        d.tensor("k", k, lead + ("W",), (torch.uint8,))
         W = row_bytes(k_format, q.shape[-1])
-        expect("indexer_scores_rows", "k", k.shape[1] == W, f"{W} bytes a key ({k_format!r} keys of dI = {q.shape[-1]})",
-               k.shape[1])
+        expect("indexer_scores_rows", "k", k.shape[-1] == W, f"{W} bytes a key ({k_format!r} keys of dI = {q.shape[-1]})",
+               k.shape[-1])
     d.tensor("weights", weights, ("T", "nI"), F32)
     d.tensor("rows", rows, ("T", "L"), INT_DTYPES)
     if rows.numel():
-        lo, hi = int(rows.min()), int(rows.max())
-        if lo < -1 or hi >= k.shape[0]:
-            raise OpInputError("indexer_scores_rows", "rows", f"values in [-1, {k.shape[0] - 1}]",
+        lo, hi, N = int(rows.min()), int(rows.max()), num_rows(k, k_paged)
+        if lo < -1 or hi >= N:
+            raise OpInputError("indexer_scores_rows", "rows", f"values in [-1, {N - 1}]",
                                f"range [{lo}, {hi}]")
 
 
@@ -328,6 +334,18 @@ def _(shapes, dtype, device, gen):
     yield Case("fp4-scale", dict(q=randn((3, nI, dI), gen, dtype, device), k=pack("fp4", keys).to(device),
                                  weights=randn((3, nI), gen, torch.float32, device, nI ** -0.5),
                                  rows=rows.to(device), scale=0.37, k_format="fp4"), ("format",))
+    # paged key pools (HAL 1.4): blocks of 8 keys whose block stride is not a multiple of the key
+    # stride, plain and FP4 keys
+    rows = torch.stack([torch.randperm(N, generator=gen)[:12] for _ in range(4)]).long()
+    rows[1, 4:] = -1
+    yield Case("paged", dict(q=randn((4, nI, dI), gen, dtype, device), k=blocks_of(randn((N, dI), gen, dtype, device), 8),
+                             weights=randn((4, nI), gen, torch.float32, device, nI ** -0.5),
+                             rows=rows.to(device), scale=dI ** -0.5, k_paged=True), ("paged",))
+    keys = hadamard(randn((N, dI), gen, torch.float32, "cpu")) * levels
+    yield Case("paged-fp4", dict(q=randn((4, nI, dI), gen, dtype, device), k=blocks_of(pack("fp4", keys).to(device), 8),
+                                 weights=randn((4, nI), gen, torch.float32, device, nI ** -0.5),
+                                 rows=rows.to(device, torch.int32), scale=dI ** -0.5, k_format="fp4", k_paged=True),
+               ("paged", "format"))
 
 
 @op(family="compression", tolerance=Tolerance(

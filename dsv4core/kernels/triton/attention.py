@@ -45,6 +45,7 @@ import triton.language as tl
 from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import c, cdiv, interp, rne, target_programs, to_out
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -111,7 +112,7 @@ def _smqa_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, op_ptr, mp_ptr, lp_ptr
         if FP8:
             kv = _fp8_kv_rows(kv_ptr, rows, valid, W, D, NOPE).to(q.dtype)
         else:
-            kv = tl.load(kv_ptr + rows[:, None] * D + dc[None, :], mask=valid[:, None], other=0.0)
+            kv = tl.load(kv_ptr + rows[:, None] * W + dc[None, :], mask=valid[:, None], other=0.0)
         if PIPE == 1:
             rows_n, valid_n = _smqa_rows(idx_ptr, t, K, N, k0 + BK, k_hi, BK)
         if F32:
@@ -227,7 +228,7 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
 
 
 @implements("sparse_mqa_attention", supports=predicates.sparse_mqa_attention_supports)
-def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
+def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     T, NH, D = q.shape
     o = torch.empty((T, NH, D), dtype=q.dtype, device=q.device)
     if T == 0 or NH == 0:
@@ -235,15 +236,19 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
     K = indices.shape[1]
     if K == 0:
         return o.zero_()
-    q, kv, indices, sink = c(q), c(kv), c(indices), c(sink)
-    N = kv.shape[0]
+    q, sink = c(q), c(sink)
+    if kv_paged:
+        indices, U, N = _paged.offsets(kv, indices)   # the kernel reads U-element rows; kv not copied
+    else:
+        kv, indices = c(kv), c(indices)
+        N = kv.shape[0]
     f32 = q.dtype == torch.float32
     p = plan(T, NH, D, K, f32, q.device, kv_format == "fp8")
     BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
     grid = (T, nhb)
     fp8 = kv_format == "fp8"
     common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
-                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=kv.shape[1] if fp8 else 0,
+                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=U if kv_paged else kv.shape[1],
                   num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
     if S == 1:
         _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,

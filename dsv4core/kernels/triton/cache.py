@@ -26,6 +26,7 @@ import triton.language as tl
 from dsv4core.hal.rowformats import ROPE_DIM
 
 from ._util import cdiv, exp2_int, group_scale_exp, np2, rne, rne_for, to_out
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -120,11 +121,11 @@ def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, D: tl.c
         tl.store(out + D // 2 + g, (se + 127).to(tl.uint8), mask=g < G)
 
 
-def _store_format(pool, index, rows, row_format):
+def _store_format(pool, index, rows, row_format, sp_r):
     E, D = rows.shape
     if E == 0 or pool.shape[0] == 0:
         return None
-    args = (pool, index, rows, index.stride(0), pool.stride(0), rows.stride(0), rows.stride(1))
+    args = (pool, index, rows, index.stride(0), sp_r, rows.stride(0), rows.stride(1))
     if row_format == "fp8":
         G = (D - ROPE_DIM) // 64
         _store_fp8_kernel[(E,)](*args, NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
@@ -136,15 +137,19 @@ def _store_format(pool, index, rows, row_format):
 
 
 @implements("cache_store", supports=predicates.cache_store_supports)
-def cache_store(pool, index, rows, row_format=None):
+def cache_store(pool, index, rows, row_format=None, paged=False):
+    if paged and pool.shape[1] == 0:
+        return None
+    # a paged pool (HAL 1.4): the destinations' offsets in U-element rows, the flat kernels as they are
+    index, sp_r, _ = _paged.offsets(pool, index) if paged else (index, pool.stride(0), 0)
     if row_format is not None:
-        return _store_format(pool, index, rows, row_format)
+        return _store_format(pool, index, rows, row_format, sp_r)
     E, D = rows.shape
     if E == 0 or D == 0 or pool.shape[0] == 0:
         return None
     BD = TUNE.get("BD", min(np2(D), 1024))
     BR = TUNE.get("BR", max(1, min(16, 4096 // BD)))
     _cache_store_kernel[(cdiv(E, BR), cdiv(D, BD))](
-        pool, index, rows, E, D, index.stride(0), pool.stride(0), pool.stride(1), rows.stride(0), rows.stride(1),
+        pool, index, rows, E, D, index.stride(0), sp_r, pool.stride(-1), rows.stride(0), rows.stride(1),
         BR=BR, BD=BD, RNE=rne(pool), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
     return None

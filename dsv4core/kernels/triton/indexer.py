@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._util import c, cdiv, e2m1_rne, exp2_int, group_scale_exp, interpreting, np2, rne_bf16
+from . import _paged
 from .launch import Tune
 from . import predicates
 from .registry import implements
@@ -89,14 +90,19 @@ def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, rows_ptr, out_ptr, NI, DI, 
 
 
 @implements("indexer_scores_rows", supports=predicates.indexer_scores_rows_supports)
-def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
+def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False):
     T, NI, DI = q.shape
     L = rows.shape[1]
     out = torch.empty((T, L), dtype=torch.float32, device=q.device)
     if T == 0 or L == 0:
         return out
-    if k.shape[0] == 0:   # an empty pool: every row is -1 (the HAL input check)
+    if k.shape[0] == 0 or (k_paged and k.shape[1] == 0):   # an empty pool: every row is -1 (the HAL input check)
         return out.fill_(float("-inf"))
+    if k_paged:   # HAL 1.4: the keys' offsets in units of U elements, a key "row" U elements (the pool not copied)
+        rows, U, _ = _paged.offsets(k, rows)
+        ks = (U, k.stride(2))
+    else:
+        ks = k.stride()
     f32 = q.dtype == torch.float32
     # tl.dot needs every tile dimension >= 16: heads are padded (zero q rows, zero weights)
     NIP = max(16, np2(NI))
@@ -105,9 +111,9 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None):
         BD = 32                # one chunk = one FP4 scale group
     BL = TUNE.get("BL", 32 if f32 else 64)
     _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
-        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *k.stride(), *weights.stride(),
+        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *ks, *weights.stride(),
         *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
-        KW=k.stride(0) if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
+        KW=ks[0] if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
     return out
 

@@ -108,19 +108,31 @@ def kv_norm_rope_supports(kv, weight, positions, inv_freq, eps, nope_quant_block
 
 
 # ---- attention.py
-def sparse_mqa_attention_supports(q, kv, indices, sink, scale, kv_format=None) -> bool:
-    if kv_format not in (None, "fp8"):
+def _paged_rows(t, paged):
+    """A paged pool (HAL 1.4) as the kernels read it: [B, J, W] of contiguous values -> (2-D shape
+    stand-in [B * J, W], ok); a flat pool: ([R, W], ok)."""
+    if not paged:
+        return t.shape, t.dim() == 2
+    if t.dim() != 3:
+        return t.shape, False
+    ok = t.stride(2) == 1 and t.shape[1] >= 1
+    return (t.shape[0] * t.shape[1],) + tuple(t.shape[2:]), ok
+
+
+def sparse_mqa_attention_supports(q, kv, indices, sink, scale, kv_format=None, kv_paged=False) -> bool:
+    if kv_format not in (None, "fp8") or not isinstance(kv_paged, bool):
         return False
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or sink.dim() != 1:
+    kv_shape, ok = _paged_rows(kv, kv_paged)
+    if q.dim() != 3 or not ok or indices.dim() != 2 or sink.dim() != 1:
         return False
     T, NH, D = q.shape
     if q.dtype not in ACT_DTYPES or kv.dtype != (q.dtype if kv_format is None else torch.uint8):
         return False
     if D not in (64, 128, 256, 512):
         return False
-    if kv_format is None and kv.shape[1] != D:
+    if kv_format is None and kv_shape[1] != D:
         return False
-    if kv_format == "fp8" and (D <= ROPE_DIM or kv.shape[1] != row_bytes("fp8", D)):
+    if kv_format == "fp8" and (D <= ROPE_DIM or kv_shape[1] != row_bytes("fp8", D)):
         return False
     if indices.shape[0] != T or indices.dtype not in (torch.int32, torch.int64):
         return False
@@ -161,35 +173,39 @@ def compress_windows_supports(kv, score, overlap) -> bool:
 
 
 # ---- cache.py
-def cache_store_supports(pool, index, rows, row_format=None) -> bool:
-    if pool.dim() != 2 or index.dim() != 1 or rows.dim() != 2:
+def cache_store_supports(pool, index, rows, row_format=None, paged=False) -> bool:
+    if not isinstance(paged, bool):
+        return False
+    pool_shape, ok = _paged_rows(pool, paged)
+    if not ok or index.dim() != 1 or rows.dim() != 2:
         return False
     if row_format is not None:            # the stored formats: a uint8 pool, rows read by stride
-        if row_format not in ("fp8", "fp4") or pool.dtype != torch.uint8 or pool.stride(1) != 1:
+        if row_format not in ("fp8", "fp4") or pool.dtype != torch.uint8 or pool.stride(-1) != 1:
             return False
         if rows.dtype not in ACT_DTYPES or index.dtype not in (torch.int32, torch.int64):
             return False
         D = rows.shape[1]
         ok = D > ROPE_DIM and (D - ROPE_DIM) % 64 == 0 if row_format == "fp8" else D % 32 == 0
-        return ok and index.shape[0] == rows.shape[0] and pool.shape[1] == row_bytes(row_format, D)
+        return ok and index.shape[0] == rows.shape[0] and pool_shape[1] == row_bytes(row_format, D)
     if pool.dtype not in ACT_DTYPES or rows.dtype not in ACT_DTYPES or index.dtype not in (torch.int32, torch.int64):
         return False
-    return rows.shape == (index.shape[0], pool.shape[1])
+    return rows.shape == (index.shape[0], pool_shape[1])
 
 
 # ---- indexer.py
-def indexer_scores_rows_supports(q, k, weights, rows, scale, k_format=None) -> bool:
-    if k_format not in (None, "fp4"):
+def indexer_scores_rows_supports(q, k, weights, rows, scale, k_format=None, k_paged=False) -> bool:
+    if k_format not in (None, "fp4") or not isinstance(k_paged, bool):
         return False
-    if q.dim() != 3 or k.dim() != 2 or weights.dim() != 2 or rows.dim() != 2:
+    k_shape, ok = _paged_rows(k, k_paged)
+    if q.dim() != 3 or not ok or weights.dim() != 2 or rows.dim() != 2:
         return False
     T, nI, dI = q.shape
     if q.dtype not in ACT_DTYPES:
         return False
-    if k_format is None and (k.dtype != q.dtype or k.shape[1] != dI):
+    if k_format is None and (k.dtype != q.dtype or k_shape[1] != dI):
         return False
-    if k_format == "fp4" and (k.dtype != torch.uint8 or dI % 32 or k.shape[1] != row_bytes("fp4", dI)
-                              or k.stride(1) != 1):
+    if k_format == "fp4" and (k.dtype != torch.uint8 or dI % 32 or k_shape[1] != row_bytes("fp4", dI)
+                              or k.stride(-1) != 1):
         return False
     if weights.shape != (T, nI) or weights.dtype != torch.float32:
         return False

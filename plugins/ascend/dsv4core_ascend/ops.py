@@ -130,9 +130,11 @@ def _hc_pre_not_opted_in(*args, **kwargs):
             f"contract (emulated finding, docs/vendor-ci.md); set {HC_PRE_ENV}=1 to use it")
 
 
-def _sparse_mqa_attention_limits(q, kv, indices, sink, scale, kv_format=None):
+def _sparse_mqa_attention_limits(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     if kv_format is not None:
         return "stored KV row formats (kv_format) are not wired to the NPU ops here"
+    if kv_paged:
+        return "paged kv pools (kv_paged) are not wired to the NPU ops here"
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         return f"npu_sparse_flash_attention's output is bf16: served for bf16 q / kv (got {q.dtype}, {kv.dtype})"
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
@@ -256,7 +258,7 @@ def kv_norm_rope(kv, weight, positions, inv_freq, eps, nope_quant_block=None):
     return _rotate_tail(_rms_f32(kv.to(torch.float32), weight, eps), positions, inv_freq, False).to(kv.dtype)
 
 
-def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None):
+def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=False):
     """npu_sparse_flash_attention in BSND layout (B 1, S = T queries / N kv rows, KV_N 1):
 
     * K = V: the kv rows go in as key and value (value=None needs a newer CANN);
