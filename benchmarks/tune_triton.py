@@ -181,8 +181,9 @@ FP4_DECODE_TILES = [
 # its GPU conformance run; the kernel change and its sweep set are commit 7d2ffb5.
 
 # Quantised weights converted to bf16 once per call at prefill sizes (dequant.py, TUNE
-# ``dequant_rows``: {} the default, 1,024 rows per weight (moe: pairs per expert); None never;
-# 0 always). `--set dequant`.
+# ``dequant_rows``: {} the launch table's (the CUDA plugin's sm90: 4,096 rows a GEMM weight, 384
+# pairs an expert); None never; 0 always). `--set dequant`; measured (before the UE8M0 fold, FP8
+# codes converted): benchmarks/results/h200/2026-12-03_45d660e/tune/dequant-flash.json.
 _DQ = [{}, {"dequant_rows": None}, {"dequant_rows": 0}, {}]
 DEQUANT = [
     ("linear_fp8", linear, (512, 1024, 2048, 4096), _DQ),

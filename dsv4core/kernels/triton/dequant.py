@@ -31,11 +31,12 @@ from ._util import cdiv, rne_bf16
 from .moe_weights import E8M0_MIN_SCALE, FMT_FP4, FMT_FP8, _format, _w_tile
 from .predicates import _E8M0
 
-#: the portable default of ``dequant_rows``: convert once from 1,024 rows per weight (eight
-#: 128-row tiles, so the in-register path would convert each weight at least eight times, while
-#: the scratch adds 4 bytes of traffic a weight against the >= 2 KiB of activations each weight
-#: column meets); not timed on any device (the CUDA plugin's table sets its measured value)
-DEQUANT_ROWS = 1024
+#: the portable default of ``dequant_rows``: None, never convert. Whether converting pays depends on
+#: how a device's conversion instructions compare with its tensor cores, and on the GEMM's tiles: on
+#: an H200 it lost at and below 1,024 rows for FP8 linear and won from 384 pairs per expert for FP4
+#: experts (benchmarks/results/h200/2026-12-03_45d660e/tune/dequant-flash.json), so a plugin's
+#: launch table turns it on where it was measured
+DEQUANT_ROWS = None
 #: the portable default of ``dequant_bytes``: the largest bf16 scratch one call converts into (1 GiB)
 DEQUANT_BYTES = 1 << 30
 
@@ -133,7 +134,7 @@ def expert_chunks(E: int, weight_elems: int, budget: int) -> int:
 def wanted(tune, op: str, rows: int, weights: int = 1) -> bool:
     """Whether a call of ``op`` with ``rows`` rows over ``weights`` weights (moe: pairs over
     experts) converts its quantised weights: ``rows >= dequant_rows * weights``; TUNE /
-    launch-table key ``dequant_rows`` (None: never; default :data:`DEQUANT_ROWS`)."""
+    launch-table key ``dequant_rows`` (None: never; default :data:`DEQUANT_ROWS`, never)."""
     n = tune.get("dequant_rows", DEQUANT_ROWS)
     if n is None:
         return False

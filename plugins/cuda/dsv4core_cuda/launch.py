@@ -91,7 +91,19 @@ def _wo_a_sm90(o, weight, weight_scale=None) -> dict:
     the kernel's fp32 tiles (no NBLK)."""
     nblk = (weight_scale is not None and o.shape[0] <= 16 and o.dtype != torch.float32
             and weight.dtype != torch.float32)
-    return {"fp8": "via_f32", "NBLK": 2} if nblk else {"fp8": "via_f32"}
+    return {"fp8": "via_f32", "NBLK": 2, "dequant_rows": DEQUANT_GEMM_ROWS} if nblk else \
+        {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS}
+
+
+#: quantised weights converted to bf16 once per call (kernels/triton/dequant.py) from this many rows:
+#: H200, Flash shapes, FP8 codes converted (benchmarks/results/h200/2026-12-03_45d660e/tune/dequant-flash.json):
+#: linear 734 against 855 µs unconverted at T = 4096, but 272 against 229 at 1024 and slower below;
+#: wo_a 657 against 871 at 4096, 173 against 124 at 512
+DEQUANT_GEMM_ROWS = 4096
+#: ... and from this many (token, slot) pairs per expert (FP4 experts, 32 experts, top 6, same file):
+#: 2,561 against 3,824 µs at T = 2048 (384 pairs an expert), 4,088 / 7,112 at 4096, 7,227 / 13,459 at
+#: 8192; 1,351 against 1,181 at T = 512 (96 an expert)
+DEQUANT_EXPERT_ROWS = 384
 
 
 TABLES = LaunchTable("cuda", {
@@ -112,8 +124,8 @@ TABLES = LaunchTable("cuda", {
         # benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json); the
         # shared expert Su 2 / Sd 4 (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64,
         # benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
-        "moe": {"fp4": "scaled", "fp8": "via_f32", "split": "h200"},
-        "linear": {"fp8": "via_f32"},
+        "moe": {"fp4": "scaled", "fp8": "via_f32", "split": "h200", "dequant_rows": DEQUANT_EXPERT_ROWS},
+        "linear": {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS},
         "wo_a": _wo_a_sm90,
         "attention": _attention_sm90,
         "mhc": _mhc_sm90,
