@@ -49,6 +49,9 @@ import subprocess
 import sys
 import time
 
+from decode_host_scaling import _count_torch_calls   # the torch calls of one step, counted
+from host_overhead import _merge                  # per figure, the minimum over runs
+
 
 def _setup(layers: int, experts: int, vocab: int):
     import torch
@@ -138,7 +141,7 @@ def measure(batches, steps: int, layers: int, experts: int, vocab: int) -> dict:
             tot.append(t1 - t0 - rec["fill_s"])
         row = {"layers_ms": 1e3 * statistics.median(lay), "layers_cpu_ms": 1e3 * statistics.median(cpu),
                "step_ms": 1e3 * statistics.median(tot), "launches_per_layer": launches / layers,
-               "torch_calls_per_layer": _torch_calls(step) / layers}
+               "torch_calls_per_layer": _count_torch_calls(step) / layers}
         calls = _calls(step)
         row["python_calls_per_layer"] = calls["python"] / layers
         row["builtin_calls_per_layer"] = calls["builtin"] / layers
@@ -151,21 +154,6 @@ def measure(batches, steps: int, layers: int, experts: int, vocab: int) -> dict:
             st.release()
     out["fallbacks"] = {r["op"]: r["runtime_fallbacks"] for r in ops.report() if r["runtime_fallbacks"]}
     return out
-
-
-def _torch_calls(step) -> int:
-    """The torch functions one step calls (tensor methods and attribute reads included), counted."""
-    from torch.overrides import TorchFunctionMode
-
-    class Count(TorchFunctionMode):
-        n = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with Count():
-        step()
-    return Count.n
 
 
 def _calls(step) -> dict:
@@ -245,18 +233,6 @@ def _breakdown(model, ops, step, layers: int, n: int = 10) -> dict:
             "ops": {op: {"calls_per_layer": calls[op] / per, "op_us_per_layer": 1e6 * hal[op] / per,
                          "kernel_function_us_per_layer": 1e6 * ker[op] / per}
                     for op in sorted(hal, key=lambda o: -hal[o])}}
-
-
-def _merge(runs: list[dict]) -> dict:
-    """Per numeric figure, the minimum over runs (the rest from the first run)."""
-    def merge(vals):
-        if all(isinstance(v, dict) for v in vals):
-            keys = [k for k in vals[0] if all(k in v for v in vals)]
-            return {k: merge([v[k] for v in vals]) for k in keys}
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            return min(vals)
-        return vals[0]
-    return merge(runs)
 
 
 def main() -> None:

@@ -315,13 +315,13 @@ def _(shapes, dtype, device, gen):
     Hn = In = 128
     wf13 = randn((En, 2 * In, Hn), gen, torch.float32, device, Hn ** -0.5 * 4)
     wf2 = randn((En, Hn, In), gen, torch.float32, device, In ** -0.5)
-    (a13, s13), (a2, s2) = quantize_fp4(wf13, FP4_GROUP, E8M0), quantize_fp4(wf2, FP4_GROUP, E8M0)
+    (p13, g13), (p2, g2) = quantize_fp4(wf13, FP4_GROUP, E8M0), quantize_fp4(wf2, FP4_GROUP, E8M0)
     for name, act_block in (("fp4", None), ("official-fp4", 128)):
         ids = torch.stack([torch.randperm(En, generator=gen)[:k] for _ in range(24)]).long()
         ids[::5, -1] = -1
         yield Case(f"many-experts-{name}-E{En}", dict(x=randn((24, Hn), gen, dtype, device, 3.0), ids=ids.to(device),
-                                                      weights=torch.rand((24, k), generator=gen).to(device), w13=a13,
-                                                      w2=a2, swiglu_limit=10.0, w13_scale=s13, w2_scale=s2,
+                                                      weights=torch.rand((24, k), generator=gen).to(device), w13=p13,
+                                                      w2=p2, swiglu_limit=10.0, w13_scale=g13, w2_scale=g2,
                                                       act_block=act_block),
                    ("fp4",) if act_block is None else ("official", "fp4"))
 
