@@ -10,7 +10,8 @@
 # steps:
 #   cand    the portable kernels without a cuda validation record (plugins/cuda/dsv4core_cuda/validation/),
 #           served through DSV4CORE_CUDA_TRY: their conformance; those that pass stay tried for the steps after it
-#   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all); a full
+#   conf    conformance --backend cuda (small, flash, pro; CONF_OPS: a comma list of ops, default all; CONF_JOBS worker
+#           processes sharing the GPU, default 8: the Triton compiles run in parallel); a full
 #           passing run is also written as $OUT/validation/h200.json, the cuda validation record
 #   e2e     graph-vs-eager test (E2E_TEST=0: skipped) + benchmarks/e2e_decode.py (PEER=1: transformers eager
 #           too; E2E_WEIGHTS=official: FP8 projections + packed FP4 experts, files decode-flash-4layers-official.*)
@@ -59,7 +60,7 @@ print(','.join(ok))")
 }
 conf() {
   timeout ${CONF_LIMIT:-330} python3 -m dsv4core conformance --backend cuda --device cuda --shapes small,flash,pro \
-    ${CONF_OPS:+--ops $CONF_OPS} --json "$RES/conformance/cuda-${CONF_OPS:-all-ops}.json" \
+    --jobs ${CONF_JOBS:-8} ${CONF_OPS:+--ops $CONF_OPS} --json "$RES/conformance/cuda-${CONF_OPS:-all-ops}.json" \
     --markdown "$RES/conformance/cuda-${CONF_OPS:-all-ops}.md" 2>&1 | tail -30
   [ -n "${CONF_OPS:-}" ] || python3 -c "
 import json, os, torch, triton

@@ -302,3 +302,21 @@ def test_progress_on_a_terminal_is_one_line_rewritten_and_erased():
     assert tty.getvalue().startswith("header\n") and tty.getvalue().endswith("\r\x1b[K")
     assert tty.getvalue().count("\n") == 1 and "2 ops done; rope" in tty.getvalue()
     assert log.getvalue() == "header\n"           # a log: nothing until `every` seconds have passed
+
+
+def test_jobs_give_the_single_process_report(tmp_path, capsys):
+    """--jobs N: the same cases, statuses and err/bound ratios, in the same order, as one process."""
+    from dsv4core.conformance import ConformanceError, runner
+    from conformance_backends import make_alt_backend
+
+    ops = "rms_norm,indexer_topk,moe_route"
+    one = runner.run("reference", ops=ops, shapes="small,flash", dtypes="float32")
+    two = runner.run("reference", ops=ops, shapes="small,flash", dtypes="float32", jobs=2)
+
+    def rows(r):
+        return [(c.id, c.status, None if c.worst is None else c.worst.ratio) for o in r.ops for c in o.cases]
+
+    assert [o.op for o in two.ops] == ops.split(",") and rows(two) == rows(one) and len(rows(one)) > 40
+    assert two.verdict() == one.verdict()
+    with pytest.raises(ConformanceError, match="jobs=2 needs a backend found by name"):
+        runner.run(make_alt_backend(), ops="rms_norm", jobs=2)

@@ -60,6 +60,8 @@ def add_parser(subparsers) -> None:
                         "--dist-device cuda to check the backend's own transport on its device)")
     p.add_argument("--dist-device", default="cpu", help="device of the collectives' inputs in the spawned ranks "
                                                         "(default cpu)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the ops' cases in N worker processes sharing the device (default 1; not with --isolate)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
     p.set_defaults(func=run)
 
@@ -109,7 +111,7 @@ def run(args) -> int:
         report = runner.run(backend, ops=args.ops, shapes=args.shapes, dtypes=dtypes, device=args.device,
                             seed=args.seed, progress=progress, world_sizes=world_sizes,
                             dist_backend=args.dist_backend, dist_device=args.dist_device, dist_ref=args.backend,
-                            isolate=isolate)
+                            isolate=isolate, jobs=args.jobs)
     except ConformanceError as e:
         return err(str(e))
     report.require_all = args.require_all

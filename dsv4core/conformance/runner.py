@@ -41,7 +41,7 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         dtypes: str | Sequence[Any] = ("float32", "bfloat16"), device: str = "cpu", seed: int = 0,
         progress: Callable[[str], None] | None = None, world_sizes: Sequence[int] = (),
         dist_backend: str = "gloo", dist_device: str = "cpu", dist_ref: str | None = None,
-        isolate: bool = False) -> Report:
+        isolate: bool = False, jobs: int = 1) -> Report:
     """Run the op conformance suite for ``backend`` (a discovered backend name or a
     :class:`~dsv4core.hal.Backend` object, e.g. one built in a test) and return the Report.
 
@@ -53,6 +53,11 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
 
     ``isolate``: take the cases and their expected outputs from a process that loads no plugin
     (:mod:`.isolate`; its cost is described there).
+
+    ``jobs`` > 1: run the (op, shape set) pieces in that many spawned worker processes, each loading
+    the backend by name (``dist_ref``); the report is the one a single process writes, its cases in
+    the same order. For a slow backend compile (Triton JIT) or a big case set; the workers share the
+    device.
 
     Before judging and again after, the live oracle is compared with the installed files
     (:mod:`dsv4core.hal.oracle`): if a plugin (or anything else) changed it, the run raises
@@ -78,6 +83,9 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         raise OracleChanged(refusal)
     specs = catalogue()
     expected, oracle_digest = None, oracle.digest(oracle.expected())
+    if jobs > 1 and (isolate or dist_ref is None):
+        raise ConformanceError(f"jobs={jobs} needs a backend found by name (workers load it) and no isolate"
+                               f" (got {'isolate' if isolate else 'an in-process Backend'})")
     if isolate:
         todo = [n for n in op_names if n in be.impls]
         child_digest, expected = _isolated(todo, shape_sets, dts, device, seed)
@@ -88,30 +96,12 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
                     all_ops=set(op_names) == set(specs), sources=source_digests(be),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t_all = time.perf_counter()
-    for name in op_names:
-        spec = specs[name]
-        impl = be.impls.get(name)
-        rejected = None if impl is not None else getattr(be, "rejected", {}).get(name)
-        opres = OpResult(name, impl is not None or rejected is not None, spec.tolerance)
-        report.ops.append(opres)
+    if jobs > 1:
+        report.ops += _run_parallel(dist_ref, op_names, shape_sets, dts, device, seed, jobs, progress)
+    for name in op_names if jobs <= 1 else ():
         t0 = time.perf_counter()
-        if rejected is not None:   # registered, but its contract check failed: the op was left out
-            opres.cases.append(CaseResult(name, "-", "-", "<registration>", FAILED, message=rejected,
-                                          failure="contract"))
-        if impl is not None:
-            for sh in shape_sets:
-                for dt in dts:
-                    if expected is not None:
-                        opres.cases += _run_expected(spec, impl, expected[f"{name}/{sh}/{dtype_name(dt)}"], dt, sh)
-                        continue
-                    try:
-                        cases = iter_cases(spec, sh, dt, device, seed)
-                        for case in cases:
-                            opres.cases.append(run_case(spec, impl, case, dt, sh))
-                    except Exception as e:  # the case generator itself failed
-                        opres.cases.append(CaseResult(name, dtype_name(dt), sh, "<generate cases>", FAILED,
-                                                      message=f"conformance harness error: {_exc(e)}",
-                                                      failure="harness"))
+        opres = _run_op(be, specs[name], shape_sets, dts, device, seed, expected)
+        report.ops.append(opres)
         if progress:
             progress(_progress_line(opres, time.perf_counter() - t0))
     dist_ops = [o for o in report.ops if o.implemented and catalogue()[o.op].family == "collectives"]
@@ -134,6 +124,73 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
         raise OracleChanged(refusal)
     report.oracle = {"digest": oracle_digest, "isolated": bool(isolate)}
     return report
+
+
+def _run_op(be, spec, shape_sets, dts, device, seed, expected=None) -> OpResult:
+    """Every case of one op under ``shape_sets`` x ``dts``."""
+    name = spec.name
+    impl = be.impls.get(name)
+    rejected = None if impl is not None else getattr(be, "rejected", {}).get(name)
+    opres = OpResult(name, impl is not None or rejected is not None, spec.tolerance)
+    if rejected is not None:   # registered, but its contract check failed: the op was left out
+        opres.cases.append(CaseResult(name, "-", "-", "<registration>", FAILED, message=rejected,
+                                      failure="contract"))
+    if impl is None:
+        return opres
+    for sh in shape_sets:
+        for dt in dts:
+            if expected is not None:
+                opres.cases += _run_expected(spec, impl, expected[f"{name}/{sh}/{dtype_name(dt)}"], dt, sh)
+                continue
+            try:
+                for case in iter_cases(spec, sh, dt, device, seed):
+                    opres.cases.append(run_case(spec, impl, case, dt, sh))
+            except Exception as e:  # the case generator itself failed
+                opres.cases.append(CaseResult(name, dtype_name(dt), sh, "<generate cases>", FAILED,
+                                              message=f"conformance harness error: {_exc(e)}", failure="harness"))
+    return opres
+
+
+_WORKER_BACKEND: dict[tuple[str, str], Backend] = {}
+
+
+def _job(backend: str, name: str, shape: str, dts, device: str, seed: int):
+    """One (op, shape set) piece in a worker process: (implemented, cases), seconds, an oracle refusal."""
+    key = (backend, device)
+    if key not in _WORKER_BACKEND:
+        _WORKER_BACKEND[key] = load_backend(backend, device)
+    t0 = time.perf_counter()
+    res = _run_op(_WORKER_BACKEND[key], catalogue()[name], (shape,), dts, device, seed)
+    return (res.implemented, res.cases), time.perf_counter() - t0, oracle.refusal(f"it changed in a worker running {name}")
+
+
+def _run_parallel(backend, op_names, shape_sets, dts, device, seed, jobs, progress) -> list[OpResult]:
+    """The ops' pieces over ``jobs`` spawned processes; results merged per op in shape order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # the larger shape sets first: their pieces are the long ones, started while the rest fill in
+    pieces = {(n, sh): None for sh in reversed(shape_sets) for n in op_names}
+    secs = dict.fromkeys(op_names, 0.0)
+    done: list[OpResult] = []
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futs = {pool.submit(_job, backend, n, sh, dts, device, seed): (n, sh) for n, sh in pieces}
+        left = {n: len(shape_sets) for n in op_names}
+        for fut in as_completed(futs):
+            n, sh = futs[fut]
+            res, s, refusal = fut.result()
+            if refusal:
+                raise OracleChanged(refusal)
+            pieces[(n, sh)], left[n] = res, left[n] - 1
+            secs[n] += s
+            if left[n] == 0:
+                parts = [pieces[(n, x)] for x in shape_sets]
+                op = OpResult(n, parts[0][0], catalogue()[n].tolerance, [c for p in parts for c in p[1]])
+                done.append(op)
+                if progress:
+                    progress(_progress_line(op, secs[n]))
+    order = {n: i for i, n in enumerate(op_names)}
+    return sorted(done, key=lambda o: order[o.op])
 
 
 def _isolated(op_names, shape_sets, dts, device, seed):

@@ -140,7 +140,7 @@ def _class(c: type) -> str:
              + ",".join(f"{_rel(b.__module__)}.{b.__qualname__}" for b in c.__bases__)]
     for k, v in sorted(vars(c).items()):
         if k in ("__dict__", "__weakref__", "__doc__", "__module__", "__annotations__", "__dataclass_fields__",
-                 "__dataclass_params__", "__match_args__"):
+                 "__dataclass_params__", "__match_args__", "__slotnames__"):   # __slotnames__: pickle's cache
             continue
         parts.append(f"{k}={_member(v)}")
     return "; ".join(parts)
