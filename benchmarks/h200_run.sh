@@ -23,6 +23,8 @@
 #   bench   dsv4core bench --backend cuda (BENCH_OPS: comma list, default every op; flash shapes; FLUSH=read|write)
 #   spec    benchmarks/spec_decode_bench.py: decode / verify / MTP draft step costs and the speedup they predict
 #           (flash dims, 4 layers; E2E_WEIGHTS=official as for e2e; SPEC_BATCHES, default 1,2,4,8,16,32)
+#   lmhead  benchmarks/lm_head.py: the lm_head GEMM (fp32 logits) against the weight-streaming floor, its accuracy
+#           against fp64 beside torch's matmuls (LMHEAD_TOKENS, default 1,2,8,64,512)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -116,6 +118,10 @@ spec() {
   timeout ${SPEC_LIMIT:-420} python3 benchmarks/spec_decode_bench.py --device cuda --model flash --layers 4 --backend cuda \
     --weights "$w" --batches ${SPEC_BATCHES:-1,2,4,8,16,32} --json "$RES/bench/spec-decode-flash-4layers-$w.json" \
     --markdown "$RES/bench/spec-decode-flash-4layers-$w.md" 2>&1 | tail -30
+}
+lmhead() {
+  timeout ${LMHEAD_LIMIT:-200} python3 benchmarks/lm_head.py --backend cuda --tokens ${LMHEAD_TOKENS:-1,2,8,64,512} \
+    --json "$RES/bench/lm-head-flash.json" 2>&1 | tail -25
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

@@ -74,7 +74,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, VIA32: tl.constexpr = False, PROMOTE: tl.constexpr = False):
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -110,7 +110,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     km = ks < k_hi
                     a = tl.load(a_base + ks[None, :] * sa_k, mask=rm[:, None] & km[None, :], other=0.0)
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
-                if SCALE or IEEE or PROMOTE:
+                if SCALE or IEEE:
                     blk = _mac(blk, a, w, MODE, IEEE, VIA32)
                 else:
                     acc = _mac(acc, a, w, MODE, IEEE, VIA32)
@@ -126,7 +126,7 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     acc += blk * sv[:, None]
                 else:
                     acc += blk * sv[None, :]
-            elif IEEE or PROMOTE:
+            elif IEEE:
                 acc += blk
     # outputs [M, G, N] (split: fp32 partials [S, M, G, N], summed by _reduce_kernel in a fixed order)
     if SPLIT:
@@ -244,12 +244,6 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype)
     S = cdiv(K, KPS)
     # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
     via = {"VIA32": True} if fp8 and cfg["fp8"] == "via_f32" else {}
-    # fp32 outputs of bf16 products (the lm_head): each K step's MMA sum starts from zero and is
-    # added to the running sum by an fp32 add (PROMOTE), not chained on the MMA accumulator (chained
-    # over K = 4096 on an H200 it erred ~30x an fp32 dot product's error; tensor-core accumulation
-    # is not round-to-nearest fp32); passed only when set (other launches keep their code)
-    if out.dtype == torch.float32 and not ieee and not scaled:
-        via = dict(via, PROMOTE=True)
     const = dict(G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
                  EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
@@ -276,7 +270,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
         return out.zero_()
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
-    ieee = f32 or interp(a)
+    # fp32 outputs of unscaled bf16 products (the lm_head's logits) take fp32 FMA products and sums
+    # too: a tensor-core MMA sums its products below fp32 accuracy (on an H200, ~30x an fp32 dot's
+    # error at K = 4,096 whether the K steps chain on the MMA accumulator or are added in fp32;
+    # docs/perf/linear.md "fp32 logits")
+    ieee = f32 or interp(a) or (out_dtype == torch.float32 and not scaled)
     # many rows (TUNE "dequant_rows"; the scratch at most "dequant_bytes"): the FP8 codes converted
     # to bf16 once (dequant.py), then bf16 tiles; the block scales still multiply each block's sum
     codes = scaled and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
