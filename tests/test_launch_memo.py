@@ -30,6 +30,7 @@ MODULES = {
     "cache": (("cache_store",), {"BD": 32, "BR": 2, "num_warps": 2}),
     "compress": (("compress_pool", "compress_windows"), {"BD": 16, "windows_BD": 16, "num_warps": 2,
                                                          "windows_num_warps": 2}),
+    "topk": (("indexer_topk",), {"BLOCK": 16, "TB": 16, "num_warps": 2}),
     "indexer": (("indexer_scores_rows", "indexer_rotate_quant"), {"BD": 32, "BL": 16, "num_warps": 2, "BR": 16,
                                                                   "BN": 32, "rq_warps": 2}),
 }
