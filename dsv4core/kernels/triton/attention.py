@@ -44,7 +44,7 @@ import triton.language as tl
 
 from dsv4core.hal.rowformats import ROPE_DIM
 
-from ._util import c, cdiv, interp, rne, target_programs, to_out
+from ._util import c, cdiv, interp, np2, rne, target_programs, to_out
 from . import _paged
 from .launch import Tune
 from . import predicates
@@ -215,8 +215,8 @@ def plan(T: int, NH: int, D: int, K: int, f32: bool, device, fp8: bool = False) 
     S = max(1, min(int(S), nkb, MAX_SPLITS))
     KPS = cdiv(nkb, S) * BK          # rows per split, a whole number of BK blocks
     S = cdiv(K, KPS)
-    SP = triton.next_power_of_2(S)
-    CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, triton.next_power_of_2(NH * D)))
+    SP = np2(S)
+    CB = max(16, min(TUNE.get("cBLOCK", 4096) // SP, np2(NH * D)))
     # pipe 0 by default: the portable loop (module docstring); a plugin's table sets 1 where timed
     pipe = TUNE.get("pipe", 0)
     if pipe not in (0, 1):
@@ -242,25 +242,36 @@ def sparse_mqa_attention(q, kv, indices, sink, scale, kv_format=None, kv_paged=F
     else:
         kv, indices = c(kv), c(indices)
         N = kv.shape[0]
-    f32 = q.dtype == torch.float32
-    p = plan(T, NH, D, K, f32, q.device, kv_format == "fp8")
-    BH, BK, nhb, S, KPS = p["BH"], p["BK"], p["nhb"], p["S"], p["KPS"]
-    grid = (T, nhb)
     fp8 = kv_format == "fp8"
-    common = dict(D=D, BH=BH, BK=BK, PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
-                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=U if kv_paged else kv.shape[1],
-                  num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
+    W = U if kv_paged else kv.shape[1]
+    # the launch but the tensors and sizes read per call: planned once per shapes, dtype, device,
+    # row format and the launch parameters in effect (Tune.memo; the device helpers in the key:
+    # aot.device_branch and tests replace them)
+    S, KPS, grid, common, comb = TUNE.memo((T, NH, D, K, W, q.dtype, q.device, fp8, target_programs, interp, rne),
+                                           lambda: _launch_plan(T, NH, D, K, W, fp8, q, o))
     if S == 1:
-        _smqa_kernel[(*grid, 1)](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
-                                 float(scale), FINAL=True, **common)
+        _smqa_kernel[grid](q, kv, indices, sink, o, o, o, o, T, NH, N, K, KPS, 1,
+                           float(scale), FINAL=True, **common)
         return o
     # fp32 partials per (t, split, head): acc [D], running max m, running sum l
     op = torch.empty((T * S * NH, D), dtype=torch.float32, device=q.device)
     mp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
     lp = torch.empty((T * S * NH,), dtype=torch.float32, device=q.device)
-    _smqa_kernel[(*grid, S)](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
-                             float(scale), FINAL=False, **common)
-    CB = p["CB"]
-    _smqa_combine_kernel[(T, cdiv(NH * D, CB))](sink, o, op, mp, lp, NH, S, D=D, SP=p["SP"], CB=CB,
-                                                RNE=rne(o), num_warps=p["c_num_warps"], **TUNE.options())
+    _smqa_kernel[grid](q, kv, indices, sink, o, op, mp, lp, T, NH, N, K, KPS, S,
+                       float(scale), FINAL=False, **common)
+    _smqa_combine_kernel[comb[0]](sink, o, op, mp, lp, NH, S, **comb[1])
     return o
+
+
+def _launch_plan(T, NH, D, K, W, fp8, q, o):
+    """sparse_mqa_attention's launch: (S, KPS, grid, the kernel's keywords, the combine's (grid,
+    keywords))."""
+    f32 = q.dtype == torch.float32
+    p = plan(T, NH, D, K, f32, q.device, fp8)
+    S, CB = p["S"], p["CB"]
+    common = dict(D=D, BH=p["BH"], BK=p["BK"], PIPE=p["pipe"], F32=f32, INTERP=interp(q), RNE=rne(o),
+                  FP8=fp8, NOPE=D - ROPE_DIM if fp8 else D, W=W,
+                  num_warps=p["num_warps"], num_stages=p["num_stages"], **TUNE.options())
+    comb = ((T, cdiv(NH * D, CB)), dict(D=D, SP=p["SP"], CB=CB, RNE=rne(o), num_warps=p["c_num_warps"],
+                                        **TUNE.options()))
+    return S, p["KPS"], (T, p["nhb"], S), common, comb

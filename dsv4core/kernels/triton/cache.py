@@ -121,19 +121,31 @@ def _store_fp4_kernel(pool_ptr, idx_ptr, rows_ptr, si, sp_r, sr_r, sr_c, D: tl.c
         tl.store(out + D // 2 + g, (se + 127).to(tl.uint8), mask=g < G)
 
 
+def _format_plan(row_format, D, device):
+    if row_format == "fp8":
+        G = (D - ROPE_DIM) // 64
+        return dict(NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
+                    RNE=rne_for(device, torch.bfloat16),   # the rope channels' rounding
+                    num_warps=TUNE.get("num_warps", 4))
+    return dict(D=D, GP=np2(D // 32), num_warps=TUNE.get("num_warps", 4))
+
+
 def _store_format(pool, index, rows, row_format, sp_r):
     E, D = rows.shape
     if E == 0 or pool.shape[0] == 0:
         return None
     args = (pool, index, rows, index.stride(0), sp_r, rows.stride(0), rows.stride(1))
-    if row_format == "fp8":
-        G = (D - ROPE_DIM) // 64
-        _store_fp8_kernel[(E,)](*args, NOPE=D - ROPE_DIM, GP=np2(max(G, -(-G // 8) * 8)), PAD=-(-G // 8) * 8,
-                                RNE=rne_for(pool.device, torch.bfloat16),   # the rope channels' rounding
-                                num_warps=TUNE.get("num_warps", 4))
-    else:
-        _store_fp4_kernel[(E,)](*args, D=D, GP=np2(D // 32), num_warps=TUNE.get("num_warps", 4))
+    dev = pool.device
+    kw = TUNE.memo(("format", row_format == "fp8", D, dev, rne_for), lambda: _format_plan(row_format, D, dev))
+    (_store_fp8_kernel if row_format == "fp8" else _store_fp4_kernel)[(E,)](*args, **kw)
     return None
+
+
+def _plan(E, D, pool):
+    BD = TUNE.get("BD", min(np2(D), 1024))
+    BR = TUNE.get("BR", max(1, min(16, 4096 // BD)))
+    return (cdiv(E, BR), cdiv(D, BD)), dict(BR=BR, BD=BD, RNE=rne(pool), num_warps=TUNE.get("num_warps", 4),
+                                            **TUNE.options())
 
 
 @implements("cache_store", supports=predicates.cache_store_supports)
@@ -147,9 +159,9 @@ def cache_store(pool, index, rows, row_format=None, paged=False):
     E, D = rows.shape
     if E == 0 or D == 0 or pool.shape[0] == 0:
         return None
-    BD = TUNE.get("BD", min(np2(D), 1024))
-    BR = TUNE.get("BR", max(1, min(16, 4096 // BD)))
-    _cache_store_kernel[(cdiv(E, BR), cdiv(D, BD))](
-        pool, index, rows, E, D, index.stride(0), sp_r, pool.stride(-1), rows.stride(0), rows.stride(1),
-        BR=BR, BD=BD, RNE=rne(pool), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
+    # the launch but the tensors and strides: planned once per (E, D, pool dtype and device) and the
+    # launch parameters in effect (Tune.memo; ``rne`` in the key: aot.device_branch replaces it)
+    grid, kw = TUNE.memo(("flat", E, D, pool.dtype, pool.device, rne), lambda: _plan(E, D, pool))
+    _cache_store_kernel[grid](
+        pool, index, rows, E, D, index.stride(0), sp_r, pool.stride(-1), rows.stride(0), rows.stride(1), **kw)
     return None

@@ -88,13 +88,21 @@ def compress_pool(kv, score, ape, overlap, prev_kv=None, prev_score=None):
         return out
     kv, score, ape = c(kv), c(score), c(ape)
     has_prev = bool(overlap) and prev_kv is not None and prev_score is not None
+    # the launch but the tensors: planned once per shapes, flags, dtype, device and the launch
+    # parameters in effect (Tune.memo; ``rne`` in the key: aot.device_branch replaces it)
+    grid, kw = TUNE.memo(("pool", Wn, m, DP, bool(overlap), has_prev, out.dtype, out.device, rne),
+                         lambda: _pool_plan(Wn, m, DP, bool(overlap), has_prev, out))
+    _compress_pool_kernel[grid](
+        kv, score, ape, c(prev_kv) if has_prev else kv, c(prev_score) if has_prev else kv, out, DP, **kw)
+    return out
+
+
+def _pool_plan(Wn, m, DP, overlap, has_prev, out):
     MP = np2(m)
     BD = max(16, min(np2(DP), 4096 // (2 * MP) if overlap else 4096 // MP))
     BD = min(TUNE.get("BD", BD), np2(DP))
-    _compress_pool_kernel[(Wn, cdiv(DP, BD))](
-        kv, score, ape, c(prev_kv) if has_prev else kv, c(prev_score) if has_prev else kv, out, DP,
-        M=m, MP=MP, OVERLAP=bool(overlap), HAS_PREV=has_prev, BD=BD, RNE=rne(out), num_warps=TUNE.get("num_warps", 4), **TUNE.options())
-    return out
+    return (Wn, cdiv(DP, BD)), dict(M=m, MP=MP, OVERLAP=overlap, HAS_PREV=has_prev, BD=BD, RNE=rne(out),
+                                    num_warps=TUNE.get("num_warps", 4), **TUNE.options())
 
 
 @triton.jit
@@ -130,9 +138,13 @@ def compress_windows(kv, score, overlap):
         return out
     if S == 0:
         return out.zero_()
+    grid, kw = TUNE.memo(("windows", E, S, DP, bool(overlap)), lambda: _windows_plan(E, S, DP, bool(overlap)))
+    _compress_windows_kernel[grid](kv, score, out, S, S // 2, DP, *kv.stride(), *score.stride(), **kw)
+    return out
+
+
+def _windows_plan(E, S, DP, overlap):
     SP = np2(S)
     BD = min(TUNE.get("windows_BD", max(16, 4096 // SP)), np2(DP))
-    _compress_windows_kernel[(E, cdiv(DP, BD))](
-        kv, score, out, S, S // 2, DP, *kv.stride(), *score.stride(), SP=SP, OVERLAP=bool(overlap), BD=BD,
-        num_warps=TUNE.get("windows_num_warps", 4), **TUNE.options())
-    return out
+    return (E, cdiv(DP, BD)), dict(SP=SP, OVERLAP=overlap, BD=BD, num_warps=TUNE.get("windows_num_warps", 4),
+                                   **TUNE.options())

@@ -103,19 +103,28 @@ def indexer_scores_rows(q, k, weights, rows, scale, k_format=None, k_paged=False
         ks = (U, k.stride(2))
     else:
         ks = k.stride()
-    f32 = q.dtype == torch.float32
+    fp4, it = k_format == "fp4", interpreting(q)
+    KW = ks[0] if fp4 else 0
+    # the launch but the tensors, strides and scale: planned once per shapes, key format, dtype and
+    # the launch parameters in effect (Tune.memo; the interpreter flag read per call)
+    grid, kw = TUNE.memo(("scores", T, NI, DI, L, q.dtype, fp4, KW, it),
+                         lambda: _scores_plan(T, NI, DI, L, q.dtype == torch.float32, fp4, KW, it))
+    _indexer_scores_rows_kernel[grid](
+        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *ks, *weights.stride(),
+        *rows.stride(), **kw)
+    return out
+
+
+def _scores_plan(T, NI, DI, L, f32, fp4, KW, it):
     # tl.dot needs every tile dimension >= 16: heads are padded (zero q rows, zero weights)
     NIP = max(16, np2(NI))
     BD = TUNE.get("BD", max(16, min(np2(DI), 64 if f32 else 128)))
-    if k_format == "fp4":
+    if fp4:
         BD = 32                # one chunk = one FP4 scale group
     BL = TUNE.get("BL", 32 if f32 else 64)
-    _indexer_scores_rows_kernel[(T, cdiv(L, BL))](
-        q, k, weights, rows, out, NI, DI, L, float(scale), *q.stride(), *ks, *weights.stride(),
-        *rows.stride(), NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=interpreting(q), FP4=k_format == "fp4",
-        KW=ks[0] if k_format == "fp4" else 0, DIC=DI if k_format == "fp4" else 0,
-        num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2), **TUNE.options())
-    return out
+    return (T, cdiv(L, BL)), dict(NIP=NIP, BL=BL, BD=BD, F32=f32, INTERP=it, FP4=fp4, KW=KW, DIC=DI if fp4 else 0,
+                                  num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 2),
+                                  **TUNE.options())
 
 
 @triton.jit
@@ -154,14 +163,18 @@ def indexer_rotate_quant(x):
     R = x.numel() // D
     if R == 0:
         return y
+    # bf16 rows on a GPU: bf16 products (exact: H is +-1) on the tensor cores; fp32 rows and the
+    # interpreter (whose bf16 dot is unreliable): fp32 ieee products
+    lowp = x.dtype == torch.bfloat16 and not interpreting(x)
+    grid, kw = TUNE.memo(("rotate", R, D, lowp), lambda: _rotate_plan(R, D, lowp))
+    _rotate_quant_kernel[grid](c(x), y, R, float(D ** -0.5), **kw)
+    return y
+
+
+def _rotate_plan(R, D, lowp):
     BR = TUNE.get("BR", 32 if D <= 256 else 16)
     BN = TUNE.get("BN", min(D, 64))
     if BN % 32 or D % BN or BR < 16:
         raise ValueError(f"indexer_rotate_quant: TUNE BN={BN} must be a multiple of 32 dividing d={D}, "
                          f"BR={BR} >= 16 (tl.dot)")
-    # bf16 rows on a GPU: bf16 products (exact: H is +-1) on the tensor cores; fp32 rows and the
-    # interpreter (whose bf16 dot is unreliable): fp32 ieee products
-    lowp = x.dtype == torch.bfloat16 and not interpreting(x)
-    _rotate_quant_kernel[(cdiv(R, BR),)](c(x), y, R, float(D ** -0.5), D=D, BR=BR, BN=BN, LOWP=lowp,
-                                         num_warps=TUNE.get("rq_warps", 4), **TUNE.options())
-    return y
+    return (cdiv(R, BR),), dict(D=D, BR=BR, BN=BN, LOWP=lowp, num_warps=TUNE.get("rq_warps", 4), **TUNE.options())

@@ -90,8 +90,12 @@ _MEMO_MAX = 4096
 def _frozen(entry: Mapping) -> tuple:
     """A launch-parameter mapping as a hashable value, each value with its type (1, 1.0 and True
     are equal keys otherwise) and the ``launch`` keywords, a dict, as their items; TypeError for a
-    value that is not hashable."""
-    return tuple((k, type(v), tuple(v.items()) if type(v) is dict else v) for k, v in entry.items())
+    value that is not hashable. (Built by C-level ``map`` / ``tuple`` where no value is a dict: a
+    launcher pays this per call.)"""
+    kinds = tuple(map(type, entry.values()))
+    if dict not in kinds:
+        return tuple(entry.items()), kinds
+    return tuple((k, type(v), tuple(v.items()) if type(v) is dict else v) for k, v in entry.items()), ()
 
 
 class Tune(dict):
@@ -163,8 +167,12 @@ class Tune(dict):
         which depends on nothing else. The value is shared between calls (read it, never change it).
         Parameters that cannot be compared by value (unhashable) are not memoised: ``build()`` then
         runs every time."""
+        active = _ACTIVE.get()              # (``_table`` inlined, as in ``get``)
+        entry = active.get(self.module) if active is not None else None
+        if entry is not None and type(entry) is not dict:
+            entry = self._table()
         try:
-            k = (key, _frozen(self) if dict.__len__(self) else (), _frozen(self._table()))
+            k = (key, _frozen(self) if dict.__len__(self) else (), _frozen(entry) if entry else ())
             v = self._memo.get(k, _MISSING)
         except TypeError:
             return build()

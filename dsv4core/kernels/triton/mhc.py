@@ -74,14 +74,21 @@ def hc_post(o, residual, post, comb):
     if T == 0 or H == 0:
         return out
     o, residual, post, comb = c(o), c(residual), c(post), c(comb)
+    # the launch but the tensors: planned once per shapes, dtype, device and the launch parameters
+    # in effect (Tune.memo; the device helpers in the key: aot.device_branch and tests replace them)
+    grid, kw = TUNE.memo(("post", T, n, H, out.dtype, out.device, target_programs, rne),
+                         lambda: _post_plan(T, n, H, out))
+    _hc_post_kernel[grid](o, residual, post, comb, out, H, **kw)
+    return out
+
+
+def _post_plan(T, n, H, out):
     BLOCK = min(1024, np2(H))
-    while BLOCK > 128 and T * cdiv(H, BLOCK) < target_programs(o.device, _CPU_PROGRAMS):
+    while BLOCK > 128 and T * cdiv(H, BLOCK) < target_programs(out.device, _CPU_PROGRAMS):
         BLOCK //= 2
     BLOCK = TUNE.get("post_BLOCK", BLOCK)
     nw = TUNE.get("post_num_warps", 4 if BLOCK >= 512 else (2 if BLOCK >= 256 else 1))
-    _hc_post_kernel[(T, cdiv(H, BLOCK))](o, residual, post, comb, out, H, N=n, NP=np2(n),
-                                         BLOCK=BLOCK, RNE=rne(out), num_warps=nw, **TUNE.options())
-    return out
+    return (T, cdiv(H, BLOCK)), dict(N=n, NP=np2(n), BLOCK=BLOCK, RNE=rne(out), num_warps=nw, **TUNE.options())
 
 
 # -------------------------------------------------------------------------------- mixes product (split-K)
@@ -137,6 +144,17 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, T, K, M, KSPLIT,
 def _mix(x2, fn, M):
     """x2: [T, K] (contiguous, act dtype), fn [M, K] f32 -> (zpart [S, T, MP], sspart [S, T], S, MP)."""
     T, K = x2.shape
+    # the launch but the tensors: planned once per shapes, dtype, device and the launch parameters
+    # in effect (Tune.memo; the device helpers in the key: aot.device_branch and tests replace them)
+    grid, S, MP, KSPLIT, kw = TUNE.memo(("mix", T, K, M, x2.dtype, x2.device, target_programs, interp),
+                                        lambda: _mix_plan(T, K, M, x2))
+    zp = torch.empty((S, T, MP), dtype=torch.float32, device=x2.device)
+    ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
+    _hc_mix_kernel[grid](x2, fn, zp, ssp, T, K, M, KSPLIT, **kw)
+    return zp, ssp, S, MP
+
+
+def _mix_plan(T, K, M, x2):
     MP = max(16, np2(M))
     # portable tiles: the token block grows with T (16 / 32 / 64) so that split-K still fills the
     # device at small T; 128 columns a K step for up to 32 mix columns, 64 above (bf16x3: three
@@ -149,13 +167,9 @@ def _mix(x2, fn, M):
     S = max(1, min(nkb, TUNE.get("target", target_programs(x2.device, _CPU_PROGRAMS)) // ntb))
     KSPLIT = cdiv(nkb, S) * BK
     S = cdiv(K, KSPLIT)
-    zp = torch.empty((S, T, MP), dtype=torch.float32, device=x2.device)
-    ssp = torch.empty((S, T), dtype=torch.float32, device=x2.device)
-    _hc_mix_kernel[(ntb, S)](x2, fn, zp, ssp, T, K, M, KSPLIT, BT=BT, BK=BK, MP=MP,
-                             IEEE=x2.dtype == torch.float32 or interp(x2),
-                             num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3),
-                             **TUNE.options())
-    return zp, ssp, S, MP
+    return (ntb, S), S, MP, KSPLIT, dict(BT=BT, BK=BK, MP=MP, IEEE=x2.dtype == torch.float32 or interp(x2),
+                                         num_warps=TUNE.get("num_warps", 4), num_stages=TUNE.get("num_stages", 3),
+                                         **TUNE.options())
 
 
 # ------------------------------------------------------------------------------------- hc_pre epilogue
@@ -243,12 +257,18 @@ def hc_pre(x, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
         return y, post, comb
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), (2 + n) * n)
-    BH, HCH, nhb = _epi_block(T, H, x.device)
-    _hc_pre_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, post, comb,
-                                         T, H, S, float(rms_eps), float(hc_eps), int(iters),
-                                         float(post_mult), N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S),
-                                         HCH=HCH, num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
+    grid, kw = TUNE.memo(("pre", T, n, H, S, MP, y.dtype, dev, target_programs, rne),
+                         lambda: _epi_plan(T, n, H, S, MP, y))
+    _hc_pre_epi_kernel[grid](x, zp, ssp, c(scale), c(base), y, post, comb, T, H, S, float(rms_eps),
+                             float(hc_eps), int(iters), float(post_mult), **kw)
     return y, post, comb
+
+
+def _epi_plan(T, n, H, S, MP, y):
+    """hc_pre's / hc_head's epilogue launch: (grid, keywords)."""
+    BH, HCH, nhb = _epi_block(T, H, y.device)
+    return (T, nhb), dict(N=n, NP=np2(n), MP=MP, BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,
+                          num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
 
 
 # ------------------------------------------------------------------------------------- hc_head epilogue
@@ -282,9 +302,7 @@ def hc_head(x, fn, scale, base, rms_eps, hc_eps):
         return y
     x = c(x)
     zp, ssp, S, MP = _mix(x.view(T, n * H), c(fn), n)
-    BH, HCH, nhb = _epi_block(T, H, x.device)
-    _hc_head_epi_kernel[(T, nhb)](x, zp, ssp, c(scale), c(base), y, T, H, S,
-                                          float(rms_eps), float(hc_eps), N=n, NP=np2(n), MP=MP,
-                                          BH=BH, RNE=rne(y), SP=np2(S), HCH=HCH,
-                                          num_warps=TUNE.get("epi_num_warps", 1), **TUNE.options())
+    grid, kw = TUNE.memo(("pre", T, n, H, S, MP, y.dtype, y.device, target_programs, rne),
+                         lambda: _epi_plan(T, n, H, S, MP, y))
+    _hc_head_epi_kernel[grid](x, zp, ssp, c(scale), c(base), y, T, H, S, float(rms_eps), float(hc_eps), **kw)
     return y

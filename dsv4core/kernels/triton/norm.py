@@ -64,6 +64,15 @@ def rms_norm(x, weight, eps):
     if R == 0 or D == 0:
         return y
     w = c(weight) if weight is not None else x2
+    # the launch but the tensors and eps: planned once per (R, D, dtype, device, weight given) and
+    # the launch parameters in effect (Tune.memo; ``rne`` in the key: aot.device_branch replaces it)
+    grid, kw = TUNE.memo(("rms_norm", R, D, y.dtype, y.device, weight is not None, rne),
+                         lambda: _plan(R, D, weight is not None, y))
+    _rms_norm_kernel[grid](x2, w, y, R, D, float(eps), **kw)
+    return y
+
+
+def _plan(R, D, has_w, y):
     if D <= _SINGLE_MAX:
         BLOCK = np2(D)
         single = True
@@ -73,6 +82,5 @@ def rms_norm(x, weight, eps):
     # H200 sweep (D=4096, T=4096): 2 rows x 8 warps per program beat 1 x 8 by ~8%
     ROWS = TUNE.get("ROWS", max(1, min(16, 8192 // BLOCK))) if single else 1
     nw = TUNE.get("num_warps", 4 if ROWS * BLOCK <= 2048 else 8)
-    _rms_norm_kernel[(cdiv(R, ROWS),)](x2, w, y, R, D, float(eps), HAS_W=weight is not None,
-                                       ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw, **TUNE.options())
-    return y
+    return (cdiv(R, ROWS),), dict(HAS_W=has_w, ROWS=ROWS, BLOCK=BLOCK, SINGLE=single, RNE=rne(y), num_warps=nw,
+                                  **TUNE.options())

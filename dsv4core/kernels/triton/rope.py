@@ -91,15 +91,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, RPT, D, DS, HALF, eps
     tl.store(y_ptr + base + ce[None, :] + 1, to_out(oo, y_ptr, RNE), mask=mj)
 
 
-def _launch(x, w, positions, inv_freq, eps, norm, inverse, quant_block=None):
-    T = x.shape[0]
-    D = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    R = x.numel() // D if D > 0 else 0
-    if R == 0 or T == 0:
-        return y
-    x = c(x)
-    half = inv_freq.shape[0]
+def _plan(T, D, R, half, norm, has_w, inverse, qb, x, y):
+    """_launch's (grid, keywords) for these shapes and flags under the launch parameters in effect."""
     RPT = R // T
     BLOCK = np2(D)
     rowpos = RPT < TUNE.get("rowpos_below", 8)
@@ -111,11 +104,28 @@ def _launch(x, w, positions, inv_freq, eps, norm, inverse, quant_block=None):
         HB = TUNE.get("HB", min(np2(RPT), max(1, 2048 // BLOCK)))
         grid = (T, cdiv(RPT, HB))
     nw = TUNE.get("num_warps", 4 if HB * BLOCK <= 2048 else 8)
+    return grid, dict(NORM=norm, HAS_W=has_w, INVERSE=inverse, ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK,
+                      HP=np2(half), RNE=rne(y), ROWPOS=rowpos, R=R, QB=qb, num_warps=nw, **TUNE.options())
+
+
+def _launch(x, w, positions, inv_freq, eps, norm, inverse, quant_block=None):
+    T = x.shape[0]
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    R = x.numel() // D if D > 0 else 0
+    if R == 0 or T == 0:
+        return y
+    x = c(x)
+    half = inv_freq.shape[0]
+    has_w, inverse, qb = w is not None, bool(inverse), int(quant_block or 0)
+    # the launch but the tensors and eps depends on these values and the launch parameters only:
+    # planned once per such key (Tune.memo; the device helpers in the key: aot.device_branch and
+    # tests replace them)
+    grid, kw = TUNE.memo(("rope", T, D, R, half, x.dtype, x.device, norm, has_w, inverse, qb, accurate, rne),
+                         lambda: _plan(T, D, R, half, norm, has_w, inverse, qb, x, y))
     _norm_rope_kernel[grid](
-        x, c(w) if w is not None else x, c(positions), c(inv_freq), y, RPT, D, D - 2 * half, half,
-        float(eps), NORM=norm, HAS_W=w is not None, INVERSE=bool(inverse),
-        ACCURATE=accurate(x), HB=HB, BLOCK=BLOCK, HP=np2(half), RNE=rne(y), ROWPOS=rowpos, R=R,
-        QB=int(quant_block or 0), num_warps=nw, **TUNE.options())
+        x, c(w) if has_w else x, c(positions), c(inv_freq), y, R // T, D, D - 2 * half, half,
+        float(eps), **kw)
     return y
 
 

@@ -96,7 +96,14 @@ def indexer_topk(scores, k_lengths, topk):
         return out
     if L == 0:
         return out.fill_(-1)
-    block = min(TUNE.get("BLOCK", 512), max(16, np2(L)))   # a short row: one small block
-    _topk_kernel[(T,)](c(scores), c(k_lengths), out, L, k, BLOCK=block, TB=min(TUNE.get("TB", 256), max(16, np2(k))),
-                       num_warps=TUNE.get("num_warps", 4), **TUNE.options())
+    # the keywords depend on L, k and the launch parameters in effect only: planned once per such
+    # key (Tune.memo)
+    kw = TUNE.memo((L, k), lambda: _plan(L, k))
+    _topk_kernel[(T,)](c(scores), c(k_lengths), out, L, k, **kw)
     return out
+
+
+def _plan(L, k):
+    block = min(TUNE.get("BLOCK", 512), max(16, np2(L)))   # a short row: one small block
+    return dict(BLOCK=block, TB=min(TUNE.get("TB", 256), max(16, np2(k))), num_warps=TUNE.get("num_warps", 4),
+                **TUNE.options())
