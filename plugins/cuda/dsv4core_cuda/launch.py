@@ -140,7 +140,7 @@ def _moe_tiles_sm90(P: int, E: int, H: int, I: int, programs: int, fp8: bool, pl
     * FP4 "scaled": 64-column down blocks while the down grid of 128-column blocks fits the target
       (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not fit, 64
       is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
-      -fp4-group.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too."""
+      moe_experts-fp4-group-decode-flash.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too."""
     from dsv4core.kernels.triton.moe_split import _few, _row_tiles
 
     def cdiv(a, b):
