@@ -417,7 +417,8 @@ def _tiles(P: int, E: int, H: int, I: int, programs: int, fp8: bool, plain: bool
     Design reason, no device timed: 16-row tiles while an expert holds a few pairs (P <= 4 E: decode,
     the least row padding), 64 above; 64-column N blocks and K steps (FP8: two sub-blocks a 128x128
     scale block, FP4: two 32-column scale groups) on 4 warps, 2 stages: the gate / up kernel's
-    (BM + 2 BN) x BK bf16 tiles take <= 48 KiB of shared memory, within the 64 KiB a block of the
+    (BM + 2 BN) x BK bf16 tiles take 2 x 24 KiB by the tile arithmetic (not compiled without a
+    table; the down kernel's two-half activation rows the same), within the 64 KiB a block of the
     smallest targets (gfx942 LDS, an XPU's SLM)."""
     return 16 if P <= 4 * E else 64, 64, 64, 64, 4, 2
 
