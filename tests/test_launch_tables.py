@@ -358,15 +358,65 @@ def test_linear_launch_follows_overrides_and_the_table_call_by_call(monkeypatch)
         return kw["BM"], kw["BN"], kw["BK"], kw["num_warps"]
 
     try:
-        assert launched() == (16, 64, 128, 4)                      # linear_tiles(1): the default
+        assert launched() == (16, 64, 64, 4)                       # linear_tiles(1): the portable default
         linear.TUNE["BN"] = 32
-        assert launched() == (16, 32, 128, 4)
-        with active({"linear": {"BK": 64, "num_warps": 8}}):
-            assert launched() == (16, 32, 64, 8)
+        assert launched() == (16, 32, 64, 4)
+        with active({"linear": {"BK": 128, "num_warps": 8}}):
+            assert launched() == (16, 32, 128, 8)
             linear.TUNE.clear()
-            assert launched() == (16, 64, 64, 8)
-        assert launched() == (16, 64, 128, 4)
-        assert launched(torch.zeros(40, 256, dtype=torch.bfloat16)) == (64, 64, 128, 4)   # M <= 64
-        assert launched() == (16, 64, 128, 4)
+            assert launched() == (16, 64, 128, 8)
+        assert launched() == (16, 64, 64, 4)
+        assert launched(torch.zeros(40, 256, dtype=torch.bfloat16)) == (64, 64, 64, 4)    # M <= 64
+        assert launched() == (16, 64, 64, 4)
+        # a table's tile function (TUNE "tiles") replaces the kernel's, per call
+        with active({"linear": {"tiles": lambda M, q, big: ("dot", 32, 128, 128, 8, 3)}}):
+            assert launched() == (32, 128, 128, 8)
+        assert launched() == (16, 64, 64, 4)
     finally:
         linear.TUNE.clear()
+
+
+def test_gemm_and_moe_tiles_live_in_the_plugin_tables(monkeypatch):
+    """linear's, wo_a's and moe's H200 tiles are the CUDA plugin's sm90 tile functions (TUNE "tiles"),
+    the kernels' defaults the portable ones; rocm and xpu state the tiles they ran as the former
+    defaults (wo_a on rocm: every tile key set)."""
+    import importlib
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    from dsv4core.kernels.triton import linear, moe, wo_a
+
+    root = Path(__file__).resolve().parents[1] / "plugins"
+    for p in ("cuda", "rocm", "xpu"):
+        monkeypatch.syspath_prepend(str(root / p))
+    cuda, rocm, xpu = (importlib.import_module(f"dsv4core_{p}.launch") for p in ("cuda", "rocm", "xpu"))
+    sm90 = cuda.TABLES.resolve((9, 0))
+    lt, mt = sm90["linear"]["tiles"], sm90["moe"]["tiles"]
+    assert [lt(M, s, b) for M, s, b in ((1, False, False), (64, True, False), (1024, True, True), (1024, True, False))] == \
+        [("dot", 16, 64, 128, 4, 3), ("dot", 64, 128, 64, 4, 3), ("swap", 128, 128, 64, 8, 3), ("dot", 128, 128, 64, 8, 3)]
+    o, w = torch.empty(1, 8, 4096, dtype=torch.bfloat16), torch.empty(8, 1024, 4096, dtype=torch.bfloat16)
+    wt = sm90["wo_a"](o, w)["tiles"]
+    assert [wt(T, s) for T, s in ((1, True), (1, False), (64, False), (65, True))] == \
+        [("dot", 16, 32, 128, 4, 4), ("dot", 16, 32, 256, 4, 4), ("dot", 64, 32, 128, 4, 4), ("dot", 128, 128, 128, 8, 3)]
+    # Flash routed experts at T = 1 (6 pairs, 256 experts) and the shared expert (one expert), 264 programs
+    assert mt(6, 256, 4096, 2048, 264, False, False, True, False) == (16, 64, 64, 128, 4, 4)
+    assert mt(64, 1, 4096, 2048, 264, False, True, False, False) == (64, 32, 64, 128, 4, 3)
+    assert mt(4096 * 6, 8, 4096, 2048, 264, False, True, False, True)[:3] == (128, 128, 256)
+    # the kernels' portable defaults
+    assert linear.linear_tiles(1, True) == wo_a.wo_a_tiles(1, True) == ("dot", 16, 64, 64, 4, 2)
+    assert linear.linear_tiles(4096, True, True) == ("dot", 64, 64, 64, 4, 2)
+    assert moe._tiles(6, 256, 4096, 2048, 264, False, False, True, True) == (16, 64, 64, 64, 4, 2)
+    assert moe._tiles(4096 * 6, 8, 4096, 2048, 264, False, True, False, True) == (64, 64, 64, 64, 4, 2)
+    # rocm / xpu: their former default tiles, stated (no >= 200 KiB branch: no such device)
+    for arch in ("gfx942", "gfx950", "other"):
+        ent = rocm.TABLES.resolve(arch)
+        lin = ent["linear"] if isinstance(ent["linear"], dict) else ent["linear"](torch.empty(1, 64), torch.empty(64, 64))
+        assert lin["tiles"](1024, True, True) == ("dot", 128, 128, 64, 8, 3)
+        mo = ent["moe"](torch.empty(1, 64, dtype=torch.bfloat16))
+        assert mo["tiles"](6, 256, 4096, 2048, 264, False, False, False, False)[::4] == (16, 4)
+        assert set(ent["wo_a"](torch.empty(1, 8, 64, dtype=torch.bfloat16))) >= {"BM", "BN", "BK", "num_warps", "num_stages"}
+    for slm in (0, 256 * 1024):
+        ent = xpu.TABLES.resolve(slm)
+        assert ent["linear"]["tiles"](1, False) == ("dot", 16, 64, 128, 4, 3)
+        assert ent["wo_a"]["tiles"](1, False) == ("dot", 16, 32, 256, 4, 4)
+        assert ent["moe"](torch.empty(1, 64))["tiles"](4096 * 6, 8, 4096, 2048, 264, False, True, False, True)[::4] == (128, 8)

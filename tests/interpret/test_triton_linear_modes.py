@@ -85,7 +85,7 @@ def test_launch_config_keys_and_errors():
     cfg = linear._config("linear", 64, False, False, {"KSUB": 2, "num_warps": 8}, linear.linear_tiles)
     assert (cfg["KSUB"], cfg["num_warps"]) == (2, 8)
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 3 \* 1 = 384 must be a power of two"):
-        linear._config("linear", 64, False, False, {"KSUB": 3}, linear.linear_tiles)
+        linear._config("linear", 64, False, False, {"BK": 128, "KSUB": 3}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"linear: TUNE mode='gemv'"):
         linear._config("linear", 1, False, False, {"mode": "gemv"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"wo_a: BK=256 must divide 128"):
@@ -93,7 +93,12 @@ def test_launch_config_keys_and_errors():
     cfg = linear._config("linear", 1, False, True, {"NBLK": 2}, linear.linear_tiles)
     assert (cfg["NBLK"], cfg["KSUB"] * cfg["BK"]) == (2, 128)   # a step = 2 scale blocks of 128
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 1 \* 3 = 384 must be a power of two"):
-        linear._config("linear", 1, False, True, {"NBLK": 3}, linear.linear_tiles)
+        linear._config("linear", 1, False, True, {"BK": 128, "NBLK": 3}, linear.linear_tiles)
+    # TUNE "tiles" (a plugin table's tile function) replaces the op's portable tiles; keys still override
+    cfg = linear._config("linear", 64, False, False, {"tiles": lambda M, q, big: ("swap", 32, 128, 64, 8, 3, 2),
+                                                      "num_warps": 4}, linear.linear_tiles)
+    assert (cfg["mode"], cfg["BM"], cfg["BN"], cfg["BK"], cfg["num_warps"], cfg["num_stages"], cfg["NBLK"]) == \
+        ("swap", 32, 128, 64, 4, 3, 2)
     with pytest.raises(ValueError, match=r"linear: TUNE fp8='int'; expected one of cvt, via_f32"):
         linear._config("linear", 1, False, True, {"fp8": "int"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"swap mode needs BM, BN, BK >= 16"):

@@ -107,16 +107,31 @@ def test_split_k_launches(monkeypatch):
         moe.TUNE.clear()
 
 
+def _sm90_moe_tiles():
+    """The CUDA plugin's sm90 tile function for moe (the tiles the "h200" rule was timed with)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "cuda"))
+    from dsv4core_cuda.launch import TABLES
+
+    return TABLES.resolve((9, 0))["moe"]["tiles"]
+
+
 def test_default_split_rule():
-    """`_split_rule` at Flash dims (H 4096, I 2048, top-6 of 256) with an H200's 264 target programs:
-    the two measured cases split (FP4 "scaled" gate / up at <= 96 pairs: Su 2; the shared expert at
-    the small-T tiles: Su 2, Sd 4), everything else does not; TUNE overrides either part."""
+    """`_split_rule` at Flash dims (H 4096, I 2048, top-6 of 256) with an H200's 264 target programs
+    and the CUDA sm90 tiles: the two measured cases split (FP4 "scaled" gate / up at <= 96 pairs: Su 2;
+    the shared expert at the small-T tiles: Su 2, Sd 4), everything else does not; TUNE overrides
+    either part."""
     from dsv4core.kernels.triton import moe
+    from dsv4core.kernels.triton.launch import active
 
     H, I, progs = 4096, 2048, 264
+    tiles = _sm90_moe_tiles()
 
     def rule(P, E, *, fp8=False, scaled=False, plain=True, ieee=False, H=H, I=I):
-        cfg = moe._config(P, E, ieee, False, fp8, H, I, progs, plain=plain, scaled=scaled, big=True)
+        with active({"moe": {"tiles": tiles}}):
+            cfg = moe._config(P, E, ieee, False, fp8, H, I, progs, plain=plain, scaled=scaled, big=True)
         return moe._split_rule(P, E, H, I, cfg, progs, ieee, scaled)
 
     for T in (1, 8, 64):
@@ -178,7 +193,7 @@ def test_default_split_reaches_the_launches(monkeypatch):
     try:
         moe.TUNE.clear()
         assert launch(1, 1, "bf16") == ((), (), 1, 1, 0)           # the portable default: unsplit
-        moe.TUNE.update(split="h200")                              # the CUDA sm90 table's rule
+        moe.TUNE.update(split="h200", tiles=_sm90_moe_tiles())     # the CUDA sm90 table's rule and tiles
         assert launch(1, 1, "bf16") == ((2,), (4,), 2, 4, 1)        # the shared expert
         assert launch(256, 6, "bf16") == ((), (), 1, 1, 0)         # bf16 routed experts: unsplit
         moe.TUNE.update(fp4="scaled")                              # the CUDA sm90 table's FP4 decode

@@ -47,8 +47,10 @@ AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "l
 
 
 #: the keys of grouped_gemm's launches (linear's and wo_a's; linear._config reads them)
+#: ("tiles": a function (rows, quantised, big) -> (mode, BM, BN, BK, num_warps, num_stages[, NBLK]),
+#: the op's tile table in place of the kernel's portable one: linear.linear_tiles)
 GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target",
-             "dequant_rows", "dequant_bytes")
+             "dequant_rows", "dequant_bytes", "tiles")
 
 #: kernel module -> the tuning keys its launchers read (``launch``, the extra launch keywords, is
 #: always allowed). Each module's ``TUNE = Tune(__name__)`` takes its keys from here, so a plugin's
@@ -62,8 +64,10 @@ TUNING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": GEMM_KEYS,
     "mhc": ("BT", "BK", "target", "num_warps", "num_stages", "epi_chunks", "epi_num_warps", "post_BLOCK",
             "post_num_warps"),
+    # "tiles": a function (P, E, H, I, programs, fp8, plain, scaled, big) -> (BM, BNu, BNd, BK,
+    # num_warps, num_stages) for the tensor-core path, in place of moe._tiles (moe._config)
     "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split", "dequant_rows",
-            "dequant_bytes"),
+            "dequant_bytes", "tiles"),
     "norm": ("ROWS", "num_warps"),
     "rope": ("HB", "num_warps", "rowpos_below"),
     "topk": ("BLOCK", "TB", "num_warps"),

@@ -169,30 +169,23 @@ FP8_PATHS = ("cvt", "via_f32")
 
 
 def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
-    """linear's own launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages) (an op's
-    tiles may add NBLK as a seventh value). ``big``: the device has the shared memory of the GPU the
-    prefill tiles were measured on (_util.BIG_TILE_SHARED).
+    """linear's portable launch defaults for M rows: (mode, BM, BN, BK, num_warps, num_stages) (an
+    op's tiles may add NBLK as a seventh value). A plugin's launch table replaces them with its own
+    function of the same arguments (TUNE ``tiles``; ``big``: the device has BIG_TILE_SHARED of
+    shared memory a block, which these tiles do not use).
 
-    bf16: the H200 sweep's tiles (benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json). "dot" for
-    FP8 too: the H200 read-flush sweep (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json) timed "swap" at
-    17.9 / 18.0 / 29.7 µs at T = 1 / 8 / 64 against dot's 17.8 / 17.8 / 25.0."""
-    if M <= 16:
-        return "dot", 16, 64, 128, 4, 3
-    if M <= 64:
-        return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
-    if scaled and big and M >= 1024:
-        # FP8 prefill: the converted weight tile feeds the MMA from registers (H200,
-        # benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json: 1004 µs at T = 4096 against dot's 1132). With
-        # "cvt", swap is also 11 % faster at T = 512 (137.6 vs 155.5 µs) and even at 1024 / 2048
-        # (benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json; the threshold stays until timed with via_f32, with
-        # which swap and dot are even at 4096: 858.7 / 859.4)
-        return "swap", 128, 128, 64, 8, 3
-    return "dot", 128, 128, 64, 8, 3
+    Design reason, no device timed: "dot" (the MMA every Triton backend lowers); 16 rows at decode
+    (M <= 16, the smallest MMA row tile, so T = 1 pads least), 64 above; 64-column weight tiles and
+    64-column K steps (with 128x128 block scales: two sub-blocks a scale block) on 4 warps, 2
+    stages: (BM + BN) x BK x 2 B x 2 stages <= 32 KiB of shared memory for bf16 operands, within
+    the 64 KiB a block of the smallest targets (gfx942 LDS, an XPU's SLM)."""
+    return "dot", 16 if M <= 16 else 64, 64, 64, 4, 2
 
 
 def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False,
             quantised=None) -> dict:
-    """The launch of one call: ``tiles(M, quantised, big)`` (the op's defaults, ``quantised``: FP8
+    """The launch of one call: ``tiles(M, quantised, big)`` (TUNE ``tiles``, a plugin table's tile
+    function, else ``tiles``, the op's portable defaults; ``quantised``: FP8
     codes read, default ``scaled``; bf16 codes converted once take the bf16 tiles; small fp32
     tiles when the products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
@@ -205,7 +198,7 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
         mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        mode, BM, BN, BK, nw, ns, *nblk = tiles(M, scaled if quantised is None else quantised, big)
+        mode, BM, BN, BK, nw, ns, *nblk = tune.get("tiles", tiles)(M, scaled if quantised is None else quantised, big)
         if scaled:
             BK = min(BK, 128)   # bf16 codes with block scales: a K step within one 128-column block
     cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)

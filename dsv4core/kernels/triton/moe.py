@@ -407,56 +407,33 @@ def _route(ids, E: int, BM: int):
     return starts, tcum, tok, inv
 
 
+def _tiles(P: int, E: int, H: int, I: int, programs: int, fp8: bool, plain: bool, scaled: bool,
+           big: bool) -> tuple:
+    """The portable (BM, BN_up, BN_down, BK, num_warps, num_stages) of the tensor-core path, for P
+    pairs over E experts (a plugin's table replaces this function: TUNE ``tiles``, same arguments;
+    ``programs``: the split-K target, ``plain``: bf16 weights, ``scaled``: FP4 read by "scaled",
+    ``big``: the device has BIG_TILE_SHARED of shared memory a block; unused here).
+
+    Design reason, no device timed: 16-row tiles while an expert holds a few pairs (P <= 4 E: decode,
+    the least row padding), 64 above; 64-column N blocks and K steps (FP8: two sub-blocks a 128x128
+    scale block, FP4: two 32-column scale groups) on 4 warps, 2 stages: the gate / up kernel's
+    (BM + 2 BN) x BK bf16 tiles take 2 x 24 KiB by the tile arithmetic (not compiled without a
+    table; the down kernel's two-half activation rows the same), within the 64 KiB a block of the
+    smallest targets (gfx942 LDS, an XPU's SLM)."""
+    return 16 if P <= 4 * E else 64, 64, 64, 64, 4, 2
+
+
 def _config(P: int, E: int, ieee: bool, f32: bool, fp8: bool, H: int = 0, I: int = 0, programs: int = 0,
             plain: bool = False, scaled: bool = False, big: bool = False):
-    """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB); H200 sweep:
-    benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json. With FP8 weights BK * KSUB = 128.
-    Decode-sized batches over few experts (the shared expert: one) would launch fewer programs
-    than the device has SMs (`programs` / 2): the N blocks shrink (to 32 / 64 at most) until they
-    do not. ``plain``: bf16 weights; ``big``: the device has the shared memory of the GPU
-    the big-T tile was measured on (_util.BIG_TILE_SHARED); ``scaled``: FP4 read by "scaled" (its
-    K step at decode, its N block at big T)."""
+    """(BM, BN_up, BN_down, BK, num_warps, num_stages, KSUB): the tensor-core path's tiles from
+    TUNE ``tiles`` (a plugin table's function) or :func:`_tiles`, then the TUNE / table keys. With
+    FP8 weights BK * KSUB = 128."""
     if ieee:
         # fp32 tiles are 2x wider per element and the KSUB sub-blocks are unrolled: smaller tiles,
         # fewer stages, or the kernel needs more shared memory than an H200 has (seen: 288 KiB)
         cfg = (16 if P <= 4 * E else 32, 32, 32, 32, 4, 2)
-    elif P <= 4 * E:
-        cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
-    elif P <= 64 * E:
-        cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
-    elif plain and big:
-        # H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 3412 µs at T = 4096 against 4602 for the
-        # quantised weights' tile below (4357-4500 for the other big tiles tried)
-        cfg = (128, 128, 256, 64, 8, 3)
     else:
-        # FP4 "scaled": 128-column up blocks (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 7055 µs at
-        # T = 4096 against 9710 with 64 and 7289 for "join")
-        cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
-    if not ieee:
-        BM, BNu, BNd = cfg[:3]
-        tiles = _row_tiles(P, E, BM)
-        # floors 32 / 64: the H200 sweep of the shared expert (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json) timed
-        # 44.5 / 59.3 / 60.2 µs at T = 1 / 8 / 64 with (32, 64) against 47.7 / 67.6 / 69.2 with
-        # (64, 128) and 50.5 / 60.0 / 59.0 with (16, 64)
-        while BNu > 32 and tiles * cdiv(I, BNu) < programs // 2:
-            BNu //= 2
-        while BNd > 64 and tiles * cdiv(H, BNd) < programs // 2:
-            BNd //= 2
-        few = _few(tiles, I, programs)
-        # and longer K steps: more bytes in flight per program (H200, one expert: 36.4 / 48.3 µs at
-        # T = 1 / 8 with BK 128 against 44.6 / 58.8 with 64, benchmarks/results/h200/2026-12-01_9da52e6/tune/moe_experts-shared-flash.json)
-        # FP4 "scaled" over a grid of at most one program per target slot (routed experts at T = 1):
-        # 128-column K steps (H200, benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json: 127.8 µs at T = 1 against
-        # 141.4 with 64; at T = 64 the 64 step is faster, 623 against 718)
-        long_k = few or (scaled and tiles * cdiv(I, BNu) <= programs)
-        # and 64-column down blocks while the down grid of 128-column blocks fits the target too
-        # (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not
-        # fit, 64 is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
-        # -fp4-group.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too
-        # (GPU conformance: the small shapes' mixed case)
-        if scaled and tiles * cdiv(H, BNd) <= programs:
-            BNd = min(BNd, 64)
-        cfg = (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
+        cfg = tuple(TUNE.get("tiles", _tiles)(P, E, H, I, programs, fp8, plain, scaled, big))
     if TUNE.sets_any():
         cfg = tuple(TUNE.get(k, v) for k, v in zip(("BM", "BNu", "BNd", "BK", "num_warps", "num_stages"), cfg))
     BK = cfg[3]

@@ -1,5 +1,6 @@
 """moe_experts' split-K rule: how many K parts the gate / up (``Su``) and down (``Sd``) GEMMs of
-one call take by default (TUNE "split"), and the row-tile arithmetic it and moe._config share.
+one call take by default (TUNE "split"), and the row-tile arithmetic it and the CUDA plugin's sm90
+tile function (plugins/cuda/dsv4core_cuda/launch.py) share.
 Host-side only; moe.py reads it (``_splits`` applies TUNE's "Su" / "Sd" over it)."""
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ def _row_tiles(P: int, E: int, BM: int) -> int:
 
 
 def _few(tiles: int, I: int, programs: int) -> bool:
-    """Whether the gate / up grid of the smallest (64-column) N blocks fills under half the target
-    programs (the shared expert: one expert for every token)."""
+    """Whether the gate / up grid of 64-column N blocks fills under half the target programs (the
+    shared expert: one expert for every token)."""
     return tiles * cdiv(I, 64) < programs // 2
 
 
@@ -40,7 +41,7 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
     of benchmarks/tune_triton.py);
     everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
-      * a grid that cannot fill the device even with the smallest N blocks (`_config`'s "few":
+      * a grid that cannot fill the device even with 64-column N blocks (`_few`:
         the shared expert, one expert for every token) while the rows take the small-T tiles
         (BM <= 64): Su 2 and Sd 4, each kept while the split grid fits the target programs
         (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 + Sd 2 / 4 and Su 2 +

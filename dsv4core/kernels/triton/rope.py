@@ -96,7 +96,10 @@ def _plan(T, D, R, half, norm, has_w, inverse, qb, x, y):
     RPT = R // T
     BLOCK = np2(D)
     rowpos = RPT < TUNE.get("rowpos_below", 8)
-    # H200 sweep: 4 rows of 512 per program (2048 elements, 4 warps) is best for q, rope and kv
+    # row block: 2048 elements a program (4 rows of 512), 4 warps: 16 values a lane (8 on a 64-lane
+    # wavefront) in registers on every target, the token's cos / sin computed once for its rows. No
+    # result file: an H200 sweep (measured on one GPU, not committed) found 4 rows of 512 fastest
+    # for q, the rope rows and kv
     if rowpos:
         HB = TUNE.get("HB", max(1, 2048 // BLOCK))
         grid = (cdiv(R, HB),)

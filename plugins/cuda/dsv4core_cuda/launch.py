@@ -7,11 +7,11 @@ first, then the entry below for the device's capability, then the kernel's own d
 * ``sm90`` (H100 / H200) holds the choices measured on an H200 that are not portable: each entry
   names the committed result it came from. Capabilities without an entry (sm80, sm100, ...) take
   the sm90 entries until someone times them on that GPU (add a target here).
-* Every key not set here is the kernel's own default. Those are the portable choices the kernel
-  modules state, except where a module still says its default was measured on an H200 (the tile
-  tables of linear, wo_a and moe): those apply to every plugin that leaves them unset (rocm and
-  xpu set their own where they differ). norm's and rope's row blocks cite an H200 sweep without a
-  committed result: kernel defaults until one is measured.
+* Every key not set here is the kernel's own default: the portable choices the kernel modules
+  state with their design reason. The tile tables of linear, wo_a and moe (TUNE ``tiles``, a
+  function of the call's shapes) are the sm90 functions below; the rocm and xpu tables state
+  their own. norm's and rope's row blocks cite an H200 sweep without a committed result: kernel
+  defaults until one is measured.
 
 A callable entry takes the op's arguments (its HAL signature) and returns the keys for that call.
 """
@@ -83,16 +83,99 @@ def _mhc_sm90(*args, **kwargs) -> dict | None:
     return None
 
 
+def _linear_tiles_sm90(M: int, scaled: bool, big: bool = False) -> tuple:
+    """linear's tiles (TUNE ``tiles``; linear.linear_tiles' arguments and result), H200, DSV4-Flash
+    shapes. bf16: the sweep's tiles (benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json).
+    "dot" for FP8 too: the read-flush sweep (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json)
+    timed "swap" at 17.9 / 18.0 / 29.7 µs at T = 1 / 8 / 64 against dot's 17.8 / 17.8 / 25.0.
+    FP8 prefill (M >= 1024, ``big``: the device has the H200's shared memory, _util.BIG_TILE_SHARED):
+    "swap", the converted weight tile feeding the MMA from registers, 1004 µs at T = 4096 against
+    dot's 1132 (benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json). With
+    "cvt", swap is also 11 % faster at T = 512 (137.6 against 155.5 µs) and even at 1024 / 2048
+    (benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json; the threshold stays until
+    timed with via_f32, with which swap and dot are even at 4096: 858.7 / 859.4)."""
+    if M <= 16:
+        return "dot", 16, 64, 128, 4, 3
+    if M <= 64:
+        return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+    if scaled and big and M >= 1024:
+        return "swap", 128, 128, 64, 8, 3
+    return "dot", 128, 128, 64, 8, 3
+
+
+def _wo_a_tiles_sm90(T: int, scaled: bool, big: bool = False) -> tuple:
+    """wo_a's tiles (TUNE ``tiles``), H200. bf16: the tiles of wo_a's former own kernel (25.3 / 29.3 µs
+    at T = 1 / 64, benchmarks/results/h200/2026-11-29_da152d4/bench/cuda-ops-flash-write-flush.json):
+    32-wide N tiles, 8 groups x 32 = 256 programs, no split on a 132-SM GPU. FP8: the same tiles,
+    "dot" (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json: 21.0 / 20.6 / 32.6 µs at
+    T = 1 / 8 / 64; "swap" 27.5 / 27.6 / 52.9). From T = 65 (128 x 128 tiles, 8 warps, 3 stages; bf16
+    64-column K steps): not timed in a committed result (those sweeps stop at T = 64; no result file)."""
+    if T <= 16:
+        return ("dot", 16, 32, 128, 4, 4) if scaled else ("dot", 16, 32, 256, 4, 4)
+    if T <= 64:
+        return "dot", 64, 32, 128, 4, 4
+    return "dot", 128, 128, 128 if scaled else 64, 8, 3
+
+
+def _moe_tiles_sm90(P: int, E: int, H: int, I: int, programs: int, fp8: bool, plain: bool, scaled: bool,
+                    big: bool) -> tuple:
+    """moe_experts' tensor-core tiles (TUNE ``tiles``; moe._tiles' arguments and result), H200,
+    DSV4-Flash shapes, read flush:
+
+    * by pairs an expert (P <= 4 E / <= 64 E / more): 16 x 64 x 128 (up / down N blocks), 4 warps,
+      4 stages; 64 x 64 x 128, 4 warps, 3 stages; 128 x 64 x 128, 8 warps, 3 stages; K steps 64
+      (FP8: 128) (benchmarks/results/h200/2026-12-01_5ccba4d/tune/all-ops-flash-write-flush.json);
+    * bf16 weights beyond 64 pairs an expert on a device with ``big`` shared memory: 128 x 128 x 256,
+      3412 µs at T = 4096 against 4602 for the quantised weights' tile (4357-4500 for the other big
+      tiles tried); FP4 "scaled" there: 128-column up blocks, 7055 µs at T = 4096 against 9710 with
+      64 and 7289 for "join" (benchmarks/results/h200/2026-12-01_2494243/tune/moe_experts-variants-flash.json);
+    * grids under half the target programs (decode over few experts; the shared expert: one) halve
+      the N blocks, to floors 32 (up) / 64 (down): 44.5 / 59.3 / 60.2 µs at T = 1 / 8 / 64 with (32, 64)
+      against 47.7 / 67.6 / 69.2 with (64, 128) and 50.5 / 60.0 / 59.0 with (16, 64)
+      (benchmarks/results/h200/2026-12-01_8397775/tune/all-ops-flash.json);
+    * and 128-column K steps there (36.4 / 48.3 µs at T = 1 / 8 against 44.6 / 58.8 with 64,
+      benchmarks/results/h200/2026-12-01_9da52e6/tune/moe_experts-shared-flash.json), and for FP4
+      "scaled" over at most one program a target slot (127.8 µs at T = 1 against 141.4 with 64; at
+      T = 64 the 64 step is faster, 623 against 718: moe_experts-variants-flash.json above);
+    * FP4 "scaled": 64-column down blocks while the down grid of 128-column blocks fits the target
+      (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not fit, 64
+      is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
+      moe_experts-fp4-group-decode-flash.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too."""
+    from dsv4core.kernels.triton.moe_split import _few, _row_tiles
+
+    def cdiv(a, b):
+        return -(-a // b)
+
+    if P <= 4 * E:
+        cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
+    elif P <= 64 * E:
+        cfg = (64, 64, 128, 128 if fp8 else 64, 4, 3)
+    elif plain and big:
+        cfg = (128, 128, 256, 64, 8, 3)
+    else:
+        cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
+    BM, BNu, BNd = cfg[:3]
+    tiles = _row_tiles(P, E, BM)
+    while BNu > 32 and tiles * cdiv(I, BNu) < programs // 2:
+        BNu //= 2
+    while BNd > 64 and tiles * cdiv(H, BNd) < programs // 2:
+        BNd //= 2
+    long_k = _few(tiles, I, programs) or (scaled and tiles * cdiv(I, BNu) <= programs)
+    if scaled and tiles * cdiv(H, BNd) <= programs:
+        BNd = min(BNd, 64)
+    return (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
+
+
 def _wo_a_sm90(o, weight, weight_scale=None) -> dict:
     """wo_a: FP8 e4m3 through fp32 (``fp8`` "via_f32", as linear below), and with block-scaled FP8
     weights at T <= 16 two scale blocks a K step (``NBLK`` 2; H200,
     benchmarks/results/h200/2026-12-01_2494243/tune/linear-wo_a-variants-flash.json: 18.8 µs at T = 1
     against 20.8 with one; at T = 64 one block is faster, 32.1 against 46.7). fp32 operands take
-    the kernel's fp32 tiles (no NBLK)."""
+    the kernel's fp32 tiles (no NBLK). Tiles: _wo_a_tiles_sm90."""
     nblk = (weight_scale is not None and o.shape[0] <= 16 and o.dtype != torch.float32
             and weight.dtype != torch.float32)
-    return {"fp8": "via_f32", "NBLK": 2, "dequant_rows": DEQUANT_GEMM_ROWS} if nblk else \
-        {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS}
+    return {"fp8": "via_f32", "NBLK": 2, "dequant_rows": DEQUANT_GEMM_ROWS, "tiles": _wo_a_tiles_sm90} if nblk else \
+        {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS, "tiles": _wo_a_tiles_sm90}
 
 
 #: quantised weights converted to bf16 once per call (kernels/triton/dequant.py) from this many rows:
@@ -124,8 +207,10 @@ TABLES = LaunchTable("cuda", {
         # benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-rule-flash.json); the
         # shared expert Su 2 / Sd 4 (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64,
         # benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
-        "moe": {"fp4": "scaled", "fp8": "via_f32", "split": "h200", "dequant_rows": DEQUANT_EXPERT_ROWS},
-        "linear": {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS},
+        # tiles: _moe_tiles_sm90 / _linear_tiles_sm90 (their docstrings: the results they came from)
+        "moe": {"fp4": "scaled", "fp8": "via_f32", "split": "h200", "dequant_rows": DEQUANT_EXPERT_ROWS,
+                "tiles": _moe_tiles_sm90},
+        "linear": {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS, "tiles": _linear_tiles_sm90},
         "wo_a": _wo_a_sm90,
         "attention": _attention_sm90,
         "mhc": _mhc_sm90,

@@ -40,12 +40,20 @@ def _attention(bf16_rows: int, bf16_stages: int):
 
 
 def _moe(bf16_bn: int, stages: int):
+    def tiles(P, E, H, I, programs, fp8, plain, scaled, big):
+        """moe's tensor-core tiles (TUNE ``tiles``): the rows and warps these arches ran as the
+        kernel's former defaults, 16 rows x 4 warps while an expert holds <= 4 pairs, 64 x 4 to 64
+        pairs, 128 x 8 above (compile-checked, not timed); the rest as the entry's keys."""
+        BM, nw = (16, 4) if P <= 4 * E else ((64, 4) if P <= 64 * E else (128, 8))
+        return BM, bf16_bn, bf16_bn, 32, nw, stages
+
     def entry(*args, **kwargs):
         f32 = is_f32(args, kwargs)
         bn = 32 if f32 else bf16_bn          # the up (gate|up) and down GEMM tiles alike
         # Su / Sd 1 (the kernel's default, stated; not tuned here): split K at decode batches
         # (moe._split_rule) is the CUDA table's sm90 choice, measured on an H200 only
-        return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages, "Su": 1, "Sd": 1}
+        return {"BNu": bn, "BNd": bn, "BK": 32, "num_stages": 1 if f32 else stages, "Su": 1, "Sd": 1,
+                "tiles": tiles}
     return entry
 
 
@@ -54,15 +62,29 @@ def _fp8(args, kwargs) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 for v in (*args, *kwargs.values()))
 
 
+def _gemm_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
+    """linear's tiles (TUNE ``tiles``; linear.linear_tiles' arguments): the tiles these arches ran
+    as the kernel's former defaults (compile-checked, not timed): 16 x 64 x 128, 4 warps, 3 stages
+    to 16 rows; 64 x 64 x 128 (block-scaled: 64 x 128 x 64) to 64; 128 x 128 x 64, 8 warps above.
+    ``big`` (>= 200 KiB of shared memory a block) is never true on a ROCm device (MI300X 64 KiB,
+    MI355X 160 KiB): the CUDA table's FP8 prefill "swap" tile is not taken."""
+    if M <= 16:
+        return "dot", 16, 64, 128, 4, 3
+    if M <= 64:
+        return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+    return "dot", 128, 128, 64, 8, 3
+
+
 def _linear(fp8_tiles: dict):
-    """linear: the kernel's own tiles, except with FP8 weights: ``fp8_tiles``. The kernel's FP8
-    16 x 64 x 128 x 3-stage tile spills SGPRs in its masked-K specialisation (EVEN_K false: 63 on
+    """linear: :func:`_gemm_tiles`, with FP8 weights ``fp8_tiles`` over them. The 16 x 64 x 128 x
+    3-stage FP8 tile spills SGPRs in its masked-K specialisation (EVEN_K false: 63 on
     gfx942, 148 on gfx950; device-branch compile, benchmarks/results/rocm-aot/2026-12-01_a6ae32f/aot/device-branch-flash.json).
     EVEN_K follows the split-K factor, i.e. the device's CU count, not only K % 128, so the entry
     covers every FP8 call."""
     def entry(*args, **kwargs):
         x = activation(args, kwargs)
-        return dict(fp8_tiles) if x is not None and x.dtype != torch.float32 and _fp8(args, kwargs) else {}
+        fp8 = x is not None and x.dtype != torch.float32 and _fp8(args, kwargs)
+        return {"tiles": _gemm_tiles, **(fp8_tiles if fp8 else {})}
     return entry
 
 
@@ -72,7 +94,8 @@ def _wo_a(*args, **kwargs):
         return {}
     fp8 = _fp8(args, kwargs)
     # NBLK 1 (the kernel's default, stated; not tuned here): two FP8 scale blocks a step at T <= 16
-    # are the CUDA table's sm90 choice, measured on an H200 only
+    # are the CUDA table's sm90 choice, measured on an H200 only. Every tile key is set here (mode:
+    # the kernel's "dot"), so the kernel's tile function is not read
     return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
             "num_stages": 2, "NBLK": 1}
 
@@ -109,6 +132,7 @@ TABLES = LaunchTable("rocm", {
     "other": {
         "attention": lambda *args, **kwargs: {"BH": 16, "BK": 16, "num_stages": 1, "pipe": 0},
         "mhc": {"num_stages": 1},
+        "linear": {"tiles": _gemm_tiles},
         "moe": _moe(32, 1),
         "wo_a": _wo_a,
         "indexer": lambda *args, **kwargs: {"num_stages": 1},

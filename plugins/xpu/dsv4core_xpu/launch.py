@@ -43,11 +43,44 @@ def _attention_for(slm: int):
     return entry
 
 
+# linear's, wo_a's and moe's tiles (TUNE "tiles"): the tiles these targets ran as the kernels'
+# former defaults (compile-checked, run on an NVIDIA GPU without the XPU keywords; not timed on an
+# Intel GPU). ``big`` (>= 200 KiB of shared memory a block) is never true here (XPU devices report
+# no shared_memory_per_block_optin): the CUDA table's prefill tiles are not taken.
+
+
+def _linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
+    """16 x 64 x 128, 4 warps, 3 stages to 16 rows; 64 x 64 x 128 (block-scaled: 64 x 128 x 64) to
+    64; 128 x 128 x 64, 8 warps above."""
+    if M <= 16:
+        return "dot", 16, 64, 128, 4, 3
+    if M <= 64:
+        return ("dot", 64, 128, 64, 4, 3) if scaled else ("dot", 64, 64, 128, 4, 3)
+    return "dot", 128, 128, 64, 8, 3
+
+
+def _wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
+    """16 x 32 x 256 (block-scaled: x 128), 4 warps, 4 stages to 16 tokens; 64 x 32 x 128 to 64;
+    128 x 128 x 64 (block-scaled: x 128), 8 warps, 3 stages above."""
+    if T <= 16:
+        return ("dot", 16, 32, 128, 4, 4) if scaled else ("dot", 16, 32, 256, 4, 4)
+    if T <= 64:
+        return "dot", 64, 32, 128, 4, 4
+    return "dot", 128, 128, 128 if scaled else 64, 8, 3
+
+
+def _moe_tiles(P, E, H, I, programs, fp8, plain, scaled, big) -> tuple:
+    """Rows and warps: 16 x 4 while an expert holds <= 4 pairs, 64 x 4 to 64 pairs, 128 x 8 above;
+    the rest as the entry's keys."""
+    BM, nw = (16, 4) if P <= 4 * E else ((64, 4) if P <= 64 * E else (128, 8))
+    return BM, 32, 32, 32, nw, 3
+
+
 def _moe(*args, **kwargs):
     # Su / Sd 1 (the kernel's default, stated; not tuned here): split K at decode batches
     # (moe._split_rule) is the CUDA table's sm90 choice, measured on an H200 only
     return {"BNu": 32, "BNd": 32, "BK": 32, "num_stages": 2 if is_f32(args, kwargs) else 3, "Su": 1, "Sd": 1,
-            "launch": SUBGROUP_16}
+            "tiles": _moe_tiles, "launch": SUBGROUP_16}
 
 
 def _entries(slm: int) -> dict:
@@ -55,7 +88,8 @@ def _entries(slm: int) -> dict:
     return {
         "attention": _attention_for(slm),
         "mhc": {"launch": SUBGROUP_16},
-        "wo_a": {"NBLK": 1, "launch": SUBGROUP_16},   # NBLK 1: the kernel's default, stated; not tuned here
+        "linear": {"tiles": _linear_tiles},
+        "wo_a": {"NBLK": 1, "tiles": _wo_a_tiles, "launch": SUBGROUP_16},   # NBLK 1: the kernel's default, stated; not tuned here
         "moe": _moe,
         "indexer": {"launch": SUBGROUP_16},   # indexer_scores_rows: one tl.dot per channel chunk
     }
