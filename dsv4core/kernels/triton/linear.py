@@ -263,11 +263,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
         return out.zero_()
     scaled = scale is not None
     f32 = a.dtype == torch.float32 or w.dtype == torch.float32
-    # fp32 outputs of unscaled bf16 products (the lm_head's logits) take fp32 FMA products and sums
-    # too: a tensor-core MMA sums its products below fp32 accuracy (on an H200, ~30x an fp32 dot's
-    # error at K = 4,096 whether the K steps chain on the MMA accumulator or are added in fp32;
-    # docs/perf/linear.md "fp32 logits")
-    ieee = f32 or interp(a) or (out_dtype == torch.float32 and not scaled)
+    ieee = f32 or interp(a)
     # many rows (TUNE "dequant_rows"; the scratch at most "dequant_bytes"): the FP8 codes converted
     # to bf16 once (dequant.py), then bf16 tiles; the block scales still multiply each block's sum
     codes = scaled and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
