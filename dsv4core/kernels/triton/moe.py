@@ -48,7 +48,7 @@ from .linear import FP8_PATHS
 # how a weight tile is read: moe_weights.py (``_fp4_values`` stays importable from here)
 from .moe_weights import (DECODES, FMT_FP4, FMT_FP8, FMT_PLAIN, _decode_keys, _format, _fp4_values,  # noqa: F401
                           _fp8_scale, _hi_lo, _scale_arg, _scaled_dot, _stack_rows, _sum_halves, _w_tile)
-from .moe_split import MAX_SPLIT, SPLIT_FP4_PAIRS, SPLIT_RULES, _few, _row_tiles, _split_rule  # noqa: F401
+from .moe_split import MAX_SPLIT, SPLIT_FP4_PAIRS, SPLIT_RULES, few_programs, row_tiles, _split_rule  # noqa: F401
 from . import dequant, predicates
 from .registry import implements
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from ._util import cdiv
 
 
-def _row_tiles(P: int, E: int, BM: int) -> int:
+def row_tiles(P: int, E: int, BM: int) -> int:
     """Row tiles with work (about): one an expert while experts outnumber BM-row blocks."""
     return max(min(E, P), cdiv(P, BM))
 
 
-def _few(tiles: int, I: int, programs: int) -> bool:
+def few_programs(tiles: int, I: int, programs: int) -> bool:
     """Whether the gate / up grid of 64-column N blocks fills under half the target programs (the
     shared expert: one expert for every token)."""
     return tiles * cdiv(I, 64) < programs // 2
@@ -41,7 +41,7 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
     of benchmarks/tune_triton.py);
     everything else (bf16 or FP8 routed experts: within +-3 %, the noise; prefill) stays unsplit:
       * FP4 "scaled" gate / up weights at decode (<= SPLIT_FP4_PAIRS pairs): Su 2;
-      * a grid that cannot fill the device even with 64-column N blocks (`_few`:
+      * a grid that cannot fill the device even with 64-column N blocks (`few_programs`:
         the shared expert, one expert for every token) while the rows take the small-T tiles
         (BM <= 64): Su 2 and Sd 4, each kept while the split grid fits the target programs
         (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64; Su 4 + Sd 2 / 4 and Su 2 +
@@ -53,9 +53,9 @@ def _split_rule(P: int, E: int, H: int, I: int, cfg: tuple, programs: int, ieee:
     if ieee:
         return 1, 1
     BM, BNu, BNd, BK = cfg[:4]
-    tiles = _row_tiles(P, E, BM)
+    tiles = row_tiles(P, E, BM)
     Su = Sd = 1
-    if _few(tiles, I, programs) and BM <= 64:
+    if few_programs(tiles, I, programs) and BM <= 64:
         Su = 2 if tiles * cdiv(I, BNu) * 2 <= programs else 1
         Sd = next((s for s in (4, 2) if tiles * cdiv(H, BNd) * s <= programs), 1)
     elif scaled_up and P <= SPLIT_FP4_PAIRS:

@@ -141,7 +141,7 @@ def _moe_tiles_sm90(P: int, E: int, H: int, I: int, programs: int, fp8: bool, pl
       (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not fit, 64
       is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
       moe_experts-fp4-group-decode-flash.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too."""
-    from dsv4core.kernels.triton.moe_split import _few, _row_tiles
+    from dsv4core.kernels.triton.moe_split import few_programs, row_tiles
 
     def cdiv(a, b):
         return -(-a // b)
@@ -155,12 +155,12 @@ def _moe_tiles_sm90(P: int, E: int, H: int, I: int, programs: int, fp8: bool, pl
     else:
         cfg = (128, 128 if scaled else 64, 128, 128 if fp8 else 64, 8, 3)
     BM, BNu, BNd = cfg[:3]
-    tiles = _row_tiles(P, E, BM)
+    tiles = row_tiles(P, E, BM)
     while BNu > 32 and tiles * cdiv(I, BNu) < programs // 2:
         BNu //= 2
     while BNd > 64 and tiles * cdiv(H, BNd) < programs // 2:
         BNd //= 2
-    long_k = _few(tiles, I, programs) or (scaled and tiles * cdiv(I, BNu) <= programs)
+    long_k = few_programs(tiles, I, programs) or (scaled and tiles * cdiv(I, BNu) <= programs)
     if scaled and tiles * cdiv(H, BNd) <= programs:
         BNd = min(BNd, 64)
     return (BM, BNu, BNd, 128 if long_k else cfg[3]) + cfg[4:]
