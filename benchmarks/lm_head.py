@@ -5,7 +5,7 @@ fp64 evaluation (max |y - y64| / max |y64|), beside torch's bf16 and fp32 matmul
     python benchmarks/lm_head.py --backend cuda --tokens 1,2,8,64,512 --json lm_head.json
 
 Rows: the backend's linear with fp32 outputs (the served lm_head); the same backend's linear with
-bf16 outputs (its tensor-core path, what the fp32 products cost against); torch's bf16 matmul
+bf16 outputs (the same tensor-core GEMM, the fp32 store aside); torch's bf16 matmul
 (cuBLAS, bf16 out) and fp32 matmul of the converted operands (the weight converted beforehand, so
 it streams 2x the bytes: accuracy only, not a speed peer)."""
 

@@ -320,3 +320,19 @@ def test_jobs_give_the_single_process_report(tmp_path, capsys):
     assert two.verdict() == one.verdict()
     with pytest.raises(ConformanceError, match="jobs=2 needs a backend found by name"):
         runner.run(make_alt_backend(), ops="rms_norm", jobs=2)
+
+
+def test_jobs_count_a_rejected_op_once():
+    """A parallel run's pieces of a rejected op: only the first shape set's piece reports the
+    failed registration, as one process does."""
+    from types import SimpleNamespace
+
+    from dsv4core.conformance import runner
+    from dsv4core.hal import catalogue
+
+    be = SimpleNamespace(impls={}, rejected={"rms_norm": "contract check failed"})
+    spec = catalogue()["rms_norm"]
+    first = runner._run_op(be, spec, ("small",), ("float32",), "cpu", 0)
+    later = runner._run_op(be, spec, ("flash",), ("float32",), "cpu", 0, registration=False)
+    assert [c.case for c in first.cases] == ["<registration>"] and first.status == FAILED
+    assert later.cases == [] and later.implemented

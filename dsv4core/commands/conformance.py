@@ -61,7 +61,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dist-device", default="cpu", help="device of the collectives' inputs in the spawned ranks "
                                                         "(default cpu)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="run the ops' cases in N worker processes sharing the device (default 1; not with --isolate)")
+                   help="run the ops' cases in N worker processes sharing the device (default 1; not with --isolate, "
+                        "which --require-all turns on unless --no-isolate is given)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-op progress lines")
     p.set_defaults(func=run)
 

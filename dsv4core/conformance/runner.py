@@ -126,13 +126,14 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     return report
 
 
-def _run_op(be, spec, shape_sets, dts, device, seed, expected=None) -> OpResult:
-    """Every case of one op under ``shape_sets`` x ``dts``."""
+def _run_op(be, spec, shape_sets, dts, device, seed, expected=None, registration=True) -> OpResult:
+    """Every case of one op under ``shape_sets`` x ``dts`` (``registration``: include the failed
+    contract check of a rejected op; a parallel run's later pieces leave it to the first)."""
     name = spec.name
     impl = be.impls.get(name)
     rejected = None if impl is not None else getattr(be, "rejected", {}).get(name)
     opres = OpResult(name, impl is not None or rejected is not None, spec.tolerance)
-    if rejected is not None:   # registered, but its contract check failed: the op was left out
+    if rejected is not None and registration:   # registered, but its contract check failed: left out
         opres.cases.append(CaseResult(name, "-", "-", "<registration>", FAILED, message=rejected,
                                       failure="contract"))
     if impl is None:
@@ -154,13 +155,13 @@ def _run_op(be, spec, shape_sets, dts, device, seed, expected=None) -> OpResult:
 _WORKER_BACKEND: dict[tuple[str, str], Backend] = {}
 
 
-def _job(backend: str, name: str, shape: str, dts, device: str, seed: int):
+def _job(backend: str, name: str, shape: str, dts, device: str, seed: int, first: bool):
     """One (op, shape set) piece in a worker process: (implemented, cases), seconds, an oracle refusal."""
     key = (backend, device)
     if key not in _WORKER_BACKEND:
         _WORKER_BACKEND[key] = load_backend(backend, device)
     t0 = time.perf_counter()
-    res = _run_op(_WORKER_BACKEND[key], catalogue()[name], (shape,), dts, device, seed)
+    res = _run_op(_WORKER_BACKEND[key], catalogue()[name], (shape,), dts, device, seed, registration=first)
     return (res.implemented, res.cases), time.perf_counter() - t0, oracle.refusal(f"it changed in a worker running {name}")
 
 
@@ -168,17 +169,23 @@ def _run_parallel(backend, op_names, shape_sets, dts, device, seed, jobs, progre
     """The ops' pieces over ``jobs`` spawned processes; results merged per op in shape order."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     # the larger shape sets first: their pieces are the long ones, started while the rest fill in
     pieces = {(n, sh): None for sh in reversed(shape_sets) for n in op_names}
     secs = dict.fromkeys(op_names, 0.0)
     done: list[OpResult] = []
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futs = {pool.submit(_job, backend, n, sh, dts, device, seed): (n, sh) for n, sh in pieces}
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futs = {pool.submit(_job, backend, n, sh, dts, device, seed, sh == shape_sets[0]): (n, sh) for n, sh in pieces}
         left = {n: len(shape_sets) for n in op_names}
         for fut in as_completed(futs):
             n, sh = futs[fut]
-            res, s, refusal = fut.result()
+            try:
+                res, s, refusal = fut.result()
+            except BrokenProcessPool as e:
+                raise ConformanceError(f"a conformance worker died while running {n} at shapes {sh} "
+                                       f"(a crash in the backend, or out of memory): {e}") from None
             if refusal:
                 raise OracleChanged(refusal)
             pieces[(n, sh)], left[n] = res, left[n] - 1
@@ -189,6 +196,10 @@ def _run_parallel(backend, op_names, shape_sets, dts, device, seed, jobs, progre
                 done.append(op)
                 if progress:
                     progress(_progress_line(op, secs[n]))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)   # an error ends the run now, not after the queue
+        raise
+    pool.shutdown()
     order = {n: i for i, n in enumerate(op_names)}
     return sorted(done, key=lambda o: order[o.op])
 

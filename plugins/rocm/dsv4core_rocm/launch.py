@@ -95,7 +95,7 @@ def _wo_a(*args, **kwargs):
     fp8 = _fp8(args, kwargs)
     # NBLK 1 (the kernel's default, stated; not tuned here): two FP8 scale blocks a step at T <= 16
     # are the CUDA table's sm90 choice, measured on an H200 only. Every tile key is set here (mode:
-    # the kernel's "dot"), so the kernel's tile function is not read
+    # the kernel's "dot"), so the kernel's tile function's values are all overridden
     return {"BM": 16 if o.shape[0] <= 16 else 64, "BN": 32, "BK": 128 if fp8 else 64, "num_warps": 4,
             "num_stages": 2, "NBLK": 1}
 
