@@ -98,12 +98,13 @@ def run(backend: str | Backend, *, ops: str | Sequence[str] | None = None, shape
     t_all = time.perf_counter()
     if jobs > 1:
         report.ops += _run_parallel(dist_ref, op_names, shape_sets, dts, device, seed, jobs, progress)
-    for name in op_names if jobs <= 1 else ():
-        t0 = time.perf_counter()
-        opres = _run_op(be, specs[name], shape_sets, dts, device, seed, expected)
-        report.ops.append(opres)
-        if progress:
-            progress(_progress_line(opres, time.perf_counter() - t0))
+    else:
+        for name in op_names:
+            t0 = time.perf_counter()
+            opres = _run_op(be, specs[name], shape_sets, dts, device, seed, expected)
+            report.ops.append(opres)
+            if progress:
+                progress(_progress_line(opres, time.perf_counter() - t0))
     dist_ops = [o for o in report.ops if o.implemented and catalogue()[o.op].family == "collectives"]
     if dist_ops and world_sizes:
         if dist_ref is None:

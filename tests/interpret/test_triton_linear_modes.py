@@ -89,7 +89,7 @@ def test_launch_config_keys_and_errors():
     with pytest.raises(ValueError, match=r"linear: TUNE mode='gemv'"):
         linear._config("linear", 1, False, False, {"mode": "gemv"}, linear.linear_tiles)
     with pytest.raises(ValueError, match=r"wo_a: BK=256 must divide 128"):
-        linear._config("wo_a", 1, False, True, {"BK": 256}, wo_a.wo_a_tiles)
+        linear._config("wo_a", 1, False, True, {"BK": 256}, linear.linear_tiles)
     cfg = linear._config("linear", 1, False, True, {"NBLK": 2}, linear.linear_tiles)
     assert (cfg["NBLK"], cfg["KSUB"] * cfg["BK"]) == (2, 128)   # a step = 2 scale blocks of 128
     with pytest.raises(ValueError, match=r"linear: BK \* KSUB \* NBLK = 128 \* 1 \* 3 = 384 must be a power of two"):

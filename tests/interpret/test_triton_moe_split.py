@@ -109,10 +109,6 @@ def test_split_k_launches(monkeypatch):
 
 def _sm90_moe_tiles():
     """The CUDA plugin's sm90 tile function for moe (the tiles the "h200" rule was timed with)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "cuda"))
     from dsv4core_cuda.launch import TABLES
 
     return TABLES.resolve((9, 0))["moe"]["tiles"]

@@ -2,7 +2,8 @@
 weights with 128x128 block dequant multipliers (fp32 or e8m0). fp32 accumulation.
 
 Served by linear's grouped split-K GEMM (linear.py: one kernel, its inner-product modes and its
-split rule) with wo_a's own launch defaults (:func:`wo_a_tiles`, portable) and TUNE (same keys)."""
+split rule) with linear's portable tiles (:func:`linear.linear_tiles`: the same GEMM and shared-memory bound;
+the group axis adds programs, so no tile is sized for it) and its own TUNE (same keys)."""
 from __future__ import annotations
 
 from .launch import Tune
@@ -15,13 +16,6 @@ from .registry import implements
 TUNE = Tune(__name__)
 
 
-def wo_a_tiles(T: int, scaled: bool, big: bool = False) -> tuple:
-    """wo_a's portable launch defaults for T tokens: linear's (:func:`linear.linear_tiles`, the
-    same GEMM and the same shared-memory bound; the group axis adds programs, so no tile is sized
-    for it). A plugin's launch table replaces them (TUNE ``tiles``); no device timed."""
-    return linear_tiles(T, scaled, big)
-
-
 @implements("wo_a", supports=predicates.wo_a_supports)
 def wo_a(o, weight, weight_scale=None):
-    return grouped_gemm(o, weight, weight_scale, o.dtype, tune=TUNE, tiles=wo_a_tiles, op="wo_a")
+    return grouped_gemm(o, weight, weight_scale, o.dtype, tune=TUNE, tiles=linear_tiles, op="wo_a")

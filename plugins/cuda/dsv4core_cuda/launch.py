@@ -141,10 +141,9 @@ def _moe_tiles_sm90(P: int, E: int, H: int, I: int, programs: int, fp8: bool, pl
       (115.6 µs at T = 1 against 128.6-130.9 with 128; at T = 8 / 32 / 64, where it does not fit, 64
       is 4 % faster to 4 % slower: benchmarks/results/h200/2026-12-01_2d29a67/tune/moe_experts-fp4-decode-flash.json,
       moe_experts-fp4-group-decode-flash.json). Timed with FP4 down weights; a mixed FP4 / FP8 launch takes it too."""
-    from dsv4core.kernels.triton.moe_split import few_programs, row_tiles
+    from triton import cdiv   # here, not at import: the table is built before any kernel module loads
 
-    def cdiv(a, b):
-        return -(-a // b)
+    from dsv4core.kernels.triton.moe_split import few_programs, row_tiles
 
     if P <= 4 * E:
         cfg = (16, 64, 128, 128 if fp8 else 64, 4, 4)
