@@ -24,7 +24,8 @@
 #   spec    benchmarks/spec_decode_bench.py: decode / verify / MTP draft step costs and the speedup they predict
 #           (flash dims, 4 layers; E2E_WEIGHTS=official as for e2e; SPEC_BATCHES, default 1,2,4,8,16,32)
 #   lmhead  benchmarks/lm_head.py: the lm_head GEMM (fp32 logits) against the weight-streaming floor, its accuracy
-#           against fp64 beside torch's matmuls (LMHEAD_TOKENS, default 1,2,8,64,512)
+#           against fp64 beside torch's matmuls, Flash and Pro hidden sizes (LMHEAD_TOKENS, default 1,2,8,64,512;
+#           LMHEAD_CHAINS: TUNE chain values timed beside the default, default 0,16,64)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -120,8 +121,11 @@ spec() {
     --markdown "$RES/bench/spec-decode-flash-4layers-$w.md" 2>&1 | tail -30
 }
 lmhead() {
+  # Flash's hidden size, then Pro's (7,168: the longest K of the lm_head cases)
   timeout ${LMHEAD_LIMIT:-200} python3 benchmarks/lm_head.py --backend cuda --tokens ${LMHEAD_TOKENS:-1,2,8,64,512} \
-    --json "$RES/bench/lm-head-flash.json" 2>&1 | tail -25
+    --chains ${LMHEAD_CHAINS:-0,16,64} --json "$RES/bench/lm-head-flash.json" 2>&1 | tail -25
+  timeout ${LMHEAD_LIMIT:-200} python3 benchmarks/lm_head.py --backend cuda --hidden 7168 --tokens ${LMHEAD_TOKENS:-1,2,8,64,512} \
+    --chains ${LMHEAD_CHAINS:-0,16,64} --json "$RES/bench/lm-head-pro.json" 2>&1 | tail -25
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

@@ -2,12 +2,14 @@
 device time, % of the weight-streaming floor measured in the same run, and accuracy against an
 fp64 evaluation (max |y - y64| / max |y64|), beside torch's bf16 and fp32 matmuls.
 
-    python benchmarks/lm_head.py --backend cuda --tokens 1,2,8,64,512 --json lm_head.json
+    python benchmarks/lm_head.py --backend cuda --tokens 1,2,8,64,512 --chains 0,16,64 --json lm_head.json
 
 Rows: the backend's linear with fp32 outputs (the served lm_head); the same backend's linear with
 bf16 outputs (the same tensor-core GEMM, the fp32 store aside); torch's bf16 matmul
 (cuBLAS, bf16 out) and fp32 matmul of the converted operands (the weight converted beforehand, so
-it streams 2x the bytes: accuracy only, not a speed peer)."""
+it streams 2x the bytes: accuracy only, not a speed peer). ``--chains``: extra fp32-out rows with
+the Triton GEMM's TUNE ``chain`` set (K columns an MMA chain sums; 0: one chain over all of K;
+kernels/triton/linear.py), for a backend built on the portable kernels."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--tokens", default="1,2,8,64,512")
+    ap.add_argument("--chains", default="", help="comma-separated TUNE chain values for extra fp32-out rows")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     from dsv4core.bench import Timer, get_backend, measure_ceilings
@@ -37,6 +40,9 @@ def main(argv=None) -> int:
     w = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden ** -0.5).to(dev, torch.bfloat16)
     w32 = w.float()
     rows = []
+    chains = [int(c) for c in args.chains.split(",") if c]
+    if chains:
+        from dsv4core.kernels.triton.linear import TUNE as tune
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, args.hidden, generator=g).to(dev, torch.bfloat16)
         y64 = (x.double() @ w.double().t())
@@ -49,10 +55,19 @@ def main(argv=None) -> int:
             "torch bf16 matmul (bf16 out)": lambda: x @ w.t(),
             "torch fp32 matmul (weight pre-converted)": lambda: x.float() @ w32.t(),
         }
+        for c in chains:
+            variants[f"{args.backend} linear, fp32 out, chain={c}"] = (lambda: lin(x, w, out_dtype=torch.float32), c)
         for name, fn in variants.items():
-            err = ((fn().double() - y64).abs().max().item()) / scale
-            sec = timer.time(fn, warmup=3, reps=20)
-            rows.append({"T": T, "variant": name, "us": sec * 1e6, "floor_us": floor_s * 1e6,
+            fn, c = fn if isinstance(fn, tuple) else (fn, None)
+            if c is not None:
+                tune["chain"] = c
+            try:
+                err = ((fn().double() - y64).abs().max().item()) / scale
+                sec = timer.time(fn, warmup=3, reps=20)
+            finally:
+                if c is not None:
+                    tune.pop("chain", None)
+            rows.append({"T": T, "variant": name, "chain": c, "us": sec * 1e6, "floor_us": floor_s * 1e6,
                          "pct_of_floor": 100 * floor_s / sec, "max_rel_err": err})
             print(f"T={T:<4} {name:<42} {sec * 1e6:9.1f} us  {100 * floor_s / sec:5.1f} % of floor  "
                   f"err {err:.3g}", flush=True)

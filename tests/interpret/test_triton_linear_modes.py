@@ -162,3 +162,57 @@ def test_fp8_via_f32_compiles_without_the_f16_to_bf16_conversions():
     for kernel in ("_gemm_kernel", "_moe_down_kernel"):
         cvt, via = got[(kernel, "cvt")], got[(kernel, "via_f32")]
         assert cvt[0] > 0 and via[0] == 0 and via[1] > 0, proc.stdout
+
+
+def test_fp32_out_chain_config():
+    """TUNE ``chain`` (fp32 outputs of tensor-core products): a K step keeps its bytes, in
+    sub-blocks of ``chain`` columns; 0 is one chain over all of K; anything else is refused."""
+    from dsv4core.kernels.triton import linear
+
+    base = linear._config("linear", 1, False, False, {}, linear.linear_tiles)
+    cfg = linear._config("linear", 1, False, False, {}, linear.linear_tiles, chained=True)
+    assert cfg["chain"] == linear.CHAIN_K == cfg["BK"] and cfg["BK"] * cfg["KSUB"] == base["BK"] * base["KSUB"]
+    cfg = linear._config("linear", 1, False, False, {"chain": 0}, linear.linear_tiles, chained=True)
+    assert (cfg["chain"], cfg["BK"], cfg["KSUB"]) == (0, base["BK"], base["KSUB"])
+    cfg = linear._config("linear", 1, False, False, {"chain": 256}, linear.linear_tiles, chained=True)
+    assert (cfg["chain"], cfg["BK"]) == (base["BK"], base["BK"])   # a chain of at most one sub-block
+    assert linear._config("linear", 1, False, False, {"chain": 16}, linear.linear_tiles)["chain"] == 0  # not chained
+    for bad in (8, 48, 32.0):
+        with pytest.raises(ValueError, match=rf"linear: TUNE chain={bad!r}; expected 0 or a power of two >= 16"):
+            linear._config("linear", 1, False, False, {"chain": bad}, linear.linear_tiles, chained=True)
+
+
+_CHAIN = """
+import re, torch
+from dsv4core.kernels.triton import aot, linear
+target = aot.parse_target("cuda:90")
+x, w = torch.empty(1, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16)
+for chain in (0, 32):
+    got = []
+    linear.TUNE.clear()
+    linear.TUNE.update(chain=chain)
+    with aot.device_branch(target), aot._compile_only(target, got):
+        linear.linear(x, w, out_dtype=torch.float32)
+    (_, kern, _), = [g for g in got if g[0].__name__ == "_gemm_kernel"]
+    ir = kern.asm["ttgir"]
+    # the dots' accumulator operands, and the fp32 adds of MMA results into the running sum
+    dots = re.findall(r"= tt\\.dot %\\S+, %\\S+, %(\\S+),", ir)
+    adds = re.findall(r"arith\\.addf %\\S+, %\\S+ : tensor<\\d+x\\d+xf32, #mma>", ir)
+    print(chain, len(dots), len(set(dots)), len(adds))
+"""
+
+
+def test_fp32_out_chains_are_not_folded_back_into_one():
+    """The point of ``chain``: each MMA chain starts from a runtime zero and is added to the fp32
+    sum by its own add. From a constant zero the compiler folds ``acc + dot(a, w, 0)`` into
+    ``dot(a, w, acc)``; here the sm90 TTGIR (compile-only, no GPU) of an fp32-out launch has, with
+    chain 32, dots that all start from one value and one fp32 add per dot, and with chain 0 none."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _CHAIN], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {int(r[0]): tuple(map(int, r[1:])) for r in (line.split() for line in proc.stdout.splitlines()) if len(r) == 4}
+    dots0, _, adds0 = got[0]
+    dots, inits, adds = got[32]
+    assert dots0 >= 1 and adds0 == 0, proc.stdout            # one chain: the dot accumulates acc itself
+    assert dots >= 2 and inits == 1 and adds == dots, proc.stdout

@@ -49,7 +49,7 @@ AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "l
 #: the keys of grouped_gemm's launches (linear's and wo_a's; linear._config reads them)
 #: ("tiles": a function (rows, quantised, big) -> (mode, BM, BN, BK, num_warps, num_stages[, NBLK]),
 #: the op's tile table in place of the kernel's portable one: linear.linear_tiles)
-GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target",
+GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target", "chain",
              "dequant_rows", "dequant_bytes", "tiles")
 
 #: kernel module -> the tuning keys its launchers read (``launch``, the extra launch keywords, is

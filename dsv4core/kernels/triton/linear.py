@@ -26,6 +26,15 @@ bytes; not done here.)
 Many rows (TUNE ``dequant_rows``, dequant.py): an FP8 weight is converted to bf16 once per call
 instead of once per row tile in registers (UE8M0 scales folded in: a plain bf16 GEMM; fp32 scales:
 the codes, the scales kept on the block sums), within a scratch of ``dequant_bytes``.
+
+fp32 outputs of tensor-core products (the lm_head's logits; TUNE key ``chain``): the MMA's own
+accumulator sums at most ``chain`` K columns, and each such chain's result is added to the fp32
+running sum by an ordinary fp32 add. One MMA chain over all of K is not an fp32 sum: a GPU's
+tensor cores may add each instruction's products into the accumulator with truncation rather
+than round-to-nearest, a bias that grows with the number of instructions chained and with the
+accumulator's magnitude (docs/perf/linear.md "fp32 logits"). The chain starts from a runtime
+zero (the kernel argument ``zero``): from a constant zero, the compiler folds ``acc + dot(a, w, 0)``
+back into ``dot(a, w, acc)``, one chain again.
 """
 from __future__ import annotations
 
@@ -69,12 +78,12 @@ def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr)
 
 @triton.jit
 def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
-                 M, N, K, KPS, S, NB, KB,
+                 M, N, K, KPS, S, NB, KB, zero,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, VIA32: tl.constexpr = False):
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False, CHAIN: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -96,7 +105,10 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     # one step = NBLK groups of KSUB sub-blocks of BK. With scales (or fp32 products) a group is
     # summed into `blk` first: exactly one 128-column block of K, whose multiplier is applied once
     # to the block's sum (fp32 products: a two-level sum); otherwise KSUB and NBLK only unroll the
-    # loop. NBLK > 1 puts several scale blocks' loads in one step (more bytes in flight)
+    # loop. NBLK > 1 puts several scale blocks' loads in one step (more bytes in flight). CHAIN:
+    # each sub-block's MMA starts from a runtime zero and its result is added to acc in fp32
+    if CHAIN:
+        rz = tl.zeros_like(acc) + zero
     for k1 in range(k_lo, k_hi, BK * KSUB * NBLK):
         for nb in tl.static_range(NBLK):
             kb = k1 + nb * (BK * KSUB)
@@ -112,6 +124,8 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     w = tl.load(w_base + ks[None, :] * sw_k, mask=cm[:, None] & km[None, :], other=0.0)
                 if SCALE or IEEE:
                     blk = _mac(blk, a, w, MODE, IEEE, VIA32)
+                elif CHAIN:
+                    acc += _mac(rz, a, w, MODE, IEEE, VIA32)
                 else:
                     acc = _mac(acc, a, w, MODE, IEEE, VIA32)
             if SCALE:
@@ -166,6 +180,12 @@ MODES = {"dot": 0, "swap": 1}
 #: SASS: benchmarks/results/sm90-aot/2026-12-01_7374812/aot/sass-fp8-decode-loops.md; on an H200 15-21 % faster, the CUDA
 #: plugin's table entry: benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json)
 FP8_PATHS = ("cvt", "via_f32")
+#: K columns an MMA chain sums before its result joins the fp32 running sum, for fp32 outputs of
+#: tensor-core products (TUNE key ``chain``; the module docstring says why). Design reason, to be
+#: timed per device: 32 columns are two k16 MMA instructions, and an error model in which each
+#: chained instruction can add a truncation bias of half an ulp of the accumulator predicts the
+#: error of one chain over all of K (4,096 - 7,168 columns) falling about 8x (docs/perf/linear.md)
+CHAIN_K = 32
 
 
 def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
@@ -183,7 +203,7 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
 
 
 def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False,
-            quantised=None) -> dict:
+            quantised=None, chained: bool = False) -> dict:
     """The launch of one call: ``tiles(M, quantised, big)`` (TUNE ``tiles``, a plugin table's tile
     function, else ``tiles``, the op's portable defaults; ``quantised``: FP8
     codes read, default ``scaled``; bf16 codes converted once take the bf16 tiles; small fp32
@@ -191,8 +211,10 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
     block scales or fp32 products, where a group is one 128-column block), ``NBLK`` (groups a K
     step, default 1: with block scales, scale blocks a step), ``fp8`` (:data:`FP8_PATHS`; FP8
-    weights only), ``S`` (a fixed split-K factor) and ``target`` (the programs the split rule
-    fills; default 2 per SM)."""
+    weights only), ``S`` (a fixed split-K factor), ``target`` (the programs the split rule
+    fills; default 2 per SM) and, when ``chained`` (fp32 outputs of tensor-core products without
+    block scales), ``chain`` (K columns an MMA chain sums, default :data:`CHAIN_K`; 0: one chain
+    over all of K): a K step keeps its bytes, in sub-blocks of ``chain`` columns."""
     if ieee:
         # fp32 products: small tiles; fp32 inputs sum 32-column dots in 128-column blocks (two
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
@@ -212,6 +234,16 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     if scaled and 128 % BK:
         raise ValueError(f"{op}: BK={BK} must divide 128 with block-scaled weights (TUNE override?)")
     cfg["KSUB"] = max(1, 128 // BK) if scaled or ieee else tune.get("KSUB", 1)
+    cfg["chain"] = 0
+    if chained:
+        # the same bytes a K step, in sub-blocks of at most `chain` columns: one MMA chain each
+        chain = tune.get("chain", CHAIN_K)
+        if chain and (not isinstance(chain, int) or chain < 16 or chain & (chain - 1)):
+            raise ValueError(f"{op}: TUNE chain={chain!r}; expected 0 or a power of two >= 16 (tl.dot)")
+        if chain and chain < BK:
+            cfg["KSUB"], cfg["BK"] = cfg["KSUB"] * (BK // chain), chain
+            BK = chain
+        cfg["chain"] = min(chain, BK)
     step = BK * cfg["KSUB"] * NBLK
     if NBLK < 1 or step & (step - 1):   # the split-K step (a multiple of it) and EVEN_K assume powers of two
         raise ValueError(f"{op}: BK * KSUB * NBLK = {BK} * {cfg['KSUB']} * {NBLK} = {step} must be a power of two "
@@ -225,7 +257,8 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype)
     """grouped_gemm's launch for these shapes: (S, grid, {KPS, NB, KB, const: the GEMM's constexprs
     and launch keywords}, the reduction's (grid, keywords) or None)."""
     fp8 = scaled and w_dtype != torch.bfloat16      # FP8 codes read (not bf16 codes converted once)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8)
+    chained = not ieee and not scaled and out.dtype == torch.float32
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8, chained=chained)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     NB, KB = cdiv(N, 128), cdiv(K, 128)
     mt, nt = cdiv(M, BM), cdiv(N, BN)
@@ -235,8 +268,10 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype)
     S = tune.get("S") or tune.get("target", target_programs(out.device)) // (mt * nt * G)
     KPS = cdiv(kblocks, max(1, min(kblocks, S))) * step
     S = cdiv(K, KPS)
-    # VIA32 is passed only when set: the default launch keeps its arguments (and compiled code)
+    # VIA32 / CHAIN are passed only when set: other launches keep their constexprs
     via = {"VIA32": True} if fp8 and cfg["fp8"] == "via_f32" else {}
+    if cfg["chain"]:
+        via["CHAIN"] = True
     const = dict(G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
                  EVEN_K=K % KPS == 0, SPLIT=S > 1, RNE=rne(out), MODE=MODES[cfg["mode"]],
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **via, **tune.options())
@@ -284,7 +319,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     if e8:
         s = s.view(torch.uint8)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
-    _gemm_kernel[grid](a, w, s, out, part, M, N, K, kw["KPS"], S, kw["NB"], kw["KB"],
+    _gemm_kernel[grid](a, w, s, out, part, M, N, K, kw["KPS"], S, kw["NB"], kw["KB"], 0.0,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), kw["NB"] * kw["KB"],
                        **kw["const"])
     if S > 1:
