@@ -26,6 +26,11 @@
 #   lmhead  benchmarks/lm_head.py: the lm_head GEMM (fp32 logits) against the weight-streaming floor, its accuracy
 #           against fp64 beside torch's matmuls, Flash and Pro hidden sizes (LMHEAD_TOKENS, default 1,2,8,64,512;
 #           LMHEAD_CHAINS: TUNE chain values timed beside the default, default 0,16,64)
+#   mixed   benchmarks/mixed_steps.py: prefill chunks (MIXED_CHUNKS, default 512,2048,8192), mixed (31 decodes + a chunk),
+#           verify and decode steps of 32 requests at 1k context: wall, host and device-busy ms, graphs against eager
+#           (flash dims, MIXED_LAYERS default 43, MIXED_EXPERTS default 32; E2E_WEIGHTS=official as for e2e)
+#   verify  benchmarks/verify_overhead.py: the cost of DSV4CORE_VERIFY at 1 % and 10 % with graphs on (whole-step
+#           sampling; VERIFY_CONFIGS, default mid)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -126,6 +131,16 @@ lmhead() {
     --chains ${LMHEAD_CHAINS:-0,16,64} --json "$RES/bench/lm-head-flash.json" 2>&1 | tail -25
   timeout ${LMHEAD_LIMIT:-200} python3 benchmarks/lm_head.py --backend cuda --hidden 7168 --tokens ${LMHEAD_TOKENS:-1,2,8,64,512} \
     --chains ${LMHEAD_CHAINS:-0,16,64} --json "$RES/bench/lm-head-pro.json" 2>&1 | tail -25
+}
+mixed() {
+  local w=${E2E_WEIGHTS:-bf16} L=${MIXED_LAYERS:-43}
+  timeout ${MIXED_LIMIT:-420} python3 benchmarks/mixed_steps.py --device cuda --backend cuda --config flash --layers $L \
+    --experts ${MIXED_EXPERTS:-32} --weights "$w" --requests 32 --context 1024 --chunks ${MIXED_CHUNKS:-512,2048,8192} \
+    --steps ${MIXED_STEPS:-5} --json "$RES/bench/step-kinds-flash-${L}layers-$w.json" 2>&1 | tail -12
+}
+verify() {
+  timeout ${VERIFY_LIMIT:-240} python3 benchmarks/verify_overhead.py --device cuda --backend cuda --configs ${VERIFY_CONFIGS:-mid} \
+    --dtype bfloat16 --graphs on --fractions 0,0.01,0.1 --json "$RES/bench/verify-overhead-cuda.json" 2>&1 | tail -20
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

@@ -181,11 +181,10 @@ MODES = {"dot": 0, "swap": 1}
 #: plugin's table entry: benchmarks/results/h200/2026-12-01_c29f187/tune/fp8-via-f32-flash.json)
 FP8_PATHS = ("cvt", "via_f32")
 #: K columns an MMA chain sums before its result joins the fp32 running sum, for fp32 outputs of
-#: tensor-core products (TUNE key ``chain``; the module docstring says why). Design reason, to be
-#: timed per device: 32 columns are two k16 MMA instructions, and an error model in which each
-#: chained instruction can add a truncation bias of half an ulp of the accumulator predicts the
-#: error of one chain over all of K (4,096 - 7,168 columns) falling about 8x (docs/perf/linear.md)
-CHAIN_K = 32
+#: tensor-core products (TUNE key ``chain``; the module docstring says why). Design reason: the
+#: portable tiles' K step (linear_tiles' BK), so with them each tl.dot starts its own chain and the
+#: tiles stay as they are. (A plugin table sets its own from a measurement: the CUDA sm90 entry.)
+CHAIN_K = 64
 
 
 def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
