@@ -140,7 +140,7 @@ mixed() {
 }
 verify() {
   timeout ${VERIFY_LIMIT:-240} python3 benchmarks/verify_overhead.py --device cuda --backend cuda --configs ${VERIFY_CONFIGS:-mid} \
-    --dtype bfloat16 --graphs on --fractions 0,0.01,0.1 --json "$RES/bench/verify-overhead-cuda.json" 2>&1 | tail -20
+    --dtype bfloat16 --graphs on --fractions 0,0.1,0.01 --min-sampled ${VERIFY_SAMPLED:-10} --json "$RES/bench/verify-overhead-cuda.json" 2>&1 | tail -20
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

@@ -79,9 +79,13 @@ def measure(name: str, fractions, reps: int, dtype: torch.dtype, dev: torch.devi
         m.use_graphs = graphs
         whole = graphs and f > 0 and not m.graph_status()      # whole-step sampling: repeat until sampled
         n = min(max_reps, max(reps, math.ceil(min_sampled / f))) if whole else reps
+        t0 = time.perf_counter()
         prefill = _times(lambda: m.logits(prompt), n, dev)
+        t1 = time.perf_counter()
         decode = _times(lambda: m.generate([prompt[:8]], steps), max(reps, math.ceil(n / steps)) if whole else reps,
                         dev)
+        print(f"{name} verify={f}: {len(prefill)} prefills in {t1 - t0:.1f} s, {len(decode)} generates in "
+              f"{time.perf_counter() - t1:.1f} s", flush=True)
         s = m.ops.verify_summary()
         run = {"verify": f, "graphs": m.graph_status() or "on", "reps": [len(prefill), len(decode)],
                "prefill_s": round(statistics.fmean(prefill), 5), "generate_s": round(statistics.fmean(decode), 5),
