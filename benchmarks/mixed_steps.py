@@ -153,17 +153,21 @@ def main(argv=None) -> int:
         for a in range(0, n, 4096):
             b = min(n, a + 4096)
             m.forward_batch(ids[a:b], torch.arange(a, b), torch.zeros(b - a, dtype=torch.long), [s])
-    rows = [measure(m, base, c, C, args.k, args.steps) for C in chunks for c in ("prefill", "mixed") if c in cases]
-    rows += [measure(m, base, c, 0, args.k, args.steps) for c in ("verify", "decode") if c in cases]
+    plan = [(c, 0) for c in ("decode",) if c in cases]
+    plan += [(c, C) for C in chunks for c in ("mixed", "prefill") if c in cases]
+    plan += [(c, 0) for c in ("verify",) if c in cases]
     res = {"what": "prefill / mixed / verify / decode steps: wall, host and device-busy ms, step graphs against eager",
            "config": args.config, **meta, "device": str(m.device), "backend": m.hal_report()[0].get("backend"),
            "dtype": args.dtype, "requests": args.requests, "context": args.context,
            "step_graph_buckets": list(m.step_graph_buckets), "torch": torch.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "rows": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+           "complete": False, "rows": []}
+    for i, (c, C) in enumerate(plan):     # written after every row: a run cut short keeps its rows
+        res["rows"].append(measure(m, base, c, C, args.k, args.steps))
+        res["complete"] = i == len(plan) - 1
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0
 
 
