@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     cases = args.cases.split(",")
     chunks = [int(c) for c in args.chunks.split(",")]
     m.configure_cache(max_requests=3 * args.requests, max_tokens=4 * args.requests * (args.context + max(chunks)),
-                      max_request_tokens=args.context + max(chunks) + args.k + 1, max_step_tokens=max(8192, max(chunks)))
+                      max_request_tokens=args.context + max(chunks) + args.k + 1,
+                      max_step_tokens=max(8192, max(chunks) + args.requests))
     m.use_graphs = False
     base = [m.new_state() for _ in range(args.requests)]
     for j, s in enumerate(base):

@@ -7,7 +7,8 @@ A step over T flattened tokens is recorded once per key
 
 and replayed with new inputs. Every shape in the recorded step is a function of the key only:
 
-- token bucket Tb: the smallest of `model.step_graph_buckets` (default 16, 32, ..., 8192) >= T.
+- token bucket Tb: the smallest of `model.step_graph_buckets` (default :data:`DEFAULT_STEP_BUCKETS`:
+  four a power of two, 16, 20, 24, 28, 32, 40, ..., 7168, 8192) >= T.
   The step's tokens fill positions 0..T-1 of the static buffer, in the order given; T..Tb-1 are
   padding. All metadata is per token (token id, position, slot, the request's length before and
   after the step, valid), so the number of requests needs no key of its own.
@@ -51,8 +52,13 @@ from .step import Step
 
 log = logging.getLogger("dsv4core.model")
 
-#: Token counts of the recorded prefill / mixed steps (a step is padded up to the next one).
-DEFAULT_STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: Token counts of the recorded prefill / mixed steps (a step is padded up to the next one): four
+#: a power of two (2^e x 1, 1.25, 1.5, 1.75), so padding adds at most 25 % of a step's tokens. With
+#: powers of two alone a common step just past one (32 decodes + a 512-token chunk: 544 tokens)
+#: padded to twice its work: on the H200, 43 layers, it replayed in 118 ms for 86 ms of eager
+#: device time, and 31 decodes + 2,048 replayed slower than eager (388 against 232 ms)
+#: (benchmarks/results/h200/2026-12-03_5eef776/bench/step-kinds-flash-43layers-bf16.json).
+DEFAULT_STEP_BUCKETS = tuple(sorted({m << e for e in range(2, 11) for m in (4, 5, 6, 7)} | {8192}))
 
 _ROWS = 6   # rows of the static buffer: ids, positions, slots, start, end, valid (then the logits rows)
 
