@@ -57,7 +57,8 @@ log = logging.getLogger("dsv4core.model")
 #: powers of two alone a common step just past one (32 decodes + a 512-token chunk: 544 tokens)
 #: padded to twice its work: on the H200, 43 layers, it replayed in 118 ms for 86 ms of eager
 #: device time, and 31 decodes + 2,048 replayed slower than eager (388 against 232 ms)
-#: (benchmarks/results/h200/2026-12-03_5eef776/bench/step-kinds-flash-43layers-bf16.json).
+#: (benchmarks/results/h200/2026-12-03_5eef776/bench/step-kinds-flash-43layers-bf16-pow2-buckets.json);
+#: with these buckets 94 and 290 ms (benchmarks/results/h200/2026-12-03_9db9c25/bench/step-kinds-flash-43layers-bf16.json).
 DEFAULT_STEP_BUCKETS = tuple(sorted({m << e for e in range(2, 11) for m in (4, 5, 6, 7)} | {8192}))
 
 _ROWS = 6   # rows of the static buffer: ids, positions, slots, start, end, valid (then the logits rows)
