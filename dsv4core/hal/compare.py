@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -120,24 +121,27 @@ def check_structure(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise Mismatch(f"{name}: dtype expected {dtype_name(want.dtype)}, got {dtype_name(got.dtype)}", "dtype")
 
 
-def _f64_pair(got: torch.Tensor, exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both as float64, on their device when they share one that has float64, else on the CPU
-    (the values, and so every max and comparison below, are the same either way; a GPU's
-    verify checks then copy nothing to the host)."""
+def _in_f64(fn, got: torch.Tensor, exact: torch.Tensor):
+    """``fn(got, exact)`` on both as float64: on their device when they share one and it computes
+    in float64, else on the CPU. The values, and so every max and comparison ``fn`` makes, are the
+    same either way; on a GPU the tensors are then not copied to the host for the check."""
     g, e = got.detach(), exact.detach()
     if g.device == e.device and g.device.type != "cpu":
         try:
-            return g.to(torch.float64), e.to(torch.float64)
-        except (TypeError, RuntimeError):      # a device without float64
+            return fn(g.to(torch.float64), e.to(torch.float64))
+        except (TypeError, RuntimeError):      # a device without float64 (or some of its kernels)
             pass
-    return g.cpu().to(torch.float64), e.cpu().to(torch.float64)
+    return fn(g.cpu().to(torch.float64), e.cpu().to(torch.float64))
 
 
 def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
     """'' if ``got`` is non-finite exactly where the fp64 evaluation is (same infs, NaN for NaN)."""
     if not got.is_floating_point():
         return ""
-    g, e = _f64_pair(got, exact)
+    return _in_f64(partial(_nonfinite, name), got, exact)
+
+
+def _nonfinite(name: str, g: torch.Tensor, e: torch.Tensor) -> str:
     bad = ~torch.isfinite(g) & torch.isfinite(e)
     if bad.any():
         n_nan = int((torch.isnan(g) & bad).sum())
@@ -156,7 +160,10 @@ def nonfinite_problem(name: str, got: torch.Tensor, exact: torch.Tensor) -> str:
 def error(metric: str, got: torch.Tensor, exact: torch.Tensor) -> float:
     """``max_abs`` = max |got - exact|; ``max_rel`` = max |got - exact| / max |exact| (finite
     entries; max_abs when every exact entry is 0)."""
-    g, e = _f64_pair(got, exact)
+    return _in_f64(partial(_error, metric), got, exact)
+
+
+def _error(metric: str, g: torch.Tensor, e: torch.Tensor) -> float:
     fin = torch.isfinite(e)
     if not fin.any():
         return 0.0

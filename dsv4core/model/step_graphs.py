@@ -54,7 +54,7 @@ log = logging.getLogger("dsv4core.model")
 
 #: Token counts of the recorded prefill / mixed steps (a step is padded up to the next one): four
 #: a power of two (2^e x 1, 1.25, 1.5, 1.75), so padding adds at most 25 % of a step's tokens. With
-#: powers of two alone a common step just past one (32 decodes + a 512-token chunk: 544 tokens)
+#: powers of two alone a common step just past one (31 decodes + a 512-token chunk: 543 tokens)
 #: padded to twice its work: on the H200, 43 layers, it replayed in 118 ms for 86 ms of eager
 #: device time, and 31 decodes + 2,048 replayed slower than eager (388 against 232 ms)
 #: (benchmarks/results/h200/2026-12-03_5eef776/bench/step-kinds-flash-43layers-bf16-pow2-buckets.json);

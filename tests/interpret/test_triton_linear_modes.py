@@ -176,6 +176,11 @@ def test_fp32_out_chain_config():
     assert (cfg["chain"], cfg["BK"], cfg["KSUB"]) == (0, base["BK"], base["KSUB"])
     cfg = linear._config("linear", 1, False, False, {"chain": 256}, linear.linear_tiles, chained=True)
     assert (cfg["chain"], cfg["BK"]) == (base["BK"], base["BK"])   # a chain of at most one sub-block
+    cfg = linear._config("linear", 1, False, False, {"chain": 16}, linear.linear_tiles, chained=True)
+    assert (cfg["chain"], cfg["BK"], cfg["KSUB"]) == (16, 16, 4)          # 64 columns a step, 4 chains
+    cfg = linear._config("linear", 64, False, False, {"BK": 128, "KSUB": 2, "chain": 32}, linear.linear_tiles,
+                         chained=True)
+    assert (cfg["chain"], cfg["BK"], cfg["KSUB"]) == (32, 32, 8)          # 256 columns a step, 8 chains
     assert linear._config("linear", 1, False, False, {"chain": 16}, linear.linear_tiles)["chain"] == 0  # not chained
     for bad in (8, 48, 32.0):
         with pytest.raises(ValueError, match=rf"linear: TUNE chain={bad!r}; expected 0 or a power of two >= 16"):
@@ -186,19 +191,20 @@ _CHAIN = """
 import re, torch
 from dsv4core.kernels.triton import aot, linear
 target = aot.parse_target("cuda:90")
-x, w = torch.empty(1, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16)
-for chain in (0, 32):
-    got = []
-    linear.TUNE.clear()
-    linear.TUNE.update(chain=chain)
-    with aot.device_branch(target), aot._compile_only(target, got):
-        linear.linear(x, w, out_dtype=torch.float32)
-    (_, kern, _), = [g for g in got if g[0].__name__ == "_gemm_kernel"]
-    ir = kern.asm["ttgir"]
-    # the dots' accumulator operands, and the fp32 adds of MMA results into the running sum
-    dots = re.findall(r"= tt\\.dot %\\S+, %\\S+, %(\\S+),", ir)
-    adds = re.findall(r"arith\\.addf %\\S+, %\\S+ : tensor<\\d+x\\d+xf32, #mma>", ir)
-    print(chain, len(dots), len(set(dots)), len(adds))
+w = torch.empty(256, 512, dtype=torch.bfloat16)
+for rows in (1, 64):        # an MMA v2 tile (16 rows) and a Hopper wgmma tile (64 rows)
+    for chain in (0, 32):
+        got = []
+        linear.TUNE.clear()
+        linear.TUNE.update(chain=chain)
+        with aot.device_branch(target), aot._compile_only(target, got):
+            linear.linear(torch.empty(rows, 512, dtype=torch.bfloat16), w, out_dtype=torch.float32)
+        (_, kern, _), = [g for g in got if g[0].__name__ == "_gemm_kernel"]
+        ir = kern.asm["ttgir"]
+        # the dots' accumulator operands, and the fp32 adds of MMA results into the running sum
+        dots = re.findall(r"= (?:tt\\.dot|ttng\\.warp_group_dot) %\\S+, %\\S+, %([^ ,]+)", ir)
+        adds = re.findall(r"arith\\.addf %\\S+, %\\S+ : tensor<\\d+x\\d+xf32, #mma", ir)
+        print(rows, chain, len(dots), len(set(dots)), len(adds))
 """
 
 
@@ -211,8 +217,39 @@ def test_fp32_out_chains_are_not_folded_back_into_one():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _CHAIN], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = {int(r[0]): tuple(map(int, r[1:])) for r in (line.split() for line in proc.stdout.splitlines()) if len(r) == 4}
-    dots0, _, adds0 = got[0]
-    dots, inits, adds = got[32]
-    assert dots0 >= 1 and adds0 == 0, proc.stdout            # one chain: the dot accumulates acc itself
-    assert dots >= 2 and inits == 1 and adds == dots, proc.stdout
+    got = {(int(r[0]), int(r[1])): tuple(map(int, r[2:])) for r in (line.split() for line in proc.stdout.splitlines())
+           if len(r) == 5}
+    for rows in (1, 64):
+        dots0, _, adds0 = got[rows, 0]
+        dots, inits, adds = got[rows, 32]
+        assert dots0 >= 1 and adds0 == 0, proc.stdout            # one chain: the dot accumulates acc itself
+        assert dots >= 2 and inits == 1 and adds == dots, proc.stdout
+
+
+@pytest.mark.parametrize("K", [300, 1000])
+def test_fp32_out_chains_compute_the_product(monkeypatch, K):
+    """The chained MMA path run under the interpreter: fp16 operands take the tensor-core branch
+    there once ``interp`` answers False (the interpreter's fp16 tl.dot is exact in fp32; its bf16
+    one is not, see _util.interp). Every chain length, one chain (0) and a split K give the
+    product within the fp32 dot-product bound |y - y64| <= K 2^-24 (|x| @ |w|^T) (a sum of K
+    rounded terms, each rounding at most 2^-24 relative: gamma_K), per output."""
+    import torch
+
+    from dsv4core.kernels.triton import linear
+
+    monkeypatch.setattr(linear, "interp", lambda t: False)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(5, K, generator=g).half()
+    w = torch.randn(70, K, generator=g).half()
+    y64 = x.double() @ w.double().T
+    bound = K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    for tune in ({"chain": 0}, {"chain": 16}, {"chain": 32}, {"chain": 64}, {"chain": 16, "S": 3}):
+        linear.TUNE.clear()
+        linear.TUNE.update(tune)
+        try:
+            y = linear.linear(x, w, out_dtype=torch.float32)
+        finally:
+            linear.TUNE.clear()
+        assert y.dtype == torch.float32
+        excess = ((y.double() - y64).abs() - bound).max().item()
+        assert excess <= 0, (tune, excess)

@@ -27,7 +27,8 @@ Many rows (TUNE ``dequant_rows``, dequant.py): an FP8 weight is converted to bf1
 instead of once per row tile in registers (UE8M0 scales folded in: a plain bf16 GEMM; fp32 scales:
 the codes, the scales kept on the block sums), within a scratch of ``dequant_bytes``.
 
-fp32 outputs of tensor-core products (the lm_head's logits; TUNE key ``chain``): the MMA's own
+fp32 outputs of tensor-core products (the lm_head's logits, the router gate, the compressor
+projections; TUNE key ``chain``): the MMA's own
 accumulator sums at most ``chain`` K columns, and each such chain's result is added to the fp32
 running sum by an ordinary fp32 add. One MMA chain over all of K is not an fp32 sum: a GPU's
 tensor cores may add each instruction's products into the accumulator with truncation rather
