@@ -226,18 +226,13 @@ def test_fp32_out_chains_are_not_folded_back_into_one():
         assert dots >= 2 and inits == 1 and adds == dots, proc.stdout
 
 
-@pytest.mark.parametrize("K", [300, 1000])
-def test_fp32_out_chains_compute_the_product(monkeypatch, K):
-    """The chained MMA path run under the interpreter: fp16 operands take the tensor-core branch
-    there once ``interp`` answers False (the interpreter's fp16 tl.dot is exact in fp32; its bf16
-    one is not, see _util.interp). Every chain length, one chain (0) and a split K give the
-    product within the fp32 dot-product bound |y - y64| <= K 2^-24 (|x| @ |w|^T) (a sum of K
-    rounded terms, each rounding at most 2^-24 relative: gamma_K), per output."""
-    import torch
-
-    from dsv4core.kernels.triton import linear
-
-    monkeypatch.setattr(linear, "interp", lambda t: False)
+_CHAINED = """
+import json, sys
+import torch
+from dsv4core.kernels.triton import linear
+linear.interp = lambda t: False      # the tensor-core branch (fp16 operands: exact products here)
+rows = []
+for K in (300, 1000):
     g = torch.Generator().manual_seed(K)
     x = torch.randn(5, K, generator=g).half()
     w = torch.randn(70, K, generator=g).half()
@@ -246,10 +241,21 @@ def test_fp32_out_chains_compute_the_product(monkeypatch, K):
     for tune in ({"chain": 0}, {"chain": 16}, {"chain": 32}, {"chain": 64}, {"chain": 16, "S": 3}):
         linear.TUNE.clear()
         linear.TUNE.update(tune)
-        try:
-            y = linear.linear(x, w, out_dtype=torch.float32)
-        finally:
-            linear.TUNE.clear()
-        assert y.dtype == torch.float32
-        excess = ((y.double() - y64).abs() - bound).max().item()
-        assert excess <= 0, (tune, excess)
+        y = linear.linear(x, w, out_dtype=torch.float32)
+        linear.TUNE.clear()
+        rows.append({"K": K, "tune": repr(tune), "dtype": str(y.dtype),
+                     "excess": ((y.double() - y64).abs() - bound).max().item()})
+json.dump(rows, open(sys.argv[1], "w"))
+"""
+
+
+def test_fp32_out_chains_compute_the_product(tmp_path):
+    """The chained MMA path run under the interpreter: fp16 operands take the tensor-core branch
+    there once ``interp`` answers False (the interpreter's fp16 tl.dot is exact in fp32; its bf16
+    one is not, see _util.interp). Every chain length, one chain (0) and a split K give the
+    product within the fp32 dot-product bound |y - y64| <= K 2^-24 (|x| @ |w|^T) (a sum of K
+    rounded terms, each rounding at most 2^-24 relative: gamma_K), per output."""
+    rows = interpreted_report(_CHAINED, tmp_path, "chained", timeout=600)
+    assert len(rows) == 10, rows
+    bad = [r for r in rows if r["dtype"] != "torch.float32" or r["excess"] > 0]
+    assert not bad, bad
