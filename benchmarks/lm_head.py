@@ -49,16 +49,15 @@ def main(argv=None) -> int:
         scale = y64.abs().max().item()
         # copy_GBps counts the bytes read and written: the rate at which bytes move, read or written
         floor_s = (w.numel() * 2 + x.numel() * 2 + T * args.vocab * 4) / (ceil["copy_GBps"] * 1e9)
-        variants = {
-            f"{args.backend} linear, fp32 out": lambda: lin(x, w, out_dtype=torch.float32),
-            f"{args.backend} linear, bf16 out": lambda: lin(x, w, out_dtype=torch.bfloat16),
-            "torch bf16 matmul (bf16 out)": lambda: x @ w.t(),
-            "torch fp32 matmul (weight pre-converted)": lambda: x.float() @ w32.t(),
+        fp32_out = lambda: lin(x, w, out_dtype=torch.float32)   # noqa: E731
+        variants = {   # name -> (the call, the TUNE chain it runs with; None: the backend's own)
+            f"{args.backend} linear, fp32 out": (fp32_out, None),
+            f"{args.backend} linear, bf16 out": (lambda: lin(x, w, out_dtype=torch.bfloat16), None),
+            "torch bf16 matmul (bf16 out)": (lambda: x @ w.t(), None),
+            "torch fp32 matmul (weight pre-converted)": (lambda: x.float() @ w32.t(), None),
+            **{f"{args.backend} linear, fp32 out, chain={c}": (fp32_out, c) for c in chains},
         }
-        for c in chains:
-            variants[f"{args.backend} linear, fp32 out, chain={c}"] = (lambda: lin(x, w, out_dtype=torch.float32), c)
-        for name, fn in variants.items():
-            fn, c = fn if isinstance(fn, tuple) else (fn, None)
+        for name, (fn, c) in variants.items():
             if c is not None:
                 tune["chain"] = c
             try:

@@ -89,8 +89,6 @@ def measure(m, base, case: str, C: int, k: int, steps: int) -> dict:
     row = {"case": case, "requests": 1 if case == "prefill" else len(base), "chunk": C, "k": k}
     for mode in ("graph", "eager"):
         m.use_graphs = mode == "graph"
-        ts, hs = [], []
-
         def step(times=None):
             ids, pos, rid, sts, rows, hrows = _step(m, base, case, C, k)
             t0 = time.perf_counter()

@@ -211,8 +211,8 @@ TABLES = LaunchTable("cuda", {
                 "tiles": _moe_tiles_sm90},
         # chain: fp32 logits (the lm_head, T = 1 / 8 / 64, K = 4,096 and 7,168) with MMA chains of
         # 64 K columns err 3.1e-7 - 4.5e-7 of max |y| at 94 - 103 % of the weight-streaming floor;
-        # 16 / 32 columns 4.3e-7 - 9.3e-7 at 44 - 90 %; one chain over K 4.8e-6 - 1.0e-5 (the bound
-        # is ~1.6e-6): benchmarks/results/h200/2026-12-03_1570b6f/bench/lm-head-chains-{flash,pro}.json
+        # 16 / 32 columns 4.3e-7 - 9.3e-7 at 44 - 90 %; one chain over K 4.8e-6 - 1.0e-5 (the lm_head
+        # cases' bounds 1.7e-6 - 5.7e-6): benchmarks/results/h200/2026-12-03_1570b6f/bench/lm-head-chains-{flash,pro}.json
         "linear": {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS, "tiles": _linear_tiles_sm90, "chain": 64},
         "wo_a": _wo_a_sm90,
         "attention": _attention_sm90,
