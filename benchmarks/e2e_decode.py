@@ -157,9 +157,13 @@ def copy_rate(dev: torch.device) -> float:
     return 2 * n / min(timed(lambda: b.copy_(a), dev)[1] for _ in range(6))   # the buffers stay cached
 
 
-def weight_bytes(model) -> dict:
+def weight_bytes(model, exclude: tuple[str, ...] = ()) -> dict:
+    """Parameter bytes: routed experts, embedding, the rest; names containing a part of ``exclude``
+    left out (``(".mtp.",)``: the MTP block, which a main-model step does not read)."""
     out = {"routed_experts": 0, "embedding": 0, "other": 0}
     for name, p in model.named_parameters():
+        if any(x in f".{name}" for x in exclude):
+            continue
         key = "routed_experts" if ".experts." in name else "embedding" if "embed_tokens" in name else "other"
         out[key] += p.numel() * p.element_size()
     return out

@@ -31,6 +31,10 @@
 #           (flash dims, MIXED_LAYERS default 43, MIXED_EXPERTS default 32; E2E_WEIGHTS=official as for e2e)
 #   verify  benchmarks/verify_overhead.py: the cost of DSV4CORE_VERIFY at 1 % and 10 % with graphs on (whole-step
 #           sampling; VERIFY_CONFIGS, default mid)
+#   vchecks benchmarks/verify_checks.py: a whole-step verify sampled step against graph replay and eager, the check
+#           time per op (flash dims, VCHECKS_LAYERS default 4, 32 experts, 8 decodes and a 512-token chunk at 1k context)
+#   mtptok  benchmarks/train_tiny_mtp.py --measure: the trained tiny-mtp checkpoint (MTP_CKPT, default
+#           scratch/tiny-mtp-trained: carry it) on cuda, batch-1 tokens/s with and without speculation
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -141,6 +145,16 @@ mixed() {
 verify() {
   timeout ${VERIFY_LIMIT:-240} python3 benchmarks/verify_overhead.py --device cuda --backend cuda --configs ${VERIFY_CONFIGS:-mid} \
     --dtype bfloat16 --graphs on --fractions 0,0.1,0.01 --min-sampled ${VERIFY_SAMPLED:-10} --json "$RES/bench/verify-overhead-cuda.json" 2>&1 | tail -20
+}
+vchecks() {
+  local L=${VCHECKS_LAYERS:-4}
+  timeout ${VCHECKS_LIMIT:-300} python3 benchmarks/verify_checks.py --device cuda --backend cuda --config flash --layers $L \
+    --experts 32 --requests 8 --context 1024 --chunk 512 --cases decode,prefill \
+    --json "$RES/bench/verify-checks-flash-${L}layers-bf16.json" 2>&1 | tail -24
+}
+mtptok() {
+  timeout ${MTPTOK_LIMIT:-200} python3 benchmarks/train_tiny_mtp.py --measure ${MTP_CKPT:-scratch/tiny-mtp-trained} \
+    --device cuda --backend cuda --json "$RES/bench/tiny-mtp-trained-speculation-cuda.json" 2>&1 | tail -30
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \

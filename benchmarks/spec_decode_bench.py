@@ -50,14 +50,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_decode import DSV4Config, build_model, config_dict, free, quantize_official_, randomize_on_device_, \
-    timed  # noqa: E402
+from e2e_decode import DSV4Config, build_model, config_dict, floor_bytes, free, quantize_official_, \
+    randomize_on_device_, timed, weight_bytes  # noqa: E402
 
 BUILT_IN = ("tiny-mtp", "tiny-official-mtp")
 ACCEPTANCE = "benchmarks/results/cpu/2026-12-02_54e0f02/bench/train-tiny-mtp.json"
 #: DeepSeek-V4's MTP block, mean acceptance length by k, as docs/model-core.md cites the engines' reports
 PUBLISHED = {1: (1.8,), 3: (2.8, 3.1)}
 FORMULA = "speedup = L / ((t_verify + t_draft) / t_decode)"
+#: what ``floor_verify_over_decode`` is: the weight bytes a verify step of B(1 + k) tokens must read over those
+#: of a decode step of B tokens, tokens routed independently (e2e_decode.floor_bytes; the MTP block not counted)
+FLOOR_RATIO = "floor_bytes(B * (1 + k)) / floor_bytes(B): expected distinct experts E(1 - (1 - top_k/E)^T) a layer"
 
 
 def log(msg: str) -> None:
@@ -189,6 +192,9 @@ def measure(model, B: int, ks, a, dev: torch.device) -> list[dict]:
             med = {key: 1e3 * statistics.median(v) for key, v in (("decode_ms", td), ("verify_ms", tv),
                                                                   ("draft_ms", tdr))}
             row = dict(batch=B, k=k, context=a.context, **med,
+                       verify_over_decode=med["verify_ms"] / med["decode_ms"],
+                       floor_verify_over_decode=floor_bytes(model.config, a.main_bytes, B * (1 + k))
+                       / floor_bytes(model.config, a.main_bytes, B),
                        cycle_over_decode=(med["verify_ms"] + med["draft_ms"]) / med["decode_ms"],
                        decode_path="graph" if dec_rep == n else "eager" if not dec_rep else f"graph {dec_rep}/{n}",
                        verify_path="eager" if verify_eager == n else "graph" if not verify_eager
@@ -242,13 +248,14 @@ def markdown(res: dict) -> str:
            f"Context {m['context']} tokens a request; median of {m['reps']} timings after {m['warmup']} warm-up; "
            f"backend {m['backend']}, graphs: {m['graph_status'] or 'on'}. Expected speedup: `{FORMULA}` "
            f"(L: mean acceptance length, tokens per verified round).", "",
-           "| batch | k | decode ms | verify ms | draft ms | (verify + draft) / decode | paths (decode / verify / draft) | "
-           + " | ".join(f"speedup at L ({lb})" for lb in labels) + " |",
-           "|" + "---|" * (7 + len(labels))]
+           "| batch | k | decode ms | verify ms | draft ms | verify / decode (weight-byte floor) | (verify + draft) / decode "
+           "| paths (decode / verify / draft) | " + " | ".join(f"speedup at L ({lb})" for lb in labels) + " |",
+           "|" + "---|" * (8 + len(labels))]
     for r in res["rows"]:
         sp = [", ".join(f"{x['L']:.2f}: {x['speedup']:.2f}x" for x in r["speedup"] if x["label"] == lb) or "-"
               for lb in labels]
         out.append(f"| {r['batch']} | {r['k']} | {r['decode_ms']:.3f} | {r['verify_ms']:.3f} | {r['draft_ms']:.3f} | "
+                   f"{r['verify_over_decode']:.2f} ({r['floor_verify_over_decode']:.2f}) | "
                    f"{r['cycle_over_decode']:.2f} | {r['decode_path']} / {r['verify_path']} / {r['draft_path']} | "
                    + " | ".join(sp) + " |")
     notes = [f"- {x['label']}: {x['source']}" for x in {x["label"]: x for x in res["acceptance"]}.values()]
@@ -295,13 +302,15 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     model, backend, quant = build(a, dev)
+    a.main_bytes = weight_bytes(model, exclude=(".mtp.",))
     lengths = acceptance_lengths(a.acceptance, ks)
     meta = dict(model=a.model, layers=model.config.num_hidden_layers, dtype=a.dtype, weights=a.weights,
                 numerics=model.numerics, backend=backend, device=dev.type,
                 device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 torch=torch.__version__, threads=torch.get_num_threads(), argv=sys.argv[1:] if argv is None else argv,
                 context=a.context, reps=a.reps, warmup=a.warmup, graph_status=model.graph_status(),
-                graph_buckets=list(model.graph_buckets), formula=FORMULA, quantization=quant)
+                graph_buckets=list(model.graph_buckets), formula=FORMULA, quantization=quant,
+                main_weight_bytes=a.main_bytes, floor_ratio=FLOOR_RATIO)
     res = {"meta": meta, "acceptance": lengths, "rows": [], "skipped": []}
 
     def save():
