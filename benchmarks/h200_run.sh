@@ -31,6 +31,10 @@
 #           (flash dims, MIXED_LAYERS default 43, MIXED_EXPERTS default 32; E2E_WEIGHTS=official as for e2e)
 #   verify  benchmarks/verify_overhead.py: the cost of DSV4CORE_VERIFY at 1 % and 10 % with graphs on (whole-step
 #           sampling; VERIFY_CONFIGS, default mid)
+#   serve   benchmarks/serving.py: SERVE_REQUESTS (default 64) requests arriving at SERVE_RATE a second (default 8;
+#           inf: all at once), prompts of 256..4096 tokens, 128 new tokens each: TTFT, inter-token latency, tok/s,
+#           steps by kind; then the first token of one prompt alone at SERVE_TTFT tokens (default 1024,8192,32768):
+#           wall, prefill tok/s, device-busy ms (flash dims, 43 layers, 32 experts; E2E_WEIGHTS=official as for e2e)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -141,6 +145,12 @@ mixed() {
 verify() {
   timeout ${VERIFY_LIMIT:-240} python3 benchmarks/verify_overhead.py --device cuda --backend cuda --configs ${VERIFY_CONFIGS:-mid} \
     --dtype bfloat16 --graphs on --fractions 0,0.1,0.01 --min-sampled ${VERIFY_SAMPLED:-10} --json "$RES/bench/verify-overhead-cuda.json" 2>&1 | tail -20
+}
+serve() {
+  local w=${E2E_WEIGHTS:-bf16}
+  timeout ${SERVE_LIMIT:-300} python3 benchmarks/serving.py --device cuda --backend cuda --config flash --layers 43 \
+    --experts 32 --weights "$w" --requests ${SERVE_REQUESTS:-64} --rate ${SERVE_RATE:-8} \
+    --ttft-lengths ${SERVE_TTFT:-1024,8192,32768} --json "$RES/bench/serving-flash-43layers-$w.json" 2>&1 | tail -12
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
