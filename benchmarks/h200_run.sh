@@ -35,6 +35,10 @@
 #           time per op (flash dims, VCHECKS_LAYERS default 4, 32 experts, 8 decodes and a 512-token chunk at 1k context)
 #   mtptok  benchmarks/train_tiny_mtp.py --measure: the trained tiny-mtp checkpoint (MTP_CKPT, default
 #           scratch/tiny-mtp-trained: carry it) on cuda, batch-1 tokens/s with and without speculation
+#   serve   benchmarks/serving.py: SERVE_REQUESTS (default 64) requests arriving at SERVE_RATE a second (default 8;
+#           inf: all at once), prompts of 256..4096 tokens, 128 new tokens each: TTFT, inter-token latency, tok/s,
+#           steps by kind; then the first token of one prompt alone at SERVE_TTFT tokens (default 1024,8192,32768):
+#           wall, prefill tok/s, device-busy ms (flash dims, 43 layers, 32 experts; E2E_WEIGHTS=official as for e2e)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -155,6 +159,11 @@ vchecks() {
 mtptok() {
   timeout ${MTPTOK_LIMIT:-200} python3 benchmarks/train_tiny_mtp.py --measure ${MTP_CKPT:-scratch/tiny-mtp-trained} \
     --device cuda --backend cuda --json "$RES/bench/tiny-mtp-trained-speculation-cuda.json" 2>&1 | tail -30
+serve() {
+  local w=${E2E_WEIGHTS:-bf16}
+  timeout ${SERVE_LIMIT:-300} python3 benchmarks/serving.py --device cuda --backend cuda --config flash --layers 43 \
+    --experts 32 --weights "$w" --requests ${SERVE_REQUESTS:-64} --rate ${SERVE_RATE:-8} \
+    --ttft-lengths ${SERVE_TTFT:-1024,8192,32768} --json "$RES/bench/serving-flash-43layers-$w.json" 2>&1 | tail -12
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
