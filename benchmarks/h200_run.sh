@@ -159,6 +159,7 @@ vchecks() {
 mtptok() {
   timeout ${MTPTOK_LIMIT:-200} python3 benchmarks/train_tiny_mtp.py --measure ${MTP_CKPT:-scratch/tiny-mtp-trained} \
     --device cuda --backend cuda --json "$RES/bench/tiny-mtp-trained-speculation-cuda.json" 2>&1 | tail -30
+}
 serve() {
   local w=${E2E_WEIGHTS:-bf16}
   timeout ${SERVE_LIMIT:-300} python3 benchmarks/serving.py --device cuda --backend cuda --config flash --layers 43 \
