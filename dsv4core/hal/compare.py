@@ -191,17 +191,22 @@ def output_rounding(metric: str, dtype: torch.dtype, exact: torch.Tensor) -> flo
 def _sums_dev(comb: torch.Tensor) -> float:
     if comb.numel() == 0:
         return 0.0
-    c = comb.detach().cpu().to(torch.float64)
-    return max((c.sum(-1) - 1).abs().max().item(), (c.sum(-2) - 1).abs().max().item())
+
+    def dev(c, _):
+        return max((c.sum(-1) - 1).abs().max().item(), (c.sum(-2) - 1).abs().max().item())
+    return _in_f64(dev, comb, comb)
 
 
 def _pair_norm_dev(x: torch.Tensor, y: torch.Tensor, d_r: int) -> float:
     if x.numel() == 0 or d_r == 0:
         return 0.0
-    xp = x.detach().cpu().to(torch.float64)[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
-    yp = y.detach().cpu().to(torch.float64)[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
-    scale = xp.abs().max().item()
-    return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
+
+    def dev(x, y):
+        xp = x[..., x.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+        yp = y[..., y.shape[-1] - d_r:].unflatten(-1, (d_r // 2, 2)).norm(dim=-1)
+        scale = xp.abs().max().item()
+        return (yp - xp).abs().max().item() / scale if scale > 0 else 0.0
+    return _in_f64(dev, x, y)
 
 
 def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, exact: Outputs, k: float, floor: float
@@ -237,25 +242,70 @@ def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, exact: Outputs
 # Discrete outputs
 # ---------------------------------------------------------------------------------------------
 
+def _on_f64_device(*ts: torch.Tensor) -> torch.device:
+    """Where a vectorised judge runs: the tensors' device when it computes in float64, else the CPU."""
+    dev = ts[0].device
+    if dev.type == "cpu":
+        return dev
+    try:
+        torch.zeros(1, dtype=torch.float64, device=dev).sum().item()
+        return dev
+    except (TypeError, RuntimeError):
+        return torch.device("cpu")
+
+
+def _topk_suspects(scores: torch.Tensor, lengths: torch.Tensor, got: torch.Tensor, topk: int,
+                   tie_tol: float) -> torch.Tensor:
+    """The queries ``index_set_check`` must walk (int64 indices, on the inputs' device): every
+    query whose set breaks one of its rules is among them (the row walk then decides and words
+    it); a query left out satisfies them all. All in float64 on the device when it has float64.
+    Rows with a NaN score are always walked."""
+    dev = _on_f64_device(scores)
+    sc = scores.detach().to(dev, torch.float64)
+    T, N = sc.shape
+    if T == 0:
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    g = got.detach().to(dev).long()
+    ln = lengths.detach().to(dev).long()
+    cols = torch.arange(N, device=dev)[None, :] < ln[:, None]               # the query's valid keys
+    picked = g >= 0
+    n = picked.sum(1)
+    n_min = (torch.isfinite(sc) & cols).sum(1).clamp(max=topk)
+    bad = (g < -1).any(1) | (n < n_min) | (n > ln.clamp(max=topk)) | (picked & (g >= ln[:, None])).any(1)
+    bad |= (torch.isnan(sc) & cols).any(1)
+    srt = g.sort(1).values                                                  # duplicates: equal neighbours
+    bad |= ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(1) if g.shape[1] > 1 else torch.zeros_like(bad)
+    valid = sc.masked_fill(~cols, float("-inf"))
+    kth = valid.sort(1, descending=True).values.gather(1, (n - 1).clamp(0, max(N - 1, 0))[:, None])   # [T, 1]
+    chosen = valid.gather(1, g.clamp(0, max(N - 1, 0)))
+    has = n > 0
+    bad |= has & (picked & (chosen < kth - tie_tol)).any(1)
+    mark = torch.zeros((T, N + 1), dtype=torch.bool, device=dev)       # column N: where -1 entries land
+    mark.scatter_(1, g.where(picked & (g < N), N), True)
+    bad |= has & (cols & (valid > kth + tie_tol) & ~mark[:, :N]).any(1)
+    return bad.nonzero().flatten().to(scores.device)
+
+
 def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol: float) -> list[Check]:
     """indexer_topk: per query, the backend's indices must be ``min(topk, k_lengths[t])`` distinct
     valid positions (-1 elsewhere) forming a correct top-k set: every pick scores at least the
     k-th largest valid score (minus ``tie_tol``), and every valid entry scoring strictly above it
     (plus ``tie_tol``) is picked. Ties may be broken either way; order is free. Valid entries
     scored -inf may be picked or left as -1."""
-    scores = kwargs["scores"].detach().to(torch.float64).cpu()
-    lengths = kwargs["k_lengths"].cpu().long()
     topk = int(kwargs["topk"])
-    g = got.detach().cpu().long()
+    suspects = _topk_suspects(kwargs["scores"], kwargs["k_lengths"], got, topk, tie_tol)
+    scores = kwargs["scores"].detach()[suspects].to(torch.float64).cpu()
+    lengths = kwargs["k_lengths"].detach()[suspects].cpu().long()
+    g = got.detach()[suspects].cpu().long()
     problems: list[str] = []
     bad_rows = 0
-    for t in range(scores.shape[0]):
-        n_valid = int(lengths[t])
+    for i, t in enumerate(suspects.cpu().tolist()):
+        n_valid = int(lengths[i])
         n_max = min(topk, n_valid)
         # a valid key scored -inf may be picked or left out (-1): ambiguous in the spec, never
         # produced by indexer_scores within k_lengths
-        n_min = min(topk, int(torch.isfinite(scores[t, :n_valid]).sum()) if n_valid else 0)
-        row = g[t]
+        n_min = min(topk, int(torch.isfinite(scores[i, :n_valid]).sum()) if n_valid else 0)
+        row = g[i]
         picks = row[row >= 0]
         n = picks.numel()
         why = ""
@@ -264,12 +314,12 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
         elif not n_min <= n <= n_max:
             want = f"{n_max}" if n_min == n_max else f"{n_min}..{n_max}"
             why = f"{n} indices, expected {want} (k_lengths={n_valid}, topk={topk})"
-        elif (picks >= lengths[t]).any():
-            why = f"index {int(picks[picks >= lengths[t]][0])} outside the query's {int(lengths[t])} valid keys"
+        elif (picks >= lengths[i]).any():
+            why = f"index {int(picks[picks >= lengths[i]][0])} outside the query's {int(lengths[i])} valid keys"
         elif picks.unique().numel() != picks.numel():
             why = "duplicate indices"
         elif n:
-            valid = scores[t, :int(lengths[t])]
+            valid = scores[i, :int(lengths[i])]
             kth = valid.topk(n).values[-1].item()
             chosen = valid[picks]
             if (chosen < kth - tie_tol).any():
@@ -285,7 +335,7 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
             bad_rows += 1
             if len(problems) < 3:
                 problems.append(f"query {t}: {why}")
-    T = max(1, scores.shape[0])
+    T = max(1, got.shape[0])
     frac = bad_rows / T
     detail = "; ".join(problems) + (f" (+{bad_rows - len(problems)} more queries)" if bad_rows > len(problems) else "")
     return [Check("index sets", "index_set: fraction of queries with a wrong top-k set", frac, 0.0, 0.0,
@@ -295,6 +345,35 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
 def _route_keys(kwargs: dict) -> torch.Tensor:
     """fp64 scores sqrt(softplus(logits)) (the caller adds the bias to get the selection keys)."""
     return torch.sqrt(torch.nn.functional.softplus(kwargs["logits"].detach().to(torch.float64).cpu()))
+
+
+def _route_suspects(key: torch.Tensor, ids: torch.Tensor, topk: int, tie_tol: float,
+                    hash_ids: torch.Tensor | None) -> torch.Tensor:
+    """The tokens ``route_check`` must walk (int64 indices; ``key`` and ``ids`` on the CPU): every
+    token whose ids break one of its rules is among them (the walk decides and words it); a token
+    left out satisfies them all. Tokens with a NaN key are always walked."""
+    T, E = key.shape
+    if T == 0 or ids.shape[0] != T:
+        return torch.arange(ids.shape[0])
+    inside = (ids >= 0) & (ids < E)
+    bad = ~inside.all(1)
+    srt = ids.sort(1).values
+    if ids.shape[1] > 1:
+        bad |= (srt[:, 1:] == srt[:, :-1]).any(1)
+    if hash_ids is not None:
+        want = hash_ids.detach().cpu().long()
+        if want.shape != ids.shape:
+            return torch.arange(T)
+        bad |= (srt != want.sort(1).values).any(1)
+        return bad.nonzero().flatten()
+    bad |= torch.isnan(key).any(1)
+    kth = key.topk(topk, 1).values[:, -1:]                                 # [T, 1]
+    g = ids.clamp(0, E - 1)
+    bad |= (key.gather(1, g) < kth - tie_tol).any(1)
+    mark = torch.zeros((T, E + 1), dtype=torch.bool)
+    mark.scatter_(1, ids.where(inside, E), True)
+    bad |= ((key > kth + tie_tol) & ~mark[:, :E]).any(1)
+    return bad.nonzero().flatten()
 
 
 def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float) -> list[Check]:
@@ -313,7 +392,7 @@ def route_check(kwargs: dict, got: Outputs, ref: Outputs, k: float, floor: float
     def judge(ids_t: torch.Tensor) -> tuple[str, int]:
         ids = ids_t.detach().cpu().long()
         bad, first = 0, ""
-        for t in range(ids.shape[0]):
+        for t in _route_suspects(key, ids, topk, tie_tol, hash_ids).tolist():
             row = ids[t]
             why = ""
             if (row < 0).any() or (row >= key.shape[1]).any():
@@ -372,21 +451,25 @@ def device_of(kw: dict) -> str:
     return "cpu"
 
 
-def _in_fp64(fn, kw: dict, prep=lambda v: v):
-    """``fn(**prepared kw)`` on the inputs' device; on the CPU if that device has no float64."""
+def _in_fp64(fn, kw: dict, prep=lambda v: v, keep: tuple[str, ...] = ()):
+    """``fn(**prepared kw)`` on the inputs' device (the arguments named in ``keep`` as given); on
+    the CPU if that device has no float64."""
+    def call(args):
+        return fn(**{k: v if k in keep else prep(v) for k, v in args.items()})
     try:
-        return fn(**{k: prep(v) for k, v in kw.items()})
+        return call(kw)
     except Exception:
         if device_of(kw).startswith("cpu"):
             raise
-        cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        return fn(**{k: prep(v) for k, v in cpu.items()})
+        return call({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
 
 
 def eval64(spec, kw: dict):
     """The fp64 evaluation of ``spec``'s reference math, on the inputs' device; on the CPU if that
-    device has no float64."""
-    return _in_fp64(spec.reference, kw, upcast)
+    device has no float64. Arguments the reference converts where it uses them
+    (``spec.converts_per_use``) are passed as given: the same values, without a float64 copy of
+    the whole tensor."""
+    return _in_fp64(spec.reference, kw, upcast, spec.converts_per_use)
 
 
 def with_copies(spec, kw: dict) -> dict:

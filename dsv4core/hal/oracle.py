@@ -9,7 +9,7 @@ names.
 **Its fingerprint** (:func:`fingerprint`) is a mapping ``{field: text}``:
 
 * ``op <name>.<field>`` per op of the catalogue: its class; name, family, signature, versions,
-  ``writes``, ``capturable``, ``deprecated``; its tolerance (class and every value: k, floor,
+  ``writes``, ``capturable``, ``deprecated``, ``converts_per_use``; its tolerance (class and every value: k, floor,
   floors, metric, quantised-row allowance, reason); and its ``reference``, ``check`` and
   ``cases`` functions, each as its module, qualified name, defaults and a digest of its code
   object (recursively: bytecode, constants, names; not the file name or line numbers);
@@ -191,7 +191,7 @@ def _is_cache(name: str) -> bool:
 def _spec_fields(s) -> dict[str, str]:
     return {"class": f"{_rel(type(s).__module__)}.{type(s).__qualname__}",
             "declaration": repr((s.name, s.family, str(s.signature), s.since, sorted(dict(s.params_since).items()),
-                                 tuple(s.writes), s.capturable, s.deprecated)),
+                                 tuple(s.writes), s.capturable, s.deprecated, tuple(s.converts_per_use))),
             "tolerance": tolerance_fp(s.tolerance), "reference": _fn(s.reference),
             "check": _fn(s._check), "cases": _fn(s._cases)}
 

@@ -94,7 +94,7 @@ class OpSpec:
 
     def __init__(self, fn: Callable, family: str, tolerance: Tolerance, since: tuple[int, int],
                  writes: tuple[str, ...] = (), capturable: bool = True,
-                 params_since: dict[str, tuple[int, int]] | None = None):
+                 params_since: dict[str, tuple[int, int]] | None = None, converts_per_use: tuple[str, ...] = ()):
         self.name: str = fn.__name__
         self.family = family
         self.reference = fn
@@ -114,6 +114,14 @@ class OpSpec:
         #: Whether the reference implementation can be recorded in a device graph (no host sync, no
         #: data-dependent shape). Backends declare their own implementations (Backend.add).
         self.capturable = capturable
+        #: Arguments the reference converts itself, part by part where it uses them, to the dtype
+        #: it computes in (that of its activations): the fp64 evaluation passes them as given
+        #: instead of converting them whole first (the same values; the expert stacks, of which a
+        #: call uses a few experts).
+        self.converts_per_use = tuple(converts_per_use)
+        for w in self.converts_per_use:
+            if w not in self.signature.parameters:
+                raise ValueError(f"op {self.name!r}: converts_per_use names unknown parameter {w!r}")
         #: Why the op is deprecated (what the model calls instead), or None for a current op.
         self.deprecated: str | None = None
         self._check: Callable | None = None
@@ -200,7 +208,7 @@ _CATALOGUE: dict[str, OpSpec] = {}
 
 def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), writes: tuple[str, ...] = (),
        capturable: bool = True, params_since: dict[str, tuple[int, int]] | None = None,
-       deprecated: str | None = None) -> Callable[[Callable], OpSpec]:
+       deprecated: str | None = None, converts_per_use: tuple[str, ...] = ()) -> Callable[[Callable], OpSpec]:
     """Declare a HAL op. The decorated function is its reference implementation.
 
     ``since``: the HAL version that added the op. ``params_since``: the HAL version that added a
@@ -211,10 +219,11 @@ def op(*, family: str, tolerance: Tolerance, since: tuple[int, int] = (1, 0), wr
     (:meth:`OpSpec.signature_for`). ``writes``: parameters written in place (the op returns
     None). ``capturable``: whether the reference implementation can be recorded in a device graph
     (see ``Backend.add``). ``deprecated``: why the op is deprecated (what replaces it); it stays
-    in the catalogue and in conformance."""
+    in the catalogue and in conformance. ``converts_per_use``: arguments the reference converts
+    itself where it uses them (the fp64 evaluation passes them as given)."""
 
     def wrap(fn: Callable) -> OpSpec:
-        spec = OpSpec(fn, family, tolerance, since, writes, capturable, params_since)
+        spec = OpSpec(fn, family, tolerance, since, writes, capturable, params_since, converts_per_use)
         spec.deprecated = deprecated
         if spec.name in _CATALOGUE:
             raise ValueError(f"op {spec.name!r} declared twice")

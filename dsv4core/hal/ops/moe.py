@@ -100,8 +100,9 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, ct: torc
 
 # capturable=False: the reference loops over the experts present (torch.unique + nonzero: host
 # syncs, data-dependent shapes); a gathered formulation would read T*k expert weights per call.
+# converts_per_use: the fp64 evaluation converts only the experts a call uses (_expert_weight).
 @op(family="moe", capturable=False, params_since={"w13_scale": (1, 2), "w2_scale": (1, 2), "act_block": (1, 2)},
-    tolerance=Tolerance(
+    converts_per_use=("w13", "w2"), tolerance=Tolerance(
     k=4.0, floor=1e-6,
     why="two chained fp32 GEMMs (length H then I) and a k-term weighted sum: more roundings "
         "than linear, ordered freely by grouped kernels; quantised weights are dequantised exactly. "
