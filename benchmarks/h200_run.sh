@@ -38,7 +38,9 @@
 #   serve   benchmarks/serving.py: SERVE_REQUESTS (default 64) requests arriving at SERVE_RATE a second (default 8;
 #           inf: all at once), prompts of 256..4096 tokens, 128 new tokens each: TTFT, inter-token latency, tok/s,
 #           steps by kind; then the first token of one prompt alone at SERVE_TTFT tokens (default 1024,8192,32768):
-#           wall, prefill tok/s, device-busy ms (flash dims, 43 layers, 32 experts; E2E_WEIGHTS=official as for e2e)
+#           wall, prefill tok/s, device-busy ms (flash dims, 43 layers, 32 experts; E2E_WEIGHTS=official as for e2e;
+#           SERVE_CHUNK: prefill tokens of a prompt a step, SERVE_STEP_TOKENS: tokens a step (default 8192), SERVE_RUNS:
+#           timed runs (later ones replay the graphs the first recorded), SERVE_NAME: a suffix of the result's name)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -164,7 +166,8 @@ serve() {
   local w=${E2E_WEIGHTS:-bf16}
   timeout ${SERVE_LIMIT:-300} python3 benchmarks/serving.py --device cuda --backend cuda --config flash --layers 43 \
     --experts 32 --weights "$w" --requests ${SERVE_REQUESTS:-64} --rate ${SERVE_RATE:-8} \
-    --ttft-lengths ${SERVE_TTFT:-1024,8192,32768} --json "$RES/bench/serving-flash-43layers-$w.json" 2>&1 | tail -12
+    ${SERVE_CHUNK:+--prefill-chunk $SERVE_CHUNK} --max-step-tokens ${SERVE_STEP_TOKENS:-8192} --runs ${SERVE_RUNS:-1} \
+    --ttft-lengths "${SERVE_TTFT-1024,8192,32768}" --json "$RES/bench/serving-flash-43layers-$w${SERVE_NAME:+-$SERVE_NAME}.json" 2>&1 | tail -12
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
