@@ -158,6 +158,7 @@ def _replays(model, name=None) -> int:
 
 def measure(model, B: int, ks, a, dev: torch.device) -> list[dict]:
     n = a.warmup + a.reps
+    wb = weight_bytes(model, exclude=(".mtp.",))      # what a main-model step reads
     states, toks, h = setup(model, B, a.context, 2 * n * len(ks), max(ks), a.prefill_chunk)
     g = torch.Generator().manual_seed(B)
     rows = []
@@ -193,8 +194,8 @@ def measure(model, B: int, ks, a, dev: torch.device) -> list[dict]:
                                                                   ("draft_ms", tdr))}
             row = dict(batch=B, k=k, context=a.context, **med,
                        verify_over_decode=med["verify_ms"] / med["decode_ms"],
-                       floor_verify_over_decode=floor_bytes(model.config, a.main_bytes, B * (1 + k))
-                       / floor_bytes(model.config, a.main_bytes, B),
+                       floor_verify_over_decode=floor_bytes(model.config, wb, B * (1 + k))
+                       / floor_bytes(model.config, wb, B),
                        cycle_over_decode=(med["verify_ms"] + med["draft_ms"]) / med["decode_ms"],
                        decode_path="graph" if dec_rep == n else "eager" if not dec_rep else f"graph {dec_rep}/{n}",
                        verify_path="eager" if verify_eager == n else "graph" if not verify_eager
@@ -302,7 +303,6 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
     model, backend, quant = build(a, dev)
-    a.main_bytes = weight_bytes(model, exclude=(".mtp.",))
     lengths = acceptance_lengths(a.acceptance, ks)
     meta = dict(model=a.model, layers=model.config.num_hidden_layers, dtype=a.dtype, weights=a.weights,
                 numerics=model.numerics, backend=backend, device=dev.type,
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
                 torch=torch.__version__, threads=torch.get_num_threads(), argv=sys.argv[1:] if argv is None else argv,
                 context=a.context, reps=a.reps, warmup=a.warmup, graph_status=model.graph_status(),
                 graph_buckets=list(model.graph_buckets), formula=FORMULA, quantization=quant,
-                main_weight_bytes=a.main_bytes, floor_ratio=FLOOR_RATIO)
+                main_weight_bytes=weight_bytes(model, exclude=(".mtp.",)), floor_ratio=FLOOR_RATIO)
     res = {"meta": meta, "acceptance": lengths, "rows": [], "skipped": []}
 
     def save():
