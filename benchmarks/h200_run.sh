@@ -41,6 +41,8 @@
 #           wall, prefill tok/s, device-busy ms (flash dims, 43 layers, 32 experts; E2E_WEIGHTS=official as for e2e;
 #           SERVE_CHUNK: prefill tokens of a prompt a step, SERVE_STEP_TOKENS: tokens a step (default 8192), SERVE_RUNS:
 #           timed runs (later ones replay the graphs the first recorded), SERVE_NAME: a suffix of the result's name)
+#   eprof   benchmarks/eager_profile.py: eager decode steps under cProfile, host time per function and per place
+#           (flash dims, 4 layers, 32 experts, bf16, batch 1 and 32)
 #   fimhc   benchmarks/flashinfer_mhc.py: FlashInfer's mHC kernels (backend cuda-flashinfer) built from
 #           .vendor/flashinfer-mhc (benchmarks/fetch_flashinfer_mhc.py; carry .vendor and .whl), their
 #           conformance and their timings beside ours
@@ -168,6 +170,10 @@ serve() {
     --experts 32 --weights "$w" --requests ${SERVE_REQUESTS:-64} --rate ${SERVE_RATE:-8} \
     ${SERVE_CHUNK:+--prefill-chunk $SERVE_CHUNK} --max-step-tokens ${SERVE_STEP_TOKENS:-8192} --runs ${SERVE_RUNS:-1} \
     --ttft-lengths "${SERVE_TTFT-1024,8192,32768}" --json "$RES/bench/serving-flash-43layers-$w${SERVE_NAME:+-$SERVE_NAME}.json" 2>&1 | tail -12
+}
+eprof() {
+  timeout ${EPROF_LIMIT:-200} python3 benchmarks/eager_profile.py --device cuda --backend cuda --config flash --layers 4 \
+    --experts 32 --batches 1,32 --json "$RES/bench/eager-profile-flash-4layers-bf16.json" 2>&1 | tail -40
 }
 fimhc() {
   DSV4CORE_FLASHINFER_SRC=$PWD/.vendor/flashinfer-mhc DSV4CORE_FLASHINFER_CACHE=/tmp/dsv4core-fi-mhc \
