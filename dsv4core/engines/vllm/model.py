@@ -75,6 +75,14 @@ def vllm_classes():
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
             return [MultipleOf(1)]
 
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            # block-outermost: vLLM then packs the pages of every group into one physical block
+            # (pages of different sizes side by side), the layout the pools view (docs/vllm.md)
+            from vllm.v1.kv_cache_layout import KVCacheLayout
+
+            return (KVCacheLayout.BLHNC,)
+
     class CacheModule(nn.Module, AttentionLayerBase):
         """One cache part of one layer: declares its spec, holds the block tensor vLLM binds."""
 
@@ -169,7 +177,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         """Copy (name, tensor) pairs into the parameters and buffers of the same name; raises
-        KeyError naming the unknown ones (nothing copied then)."""
+        KeyError naming the unknown ones (nothing copied then). Returns the names as this module
+        names them (``dsv4.<name>``), which vLLM's loader checks against `named_parameters`."""
         own = dict(self.dsv4.state_dict(keep_vars=True))
         pairs = list(weights)
         unknown = sorted(n for n, _ in pairs if n not in own)
@@ -179,7 +188,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.no_grad():
             for n, t in pairs:
                 own[n].copy_(t)
-        return {n for n, _ in pairs}
+        return {f"dsv4.{n}" for n, _ in pairs}
 
     # ------------------------------------------------------------------ pools
     def _groups(self, per: dict) -> dict[str, str]:
