@@ -167,3 +167,69 @@ def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface(monkeypat
     entry = ModelRegistry.models[plugin.ARCHITECTURE]
     assert (entry.module_name, entry.class_name) == tuple(plugin.MODEL_CLASS.split(":"))
     assert is_vllm_model(DeepseekV4ForCausalLM) and is_text_generation_model(DeepseekV4ForCausalLM)
+
+
+# ---------------------------------------------------------------------------- vLLM's engine loop
+# `vllm.LLM(...)` runs in a child process: vLLM's CPU worker replaces `torch.set_num_threads`,
+# binds threads and sets up torch.distributed in the process that hosts it, which the other tests
+# of this process must not inherit.
+_LLM_SCRIPT = r"""
+import json, os, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], enforce_eager=True, enable_prefix_caching=False, dtype=args["dtype"],
+          max_model_len=1024, max_num_seqs=args["max_num_seqs"], kv_cache_memory_bytes=64 << 20,
+          skip_tokenizer_init=True, seed=0)
+cls = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")
+out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]],
+                   [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+                    for n in args["max_tokens"]], use_tqdm=False)
+print("RESULT " + json.dumps({"cls": cls, "tokens": [list(o.outputs[0].token_ids) for o in out]}))
+"""
+
+
+def _vllm_env(**extra) -> dict:
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, DSV4CORE_VLLM="1", DSV4CORE_BACKEND="reference", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+               **extra)
+    return env
+
+
+def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    args = dict(model=str(model_dir), prompts=prompts, max_tokens=max_tokens, dtype=dtype, max_num_seqs=max_num_seqs)
+    r = subprocess.run([sys.executable, "-c", _LLM_SCRIPT, json.dumps(args)], env=_vllm_env(), capture_output=True,
+                       text=True, timeout=600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, f"vllm.LLM failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+#: prompt lengths across the tiny model's compression rates (4, 16), its 16-token window, vLLM's
+#: 4 / 8-token state blocks, 64-token window blocks and 256-token entry blocks
+_LENGTHS = (1, 3, 4, 5, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300)
+
+
+def test_vllm_llm_generates_what_dsv4core_generates(tmp_path, tiny):
+    """`vllm.LLM` (vLLM's engine loop: scheduler, KV-cache manager, CPU model runner, the backend's
+    metadata builders) on a checkpoint `write_checkpoint` wrote: greedy tokens equal dsv4core's
+    own `generate` for 16 prompts, with per-prompt lengths of output so steps mix prefills and
+    decodes (at most 4 requests at once)."""
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    write_checkpoint(tiny, tmp_path / "tiny")
+    prompts = [tokens(n, 100 + i) for i, n in enumerate(_LENGTHS)]
+    max_tokens = [1 + (5 * i) % 17 for i in range(len(prompts))]
+    want = tiny.generate(prompts, max(max_tokens))
+    got = _run_llm(tmp_path / "tiny", prompts, max_tokens)
+    assert got["cls"] == ["dsv4core.engines.vllm.model.DeepseekV4ForCausalLM"]
+    for n, k, g, w in zip(_LENGTHS, max_tokens, got["tokens"], want):
+        assert g == list(w[:k]), f"prompt of {n} tokens"
