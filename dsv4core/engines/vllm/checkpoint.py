@@ -11,12 +11,15 @@ writes a dsv4core model (default: the built-in "tiny") as vLLM's `LLM(model=OUT_
   vLLM 0.32 builds its own ``DeepseekV4Config`` on transformers' ``PreTrainedConfig``, whose
   validator (transformers 5.19) refuses the transformers-format ``mlp_layer_types`` entries
   (``hash_moe`` / ``moe``: it allows ``sparse`` / ``dense``), so the transformers key set does not load;
+- ``dsv4core_numerics: "official"`` when the model computes with the official numerics (the
+  unquantized weights would otherwise mean the exact ones; `model.checkpoint_numerics`);
 - the weights with transformers names (`checkpoint.writer.write_transformers`), which
   `DeepseekV4ForCausalLM.load_weights` takes;
 - the tokenizer (``tokenizer.json``, ``tokenizer_config.json``) when the model has one (the tiny
   model's byte tokenizer: token id = byte value).
 
-dsv4core's own `load_model(OUT_DIR)` loads the same directory (same config, same weights).
+dsv4core's own `load_model(OUT_DIR)` loads the same directory (same config, same weights; it
+ignores ``dsv4core_numerics``: pass ``numerics="official"`` there).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def vllm_config_dict(model) -> dict:
     c.pop("quantization_config", None)
     c.pop("expert_dtype", None)
     c["torch_dtype"] = str(model.act_dtype).removeprefix("torch.")
+    if model.numerics == "official":    # unquantized weights would otherwise mean the exact numerics
+        c["dsv4core_numerics"] = "official"
     return c
 
 

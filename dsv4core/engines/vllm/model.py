@@ -106,6 +106,23 @@ def vllm_classes():
     return CacheModule, Backend
 
 
+#: the config key naming the numerics (`dsv4core.model.numerics`) of an unquantized checkpoint that
+#: computes with the official ones (`checkpoint.write_checkpoint` writes it; vLLM's `hf_overrides`
+#: can set it)
+NUMERICS_KEY = "dsv4core_numerics"
+
+
+def checkpoint_numerics(hf_dict: dict) -> str:
+    """The numerics the model computes with: the config's `NUMERICS_KEY` when given, else as
+    dsv4core's `load_model` picks for the checkpoint ("official" for FP8 / FP4-quantized configs,
+    "exact" otherwise; the "auto" rule of `numerics.resolve`)."""
+    from dsv4core.model import numerics as num
+
+    n = hf_dict.get(NUMERICS_KEY) or "auto"
+    num.check(n)
+    return num.resolve(n, None, hf_dict) if n == "auto" else n
+
+
 def _kv_dtype(cache_dtype: str) -> str | None:
     if cache_dtype in (None, "auto"):
         return None
@@ -128,9 +145,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                       "not mapped (one rank)")
         mc = vllm_config.model_config
         hf = mc.hf_config
-        config = DSV4Config.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+        hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+        config = DSV4Config.from_dict(hf_dict)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
-        self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None)
+        self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None, numerics=checkpoint_numerics(hf_dict))
         self.dsv4.use_graphs = False
         # fp8: key pages of whole KV rows, so vLLM's side-by-side packing keeps every layer's window and
         # entry pages whole KV rows apart (docs/vllm.md)
