@@ -175,17 +175,30 @@ def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface(monkeypat
 # of this process must not inherit.
 _LLM_SCRIPT = r"""
 import json, os, sys
+args = json.loads(sys.argv[1])
+if args["keep_chunked_prefill"]:
+    # vLLM's CPU platform turns chunked prefill and prefix caching off for an MLA model unless the
+    # CPU has AMX tiles (its DeepSeek-V4 kernels; vllm/platforms/cpu.py, check_and_update_config);
+    # dsv4core's model needs neither, so the test keeps them on
+    import torch
+    torch.cpu._is_amx_tile_supported = lambda: True
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-args = json.loads(sys.argv[1])
-llm = LLM(model=args["model"], enforce_eager=True, enable_prefix_caching=False, dtype=args["dtype"],
+llm = LLM(model=args["model"], enforce_eager=True, enable_prefix_caching=args["prefix_caching"], dtype=args["dtype"],
           max_model_len=1024, max_num_seqs=args["max_num_seqs"], kv_cache_memory_bytes=64 << 20,
-          skip_tokenizer_init=True, seed=0, kv_cache_dtype=args["kv_cache_dtype"])
-cls = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}")
-out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]],
-                   [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-                    for n in args["max_tokens"]], use_tqdm=False)
-print("RESULT " + json.dumps({"cls": cls, "tokens": [list(o.outputs[0].token_ids) for o in out]}))
+          skip_tokenizer_init=True, seed=0, kv_cache_dtype=args["kv_cache_dtype"],
+          max_num_batched_tokens=args["max_num_batched_tokens"])
+sc, cc = llm.llm_engine.vllm_config.scheduler_config, llm.llm_engine.vllm_config.cache_config
+res = {"cls": llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}"),
+       "chunked_prefill": sc.enable_chunked_prefill, "prefix_caching": cc.enable_prefix_caching, "rounds": []}
+for _ in range(args["rounds"]):
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]],
+                       [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+                        for n in args["max_tokens"]], use_tqdm=False)
+    res["rounds"].append({"tokens": [list(o.outputs[0].token_ids) for o in out],
+                          "cached": [o.num_cached_tokens for o in out]})
+res["tokens"] = res["rounds"][0]["tokens"]
+print("RESULT " + json.dumps(res))
 """
 
 
@@ -200,13 +213,15 @@ def _vllm_env(**extra) -> dict:
     return env
 
 
-def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4, kv_cache_dtype="auto") -> dict:
+def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4, kv_cache_dtype="auto", *,
+             keep_chunked_prefill=False, prefix_caching=False, max_num_batched_tokens=None, rounds=1) -> dict:
     import json
     import subprocess
     import sys
 
     args = dict(model=str(model_dir), prompts=prompts, max_tokens=max_tokens, dtype=dtype, max_num_seqs=max_num_seqs,
-                kv_cache_dtype=kv_cache_dtype)
+                kv_cache_dtype=kv_cache_dtype, keep_chunked_prefill=keep_chunked_prefill, prefix_caching=prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens, rounds=rounds)
     r = subprocess.run([sys.executable, "-c", _LLM_SCRIPT, json.dumps(args)], env=_vllm_env(), capture_output=True,
                        text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -236,6 +251,28 @@ def test_vllm_llm_generates_what_dsv4core_generates(tmp_path, dtype):
     assert got["cls"] == ["dsv4core.engines.vllm.model.DeepseekV4ForCausalLM"]
     for n, k, g, w in zip(_LENGTHS, max_tokens, got["tokens"], want):
         assert g == list(w[:k]), f"prompt of {n} tokens"
+
+
+def test_vllm_llm_chunked_prefill_and_prefix_caching(tmp_path, tiny):
+    """vLLM's chunked prefill (64 tokens a step) and its prefix-cache manager (hashing, hits at
+    its 256-token blocks, the sliding groups' blocks kept for a hit): greedy tokens equal
+    dsv4core's own, on a first pass and on a second that hits the cache, for the 16 prompts and
+    six that share prefixes of 256 to 520 tokens."""
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    write_checkpoint(tiny, tmp_path / "tiny")
+    base = tokens(600, 7)
+    prompts = [tokens(n, 100 + i) for i, n in enumerate(_LENGTHS)]
+    prompts += [base[:n] + [3, 4, 5][: i % 3 + 1] for i, n in enumerate((256, 256, 300, 512, 520, 511))]
+    max_tokens = [1 + (5 * i) % 17 for i in range(len(prompts))]
+    tiny.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024, max_step_tokens=512)
+    want = [list(w[:k]) for w, k in zip(tiny.generate(prompts, max(max_tokens)), max_tokens)]
+    got = _run_llm(tmp_path / "tiny", prompts, max_tokens, keep_chunked_prefill=True, prefix_caching=True,
+                   max_num_batched_tokens=64, rounds=2)
+    assert got["chunked_prefill"] and got["prefix_caching"]
+    first, second = got["rounds"]
+    assert first["tokens"] == want and second["tokens"] == want
+    assert second["cached"][-6:] == [256, 256, 256, 512, 512, 512]
 
 
 def test_vllm_llm_fp8_rows_official_numerics(tmp_path):
