@@ -2,7 +2,9 @@
 docs/vllm.md for an install that works on a CPU machine): the specs are vLLM's own classes with
 the pages and block bounds `layout` computes, vLLM groups and allocates the caches, the steps run
 over vLLM's allocation through vLLM's forward context give dsv4core's own logits bit for bit (fp32,
-reference backend), the plugin registers the class, and vLLM's model-interface checks accept it."""
+reference backend), the plugin registers the class, and vLLM's model-interface checks accept it;
+and vLLM's engine loop (`vllm.LLM`, its OpenAI server) on a checkpoint `write_checkpoint` wrote
+generates dsv4core's own greedy tokens."""
 
 from __future__ import annotations
 
@@ -207,10 +209,9 @@ def _vllm_env(**extra) -> dict:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, DSV4CORE_VLLM="1", DSV4CORE_BACKEND="reference", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-               **extra)
-    return env
+    path = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, DSV4CORE_VLLM="1", DSV4CORE_BACKEND="reference", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                PYTHONPATH=os.pathsep.join(path), **extra)
 
 
 def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4, kv_cache_dtype="auto", *,

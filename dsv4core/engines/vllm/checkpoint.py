@@ -60,7 +60,8 @@ def write_checkpoint(model, out_dir: str | Path) -> Path:
         tok._tok.save(str(out / "tokenizer.json"))
         special = dict(tok.special)
         cfg = model.config
-        for key, tid in (("bos_token", getattr(cfg, "bos_token_id", None)), ("eos_token", getattr(cfg, "eos_token_id", None))):
+        for key in ("bos_token", "eos_token"):
+            tid = getattr(cfg, f"{key}_id", None)
             if key not in special and isinstance(tid, int) and tok._tok.id_to_token(tid) is not None:
                 special[key] = tok._tok.id_to_token(tid)
         tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings,

@@ -12,7 +12,10 @@
 
 The cache modules declare the specs of `specs.py`; vLLM allocates them and binds each module a
 block tensor; every step vLLM's builders hand each module its group's block table and slot
-mapping, from which `metadata.build_step` makes the step. Importing this module needs no vLLM;
+mapping, from which `metadata.build_step` makes the step. The modules' backend asks for vLLM's
+block-outermost `BLHNC` layout and any kernel block size (vLLM then packs every group's pages
+into one physical block and never splits a block); the numerics are the checkpoint's
+(`checkpoint_numerics`). Importing this module needs no vLLM;
 building the class does.
 """
 
