@@ -103,14 +103,10 @@ def measure(m, base, steps: int, top: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from mixed_steps import model_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="tiny", choices=["tiny", "mid", "flash"])
-    ap.add_argument("--layers", type=int, default=4, help="flash: layers")
-    ap.add_argument("--experts", type=int, default=None, help="flash: routed experts (default: Flash's 256)")
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "official"], help="flash: weight formats")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    model_args(ap, layers=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)

@@ -117,16 +117,22 @@ def measure(m, base, case: str, C: int, k: int, steps: int) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(ap, layers: int) -> None:
+    """The model options of the step benchmarks (`build` reads them): --config, --layers (flash; default
+    ``layers``), --experts, --weights, --device, --backend, --dtype."""
     ap.add_argument("--config", default="tiny", choices=["tiny", "mid", "flash"])
-    ap.add_argument("--layers", type=int, default=43, help="flash: layers")
+    ap.add_argument("--layers", type=int, default=layers, help="flash: layers")
     ap.add_argument("--experts", type=int, default=None, help="flash: routed experts (default: Flash's 256)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "official"], help="flash: weight formats")
-    ap.add_argument("--cases", default="prefill,mixed,verify,decode")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_args(ap, layers=43)
+    ap.add_argument("--cases", default="prefill,mixed,verify,decode")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--chunks", default="64,512", help="prefill chunk sizes C")

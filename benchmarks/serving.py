@@ -227,14 +227,10 @@ def _pair(s: str) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
+    from mixed_steps import model_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="tiny", choices=["tiny", "mid", "flash"])
-    ap.add_argument("--layers", type=int, default=43, help="flash: layers")
-    ap.add_argument("--experts", type=int, default=None, help="flash: routed experts (default: Flash's 256)")
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "official"], help="flash: weight formats")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    model_args(ap, layers=43)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=8.0, help="arrivals a second (mean); inf: all at once")
     ap.add_argument("--prompt-range", type=_pair, default=(256, 4096), help="LO,HI prompt tokens (uniform)")

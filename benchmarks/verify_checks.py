@@ -135,15 +135,11 @@ def measure(m, base, case: str, C: int, steps: int, fractions) -> dict:
 
 
 def main(argv=None) -> int:
+    from mixed_steps import model_args
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="tiny", choices=["tiny", "mid", "flash"])
-    ap.add_argument("--layers", type=int, default=4, help="flash: layers")
-    ap.add_argument("--experts", type=int, default=None, help="flash: routed experts (default: Flash's 256)")
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "official"], help="flash: weight formats")
+    model_args(ap, layers=4)
     ap.add_argument("--cases", default="decode,prefill")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--requests", type=int, default=8, help="decode requests")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
