@@ -242,29 +242,18 @@ def invariants(op: str, kwargs: dict, got: Outputs, ref: Outputs, exact: Outputs
 # Discrete outputs
 # ---------------------------------------------------------------------------------------------
 
-def _on_f64_device(*ts: torch.Tensor) -> torch.device:
-    """Where a vectorised judge runs: the tensors' device when it computes in float64, else the CPU."""
-    dev = ts[0].device
-    if dev.type == "cpu":
-        return dev
-    try:
-        torch.zeros(1, dtype=torch.float64, device=dev).sum().item()
-        return dev
-    except (TypeError, RuntimeError):
-        return torch.device("cpu")
-
-
 def _topk_suspects(scores: torch.Tensor, lengths: torch.Tensor, got: torch.Tensor, topk: int,
                    tie_tol: float) -> torch.Tensor:
     """The queries ``index_set_check`` must walk (int64 indices, on the inputs' device): every
     query whose set breaks one of its rules is among them (the row walk then decides and words
-    it); a query left out satisfies them all. All in float64 on the device when it has float64.
-    Rows with a NaN score are always walked."""
-    dev = _on_f64_device(scores)
-    sc = scores.detach().to(dev, torch.float64)
+    it); a query left out satisfies them all. In float64 on the inputs' device (the caller falls
+    back to the CPU where it has none). Rows with a NaN score, and every row of a case without
+    keys, are walked."""
+    dev = scores.device
+    sc = scores.detach().to(torch.float64)
     T, N = sc.shape
-    if T == 0:
-        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    if T == 0 or N == 0:
+        return torch.arange(T, device=dev)
     g = got.detach().to(dev).long()
     ln = lengths.detach().to(dev).long()
     cols = torch.arange(N, device=dev)[None, :] < ln[:, None]               # the query's valid keys
@@ -283,7 +272,7 @@ def _topk_suspects(scores: torch.Tensor, lengths: torch.Tensor, got: torch.Tenso
     mark = torch.zeros((T, N + 1), dtype=torch.bool, device=dev)       # column N: where -1 entries land
     mark.scatter_(1, g.where(picked & (g < N), N), True)
     bad |= has & (cols & (valid > kth + tie_tol) & ~mark[:, :N]).any(1)
-    return bad.nonzero().flatten().to(scores.device)
+    return bad.nonzero().flatten()
 
 
 def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol: float) -> list[Check]:
@@ -293,7 +282,10 @@ def index_set_check(kwargs: dict, got: torch.Tensor, ref: torch.Tensor, tie_tol:
     (plus ``tie_tol``) is picked. Ties may be broken either way; order is free. Valid entries
     scored -inf may be picked or left as -1."""
     topk = int(kwargs["topk"])
-    suspects = _topk_suspects(kwargs["scores"], kwargs["k_lengths"], got, topk, tie_tol)
+    try:
+        suspects = _topk_suspects(kwargs["scores"], kwargs["k_lengths"], got, topk, tie_tol)
+    except (TypeError, RuntimeError):       # a device without float64 (or some of its kernels)
+        suspects = _topk_suspects(kwargs["scores"].cpu(), kwargs["k_lengths"].cpu(), got.cpu(), topk, tie_tol)
     scores = kwargs["scores"].detach()[suspects].to(torch.float64).cpu()
     lengths = kwargs["k_lengths"].detach()[suspects].cpu().long()
     g = got.detach()[suspects].cpu().long()
