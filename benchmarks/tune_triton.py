@@ -193,6 +193,14 @@ DEQUANT = [
 ]
 
 
+# Packed FP4 experts under the official activation through the CUDA plugin's own grouped GEMM
+# (TUNE "gemm", plugins/cuda/dsv4core_cuda/fp4_experts.cu) against the portable kernels ("gemm"
+# None), the table's default twice (the noise). `--set fp4-gemm`.
+FP4_GEMM = [
+    ("moe_experts_fp4_official", moe, (1, 2, 4, 8, 16, 32, 64, 256), [{}, {"gemm": None}, {}]),
+]
+
+
 def _no_default_split(rows):
     """The split-k sets were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
     Pinned so that a re-run times what their JSONs recorded."""
@@ -201,7 +209,7 @@ def _no_default_split(rows):
 
 SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
         "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES,
-        "dequant": DEQUANT}
+        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM}
 
 
 def _parts(timer, shapes, rows):

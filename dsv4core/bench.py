@@ -28,7 +28,7 @@ import torch
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
                "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
                "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4",
-               "moe_experts_shared")
+               "moe_experts_fp4_official", "moe_experts_shared")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -159,7 +159,7 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
                   w2=rn(1, H, I, s=I ** -0.5), swiglu_limit=10.0)
         return BenchCase("moe_experts", label, kw, 3 * I * H * es + 2 * T * H * es, T * 6 * H * I,
                          f"bf16; the shared expert (one expert, k=1), I={I}")
-    if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4"):
+    if label in ("moe_experts", "moe_experts_fp8", "moe_experts_fp4", "moe_experts_fp4_official"):
         E, k, I = D["E"], D["k"], D["I"]
         Eu = min(E, 32)   # experts actually allocated (memory); ids drawn over them
         w13 = rn(Eu, 2 * I, H, s=H ** -0.5)
@@ -169,7 +169,7 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
         if label == "moe_experts_fp8":
             (w13, s13), (w2, s2) = _fp8(w13), _fp8(w2)
             per_expert = 3 * I * H + (s13[0].numel() + s2[0].numel()) * 4
-        elif label == "moe_experts_fp4":
+        elif label in ("moe_experts_fp4", "moe_experts_fp4_official"):
             from dsv4core.hal.quant import quantize_fp4
 
             (w13, s13), (w2, s2) = quantize_fp4(w13), quantize_fp4(w2)
@@ -181,8 +181,11 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
                torch.randint(0, Eu, (T, k), generator=g)).to(device)
         kw = dict(x=rn(T, H), ids=ids, weights=torch.rand(T, k, device=device), w13=w13, w2=w2, swiglu_limit=10.0,
                   w13_scale=s13, w2_scale=s2)
+        if label == "moe_experts_fp4_official":   # the official expert math: activations fake-quantised per 128
+            kw["act_block"] = 128
         touched = int(torch.unique(ids).numel())   # experts actually read (ids repeat across tokens)
-        fmt = {"moe_experts": "bf16", "moe_experts_fp8": "fp8 128x128", "moe_experts_fp4": "fp4 e2m1 + ue8m0/32"}[label]
+        fmt = {"moe_experts": "bf16", "moe_experts_fp8": "fp8 128x128", "moe_experts_fp4": "fp4 e2m1 + ue8m0/32",
+               "moe_experts_fp4_official": "fp4 e2m1 + ue8m0/32, official activations (act_block 128)"}[label]
         return BenchCase("moe_experts", label, kw, touched * per_expert + 2 * T * H * es,
                          T * k * 6 * H * I, f"{fmt}; {Eu} experts allocated, k={k}, I={I}; bytes = experts touched")
     raise KeyError(f"no bench case for {label!r}")

@@ -66,8 +66,9 @@ TUNING_KEYS: dict[str, tuple[str, ...]] = {
             "post_num_warps"),
     # "tiles": a function (P, E, H, I, programs, fp8, plain, scaled, big) -> (BM, BNu, BNd, BK,
     # num_warps, num_stages) for the tensor-core path, in place of moe._tiles (moe._config)
+    # "gemm": a plugin's grouped FP4 expert GEMMs (moe.py's docstring: the contract)
     "moe": ("BM", "BNu", "BNd", "BK", "num_warps", "num_stages", "fp4", "fp8", "Su", "Sd", "split", "dequant_rows",
-            "dequant_bytes", "tiles"),
+            "dequant_bytes", "tiles", "gemm"),
     "norm": ("ROWS", "num_warps"),
     "rope": ("HB", "num_warps", "rowpos_below"),
     "topk": ("BLOCK", "TB", "num_warps"),

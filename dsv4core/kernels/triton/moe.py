@@ -24,6 +24,12 @@ TUNE split "h200" where ``_split_rule`` says: FP4 "scaled" decode batches, the s
 partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the SwiGLU; (2) stores
 partial results and (3) sums them; every sum in a fixed part order.
 
+A plugin's table may supply its own grouped GEMMs for packed FP4 weights under the official
+activation (TUNE ``gemm``: an object with ``serves(w, scale, BM)`` -- shapes and strides only -- and
+``__call__(a, rows, w, scale, out, tcum, starts, BM)`` writing the raw fp32 sums ``out[r, n] =
+sum_k a[rows[r] or r, k] * W[e(r), n, k]`` of the kept sorted rows in these tiles); for the GEMMs it
+serves the split is off and the down GEMM's input is stored in bf16 (FP8 values: exact).
+
 ``act_block`` (the official expert math): x is fake-quantised per token per ``act_block`` columns
 first (quant.py); (1) always stores the raw gate / up sums, and ``_moe_act_official_kernel``
 rounds them to bf16, applies the SwiGLU and the pair's routing weight (before the down
@@ -522,11 +528,21 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         return {"E_LO": e0, "E_HI": e1, "CHUNK": True} if len(chunks) > 1 else {}
     # split K: the up kernel's raw partial sums [P, Su, 2 I] (else straight the activation [P, I]),
     # the down kernel's parts [P, Sd, H]; the split constexprs are passed only when a split is on
-    a = torch.empty((P, I), dtype=torch.float32, device=dev)
     raw = act_block is not None   # the official activation: the raw sums always, then its own kernel
+    # a plugin's own FP4 expert GEMMs (TUNE "gemm"), for the official activation's bf16 operands
+    gemm = TUNE.get("gemm") if (raw and not deq and len(chunks) == 1 and x.dtype == torch.bfloat16
+                                and f13 == FMT_FP4 and f2 == FMT_FP4) else None
+    g_up = gemm is not None and gemm.serves(w13, w13_scale, BM)
+    g_down = gemm is not None and gemm.serves(w2, w2_scale, BM)
+    Su, Sd = (1 if g_up else Su), (1 if g_down else Sd)
+    # the down GEMM's input: FP8 values, exact in bf16 (stored so for the plugin's GEMM)
+    a = torch.empty((P, I), dtype=torch.bfloat16 if g_down else torch.float32, device=dev)
     parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 or raw else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
     for e0, e1 in chunks:
+        if g_up:
+            gemm(x, tok, w13, w13_scale, parts.view(P, 2 * I), tcum, starts, BM)
+            break
         w, s = weights_of(w13, w13_scale, e0, e1)
         _moe_up_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
             x, tok, w, _scale_arg(s, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
@@ -545,6 +561,9 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
     for e0, e1 in chunks:
+        if g_down:
+            gemm(a, None, w2, w2_scale, y, tcum, starts, BM)
+            break
         w, s = weights_of(w2, w2_scale, e0, e1)
         # the official activation holds FP8 values, exact in bf16: one dot a step (HILO off)
         _moe_down_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](

@@ -188,6 +188,12 @@ DEQUANT_GEMM_ROWS = 4096
 DEQUANT_EXPERT_ROWS = 384
 
 
+def _fp4_gemm():
+    from .fp4_experts import GEMM   # no kernel compiled or loaded here: on its first call
+
+    return GEMM
+
+
 TABLES = LaunchTable("cuda", {
     "sm90": {
         # packed FP4 experts through tl.dot_scaled: 33-39 % faster than the kernel's default "join"
@@ -207,8 +213,10 @@ TABLES = LaunchTable("cuda", {
         # shared expert Su 2 / Sd 4 (36.0 / 48.5 / 49.8 -> 30.4 / 40.5 / 42.1 µs at T = 1 / 8 / 64,
         # benchmarks/results/h200/2026-12-02_62140f5/tune/moe_experts-split-k-flash.json)
         # tiles: _moe_tiles_sm90 / _linear_tiles_sm90 (their docstrings: the results they came from)
+        # gemm: packed FP4 experts under the official activation through the plugin's own grouped
+        # GEMM (fp4_experts.cu; where it serves: fp4_experts.py)
         "moe": {"fp4": "scaled", "fp8": "via_f32", "split": "h200", "dequant_rows": DEQUANT_EXPERT_ROWS,
-                "tiles": _moe_tiles_sm90},
+                "tiles": _moe_tiles_sm90, "gemm": _fp4_gemm()},
         # chain: fp32 logits (the lm_head, T = 1 / 8 / 64, K = 4,096 and 7,168) with MMA chains of
         # 64 K columns err 3.1e-7 - 4.5e-7 of max |y| at 94 - 103 % of the weight-streaming floor;
         # 16 / 32 columns 4.3e-7 - 9.3e-7 at 44 - 90 %; one chain over K 4.8e-6 - 1.0e-5 (the lm_head
