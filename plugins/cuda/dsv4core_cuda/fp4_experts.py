@@ -4,7 +4,7 @@ NVRTC, :mod:`.nvrtc`), which moe_experts' gate / up and down GEMMs use through t
 combine stay the portable kernels).
 
 Where it serves (``serves``, shapes and strides only, so a graph-captured step decides the same):
-packed FP4 weights [E, R, K / 2] uint8 with UE8M0 scales [E, R, K / 32], R a multiple of 16, K of
+packed FP4 weights [E, R, K / 2] (uint8 or int8 bytes) with UE8M0 scales [E, R, K / 32], R a multiple of 16, K of
 128, contiguous and 16-byte aligned; bf16 activations; pair tiles of at most ``MAX_BM`` rows.
 Why: the portable decodes spend ~8.5 instructions a code on the CUDA cores; here a lane reads its
 weights as 16-byte vectors in the checkpoint layout and decodes a code pair in five instructions
@@ -70,7 +70,7 @@ class Fp4ExpertGemm:
         return "cuda.Fp4ExpertGemm"
 
     def serves(self, w: torch.Tensor, scale: torch.Tensor | None, BM: int) -> bool:
-        if scale is None or w.dtype != torch.uint8 or w.dim() != 3 or w.device.type != "cuda":
+        if scale is None or w.dtype not in (torch.uint8, torch.int8) or w.dim() != 3 or w.device.type != "cuda":
             return False
         if not _usable(w.device):
             return False
