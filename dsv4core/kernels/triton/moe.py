@@ -25,7 +25,7 @@ partial sums, one small kernel (``_moe_act_kernel``) sums them and applies the S
 partial results and (3) sums them; every sum in a fixed part order.
 
 A plugin's table may supply its own grouped GEMMs for packed FP4 weights under the official
-activation (TUNE ``gemm``: an object with ``serves(w, scale, BM)`` -- shapes and strides only -- and
+activation (TUNE ``gemm``: an object with ``serves(w, scale, BM, P)`` -- shapes and strides only -- and
 ``__call__(a, rows, w, scale, out, tcum, starts, BM)`` writing the raw fp32 sums ``out[r, n] =
 sum_k a[rows[r] or r, k] * W[e(r), n, k]`` of the kept sorted rows in these tiles); for the GEMMs it
 serves the split is off and the down GEMM's input is stored in bf16 (FP8 values: exact).
@@ -532,8 +532,8 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     # a plugin's own FP4 expert GEMMs (TUNE "gemm"), for the official activation's bf16 operands
     gemm = TUNE.get("gemm") if (raw and not deq and len(chunks) == 1 and x.dtype == torch.bfloat16
                                 and f13 == FMT_FP4 and f2 == FMT_FP4) else None
-    g_up = gemm is not None and gemm.serves(w13, w13_scale, BM)
-    g_down = gemm is not None and gemm.serves(w2, w2_scale, BM)
+    g_up = gemm is not None and gemm.serves(w13, w13_scale, BM, P)
+    g_down = gemm is not None and gemm.serves(w2, w2_scale, BM, P)
     Su, Sd = (1 if g_up else Su), (1 if g_down else Sd)
     # the down GEMM's input: FP8 values, exact in bf16 (stored so for the plugin's GEMM)
     a = torch.empty((P, I), dtype=torch.bfloat16 if g_down else torch.float32, device=dev)

@@ -22,7 +22,8 @@
 //   which is the code's value times 2^-126 (code 1, 0.5, becomes the subnormal 2^-127), then one
 //   bf16x2 multiply by 2^(s - 1) (two, by 2^126 and 2^(s - 127), for s > 128; s = 255 is NaN).
 //
-// NG (compile-time) is the number of 8-row pair groups a tile holds.
+// NG (compile-time) is the number of 8-row pair groups a tile holds; STAGES the depth of each
+// warp's weight ring.
 
 #ifndef NG
 #define NG 2
@@ -36,6 +37,49 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+}
+
+#ifndef STAGES
+#define STAGES 4
+#endif
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+                 :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void wait_all_but() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+// step st's 16-byte weight vectors of rows g and g + 8 and the 4 scale bytes of each row's step
+// (one a lane of the quad) into this lane's ring slots
+__device__ __forceinline__ void fetch(uint4 (&rw)[2][32], u32 (&rs)[2][32], const u8* w0, const u8* w1,
+                                      const u8* s0, const u8* s1, int st, int lane) {
+    cp16(&rw[0][lane], w0 + (st << 6));
+    cp16(&rw[1][lane], w1 + (st << 6));
+    cp4(&rs[0][lane], s0 + (st << 2));
+    cp4(&rs[1][lane], s1 + (st << 2));
+}
+
+// this lane's 32 activation columns of step k0 (zeros for a pair column past the tile's pairs)
+__device__ __forceinline__ void load_x(const unsigned short* row, int k0, u32 x[16]) {
+    if (row != nullptr) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint4 c = ldg16(row + k0 + 8 * i);
+            x[4 * i] = c.x; x[4 * i + 1] = c.y; x[4 * i + 2] = c.z; x[4 * i + 3] = c.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = 0u;
+    }
 }
 
 __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
@@ -115,7 +159,7 @@ fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = colu
     const long long half = K >> 1, ngroups = K >> 5;
     const u8* w0 = w + ((long long)e * R + R0 + g) * half + 16 * t;
     const u8* w1 = w0 + 8 * half;
-    const u8* s0 = scale + ((long long)e * R + R0 + g) * ngroups + t;
+    const u8* s0 = scale + ((long long)e * R + R0 + g) * ngroups;   // the row's scale bytes
     const u8* s1 = s0 + 8 * ngroups;
     // the activation row of each of this lane's pair columns (column g of each group)
     const unsigned short* arow[NG];
@@ -135,21 +179,30 @@ fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = colu
     const int steps = K >> 7;
     const int per = (steps + 3) >> 2;
     const int st_lo = warp * per, st_hi = min(steps, st_lo + per);
-    // the next step's weight vectors are loaded before this step's decode (two steps in flight)
-    uint4 n0 = make_uint4(0, 0, 0, 0), n1 = n0;
-    u32 ns0 = 0, ns1 = 0;
-    if (st_lo < st_hi) {
-        n0 = ldg16(w0 + (st_lo << 6)); n1 = ldg16(w1 + (st_lo << 6));
-        ns0 = s0[st_lo << 2]; ns1 = s1[st_lo << 2];
+    // the warp's weight vectors and scale words stream through a STAGES-deep ring of shared memory
+    // (cp.async: each lane copies and later reads only its own slots, so no barrier is needed)
+    __shared__ uint4 ring_w[4][STAGES][2][32];
+    __shared__ u32 ring_s[4][STAGES][2][32];
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (st_lo + i < st_hi) fetch(ring_w[warp][i], ring_s[warp][i], w0, w1, s0, s1, st_lo + i, lane);
+        commit();
     }
     for (int st = st_lo; st < st_hi; ++st) {
         const int k0 = st << 7;
-        const uint4 v0 = n0, v1 = n1;
-        const u32 sc0 = ns0, sc1 = ns1;
-        if (st + 1 < st_hi) {
-            n0 = ldg16(w0 + ((k0 + 128) >> 1)); n1 = ldg16(w1 + ((k0 + 128) >> 1));
-            ns0 = s0[(k0 + 128) >> 5]; ns1 = s1[(k0 + 128) >> 5];
+        const int slot = (st - st_lo) % STAGES;
+        {
+            const int nxt = st + STAGES - 1, ns = (nxt - st_lo) % STAGES;
+            if (nxt < st_hi) fetch(ring_w[warp][ns], ring_s[warp][ns], w0, w1, s0, s1, nxt, lane);
+            commit();
         }
+        // the first group's activations are requested before waiting for the weights
+        u32 x0[16];
+        load_x(arow[0], k0, x0);
+        wait_all_but<STAGES - 1>();
+        const uint4 v0 = ring_w[warp][slot][0][lane], v1 = ring_w[warp][slot][1][lane];
+        const u32 sc0 = (ring_s[warp][slot][0][lane] >> (8 * t)) & 0xFFu;
+        const u32 sc1 = (ring_s[warp][slot][1][lane] >> (8 * t)) & 0xFFu;
         u32 A0[16], A1[16];
         decode16(v0, sc0, A0);
         decode16(v1, sc1, A1);
@@ -157,15 +210,11 @@ fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = colu
         for (int q = 0; q < NG; ++q) {
             if (q >= groups) break;
             u32 x[16];
-            if (arow[q] != nullptr) {
+            if (q == 0) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    uint4 c = ldg16(arow[q] + k0 + 8 * i);
-                    x[4 * i] = c.x; x[4 * i + 1] = c.y; x[4 * i + 2] = c.z; x[4 * i + 3] = c.w;
-                }
+                for (int i = 0; i < 16; ++i) x[i] = x0[i];
             } else {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) x[i] = 0u;
+                load_x(arow[q], k0, x);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {

@@ -27,6 +27,11 @@ KERNEL = "fp4_expert_gemm"
 #: pair tiles (the routing's BM) up to this many rows: NG = BM / 8 accumulator groups a lane
 MAX_BM = 64
 WARPS = 4
+#: pairs an expert (on average) up to which it serves: H200, Flash shapes, 32 experts, top 6, read
+#: flush, before the weight ring: 384 against 595 µs for the portable kernels at T = 64 (12 pairs an
+#: expert), 860 against 655 at T = 256 (48)
+#: (benchmarks/results/h200/2026-12-03_57288f5/tune/fp4-gemm-flash.json)
+MAX_PAIRS_PER_EXPERT = 16
 
 
 #: the lowest compute capability the source compiles for (mul.rn.bf16x2)
@@ -60,7 +65,7 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 class Fp4ExpertGemm:
-    """``serves(w, scale, BM)`` and ``__call__(a, rows, w, scale, out, tcum, starts, BM)``: the
+    """``serves(w, scale, BM, P)`` and ``__call__(a, rows, w, scale, out, tcum, starts, BM)``: the
     ``gemm`` contract of dsv4core.kernels.triton.moe."""
 
     def __init__(self):
@@ -69,7 +74,7 @@ class Fp4ExpertGemm:
     def __repr__(self) -> str:   # launch plans and errors name it
         return "cuda.Fp4ExpertGemm"
 
-    def serves(self, w: torch.Tensor, scale: torch.Tensor | None, BM: int) -> bool:
+    def serves(self, w: torch.Tensor, scale: torch.Tensor | None, BM: int, P: int) -> bool:
         if scale is None or w.dtype not in (torch.uint8, torch.int8) or w.dim() != 3 or w.device.type != "cuda":
             return False
         if not _usable(w.device):
@@ -79,6 +84,8 @@ class Fp4ExpertGemm:
         if scale.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
             return False
         if tuple(scale.shape) != (E, R, K // 32) or R % 16 or K % 128 or BM % 8 or BM > MAX_BM:
+            return False
+        if P > MAX_PAIRS_PER_EXPERT * E:
             return False
         return _aligned(w) and _aligned(scale)
 
