@@ -113,12 +113,17 @@ __device__ __forceinline__ void decode16(uint4 v, u32 s, u32 out[16]) {
     u32 m1, m2;
     multipliers(s, m1, m2);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if (s <= 128u) {   // one multiply (every weight below 2 in magnitude has such a scale)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            u32 r = bmul2(place(w[i], p), m1);
-            out[4 * i + p] = s <= 128u ? r : bmul2(r, m2);
+            for (int p = 0; p < 4; ++p) out[4 * i + p] = bmul2(place(w[i], p), m1);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int p = 0; p < 4; ++p) out[4 * i + p] = bmul2(bmul2(place(w[i], p), m1), m2);
         }
     }
 }
