@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ WARPS = 4
 MAX_PAIRS_PER_EXPERT = 16
 
 
+#: environment variable: "0" leaves moe_experts to the portable kernels (to compare the two)
+OFF_ENV = "DSV4CORE_CUDA_FP4_GEMM"
 #: the lowest compute capability the source compiles for (mul.rn.bf16x2)
 MIN_CAPABILITY = (9, 0)
 _USABLE: dict[int, bool] = {}
@@ -46,7 +49,9 @@ def _usable(device: torch.device) -> bool:
     ok = _USABLE.get(index)
     if ok is None:
         why = ""
-        if torch.cuda.get_device_capability(index) < MIN_CAPABILITY:
+        if os.environ.get(OFF_ENV, "1") == "0":
+            why = f"{OFF_ENV}=0"
+        elif torch.cuda.get_device_capability(index) < MIN_CAPABILITY:
             why = f"compute capability {torch.cuda.get_device_capability(index)} < {MIN_CAPABILITY}"
         else:
             try:
