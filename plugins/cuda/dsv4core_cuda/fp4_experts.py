@@ -31,7 +31,7 @@ WARPS = 4
 #: pairs an expert (on average) up to which it serves: H200, Flash shapes, 32 experts, top 6, read
 #: flush, before the weight ring: 384 against 595 µs for the portable kernels at T = 64 (12 pairs an
 #: expert), 860 against 655 at T = 256 (48)
-#: (benchmarks/results/h200/2026-12-03_57288f5/tune/fp4-gemm-flash.json)
+#: (benchmarks/results/h200/2026-12-03_57288f5/tune/fp4-gemm-flash-no-ring.json)
 MAX_PAIRS_PER_EXPERT = 16
 
 
