@@ -539,10 +539,9 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     a = torch.empty((P, I), dtype=torch.bfloat16 if g_down else torch.float32, device=dev)
     parts = torch.empty((P, Su, 2 * I), dtype=torch.float32, device=dev) if Su > 1 or raw else a
     y = torch.empty((P, Sd, H) if Sd > 1 else (P, H), dtype=torch.float32, device=dev)
-    for e0, e1 in chunks:
-        if g_up:
-            gemm(x, tok, w13, w13_scale, parts.view(P, 2 * I), tcum, starts, BM)
-            break
+    if g_up:   # (one chunk)
+        gemm(x, tok, w13, w13_scale, parts.view(P, 2 * I), tcum, starts, BM)
+    for e0, e1 in ([] if g_up else chunks):
         w, s = weights_of(w13, w13_scale, e0, e1)
         _moe_up_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(I, BNu)) + ((Su,) if Su > 1 else ())](
             x, tok, w, _scale_arg(s, f13, e13, x), parts, tcum, starts, E, H, I, float(swiglu_limit),
@@ -560,10 +559,9 @@ def moe_experts(x, ids, weights, w13, w2, swiglu_limit, w13_scale=None, w2_scale
     elif Su > 1:
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, cdiv(I, BI))](parts, a, I, float(swiglu_limit), S=Su, BI=BI, num_warps=4, **TUNE.options())
-    for e0, e1 in chunks:
-        if g_down:
-            gemm(a, None, w2, w2_scale, y, tcum, starts, BM)
-            break
+    if g_down:
+        gemm(a, None, w2, w2_scale, y, tcum, starts, BM)
+    for e0, e1 in ([] if g_down else chunks):
         w, s = weights_of(w2, w2_scale, e0, e1)
         # the official activation holds FP8 values, exact in bf16: one dot a step (HILO off)
         _moe_down_kernel[(cdiv(P, BM) + min(e1 - e0, P), cdiv(H, BNd)) + ((Sd,) if Sd > 1 else ())](

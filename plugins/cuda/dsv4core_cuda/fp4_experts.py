@@ -74,7 +74,7 @@ class Fp4ExpertGemm:
     ``gemm`` contract of dsv4core.kernels.triton.moe."""
 
     def __init__(self):
-        self._source = None
+        self._kernels: dict[tuple[int, int], object] = {}   # (device index, NG) -> loaded function
 
     def __repr__(self) -> str:   # launch plans and errors name it
         return "cuda.Fp4ExpertGemm"
@@ -95,9 +95,12 @@ class Fp4ExpertGemm:
         return _aligned(w) and _aligned(scale)
 
     def _kernel(self, device: torch.device, ng: int):
-        if self._source is None:
-            self._source = SOURCE.read_text()
-        return nvrtc.module(self._source, f"fp4_experts_ng{ng}", device, (f"-DNG={ng}",)).kernel(KERNEL)
+        key = (device.index if device.index is not None else torch.cuda.current_device(), ng)
+        fn = self._kernels.get(key)
+        if fn is None:   # compiled and loaded once a device and NG
+            fn = self._kernels[key] = nvrtc.module(SOURCE.read_text(), f"fp4_experts_ng{ng}", device,
+                                                   (f"-DNG={ng}",)).kernel(KERNEL)
+        return fn
 
     def __call__(self, a, rows, w, scale, out, tcum, starts, BM: int) -> None:
         """out[r, n] = sum_k a[rows[r] (r when rows is None), k] * W[e(r), n, k] (fp32) for every

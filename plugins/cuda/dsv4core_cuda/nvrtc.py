@@ -85,7 +85,7 @@ def _check_cu(rc: int, what: str) -> None:
 
 def _arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
-    # the architecture-specific target (sm_90a) where one exists: wgmma / setmaxnreg need it
+    # the architecture-specific target (sm_90a) from sm90 on: the cubin is built for this device only
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
@@ -119,12 +119,11 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
 class Module:
     """A loaded module: ``kernel(name)`` gives a launchable function."""
 
-    def __init__(self, cubin: bytes, device: torch.device):
+    def __init__(self, cubin: bytes):
         cu = _lib("cuda")
         self._cubin = ctypes.create_string_buffer(cubin, len(cubin))   # kept alive with the module
         self.handle = ctypes.c_void_p()
         _check_cu(cu.cuModuleLoadData(ctypes.byref(self.handle), self._cubin), "cuModuleLoadData")
-        self.device = device
         self._funcs: dict[str, ctypes.c_void_p] = {}
 
     def kernel(self, name: str) -> ctypes.c_void_p:
@@ -147,7 +146,7 @@ def module(source: str, name: str, device: torch.device, options: tuple[str, ...
             torch.cuda.init()
             torch.empty(0, device=f"cuda:{index}")   # the primary context current on this thread
             cubin = compile_cubin(source, name, _arch(torch.device("cuda", index)), options)
-            m = Module(cubin, torch.device("cuda", index))
+            m = Module(cubin)
         _MODULES[key] = m
     return m
 
