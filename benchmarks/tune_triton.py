@@ -201,6 +201,15 @@ FP4_GEMM = [
 ]
 
 
+def _fp4_gemm_tiles():
+    """The CUDA plugin's FP4 expert GEMM by its launch parameters (rt weight tiles a block, ring
+    stages), the table's default first and last (the noise). `--set fp4-gemm-tiles`."""
+    from dsv4core_cuda.fp4_experts import Fp4ExpertGemm
+
+    launches = [{"gemm": Fp4ExpertGemm(rt, st)} for rt in (1, 2, 4, 8) for st in (4, 8)]
+    return [("moe_experts_fp4_official", moe, (1, 2, 4, 8, 16, 32, 64), [{}, *launches, {}])]
+
+
 def _no_default_split(rows):
     """The split-k sets were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
     Pinned so that a re-run times what their JSONs recorded."""
@@ -209,7 +218,7 @@ def _no_default_split(rows):
 
 SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
         "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES,
-        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM}
+        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM, "fp4-gemm-tiles": _fp4_gemm_tiles}
 
 
 def _parts(timer, shapes, rows):
@@ -249,7 +258,7 @@ def main(argv=None):
     rows = []
     if a.set == "all" and (want is None or "hc_pre" in want):
         _parts(timer, a.shapes, rows)
-    for label, mod, toks, variants in SETS[a.set]:
+    for label, mod, toks, variants in (SETS[a.set]() if callable(SETS[a.set]) else SETS[a.set]):
         if want is None or label in want:
             for T in toks:
                 case = make_case(label, a.shapes, T, "cuda")
@@ -268,13 +277,13 @@ def main(argv=None):
                     except Exception as e:  # noqa: BLE001
                         r = dict(op=op, T=T, cfg=v, error=f"{type(e).__name__}: {str(e)[:160]}")
                     rows.append(r)
-                    print(json.dumps(r), flush=True)
-                    if a.json:  # keep what was measured if the run is cut short
-                        json.dump(rows, open(a.json, "w"), indent=1)
+                    print(json.dumps(r, default=repr), flush=True)
+                    if a.json:  # keep what was measured if the run is cut short (launch objects by repr)
+                        json.dump(rows, open(a.json, "w"), indent=1, default=repr)
                 mod.TUNE.clear()
                 del case
     if a.json:
-        json.dump(rows, open(a.json, "w"), indent=1)
+        json.dump(rows, open(a.json, "w"), indent=1, default=repr)
 
 
 if __name__ == "__main__":

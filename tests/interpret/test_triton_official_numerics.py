@@ -141,6 +141,36 @@ for label, tune in (("default", {}), ("split", {"Su": 2, "Sd": 2})):
         record("moe_experts", f"official-{label}", dt, dict(kw, x=xm.to(dt)))
 moe.TUNE.clear()
 
+
+# a plugin's own FP4 expert GEMMs (moe TUNE "gemm"): a torch stand-in of the contract (fp64 sums
+# of the kept sorted rows, expert by expert from ``starts``) with FP4 gate / up and down weights,
+# bf16 x (where the hook applies): the routing, activation and combine around it are the portable
+# kernels', so the result passing the conformance rule checks moe.py's wiring of the hook (rows
+# for the up GEMM, the bf16 FP8-valued down input, no split, the raw sums)
+class TorchGemm:
+    def __init__(self):
+        self.calls = []
+
+    def serves(self, w, scale, BM, P):
+        return True
+
+    def __call__(self, a, rows, w, scale, out, tcum, starts, BM):
+        self.calls.append(dict(a=str(a.dtype), rows=rows is not None, out=list(out.shape)))
+        W = quant.dequantize_fp4(w, scale, torch.float64)
+        src = rows if rows is not None else torch.arange(out.shape[0])
+        for e in range(w.shape[0]):
+            lo, hi = int(starts[e]), int(starts[e + 1])
+            out[lo:hi] = (a[src[lo:hi].long()].double() @ W[e].T).float()
+
+
+w2f = quant.quantize_fp4(torch.randn(E, H, I, generator=g) * I ** -0.5 * 4)
+stand_in = TorchGemm()
+moe.TUNE.clear()
+moe.TUNE.update({"gemm": stand_in, "Su": 2, "Sd": 2})   # the hook turns the split off where it serves
+record("moe_experts", "official-plugin-gemm", torch.bfloat16, dict(kw, x=xm.bfloat16(), w2=w2f[0], w2_scale=w2f[1]))
+moe.TUNE.clear()
+rep["gemm_calls"] = stand_in.calls
+
 # the activation pass of linear / moe_experts (quant.py) against hal.quant.fake_quant, bit for
 # bit: fp32 rows with full 24-bit mantissas (values near the e4m3 subnormal midpoints of their
 # group's scale), zero rows, a group at the amax clamp, K = 384 (a masked tail group), strided x
@@ -178,6 +208,14 @@ def test_official_semantics_pass_conformance(report, op, least):
     bad = [f"{c['case']} {c['dtype']}: {c['status']} {c.get('detail', '')}" for c in cases if c["status"] != "pass"]
     assert not bad, "\n".join(bad)
     assert len(cases) >= least and all(c["quantised"] for c in cases), cases
+
+
+def test_plugin_gemm_hook_wiring(report):
+    """moe_experts called a plugin's ``gemm`` for both GEMMs (up with the pair rows, down on the
+    bf16 activation), and that case passed the conformance rule (test above)."""
+    calls = report["gemm_calls"]
+    assert [(c["a"], c["rows"]) for c in calls] == [("torch.bfloat16", True), ("torch.bfloat16", False)], calls
+    assert any(c["case"] == "official-plugin-gemm" and c["status"] == "pass" for c in report["cases"])
 
 
 def test_cuda_serves_only_validated_semantics(monkeypatch):
