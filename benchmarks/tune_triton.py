@@ -201,13 +201,13 @@ FP4_GEMM = [
 ]
 
 
-def _fp4_gemm_tiles():
-    """The CUDA plugin's FP4 expert GEMM by its launch parameters (rt weight tiles a block, ring
-    stages), the table's default first and last (the noise). `--set fp4-gemm-tiles`."""
-    from dsv4core_cuda.fp4_experts import Fp4ExpertGemm
-
-    launches = [{"gemm": Fp4ExpertGemm(rt, st)} for rt in (1, 2, 4, 8) for st in (4, 8)]
-    return [("moe_experts_fp4_official", moe, (1, 2, 4, 8, 16, 32, 64), [{}, *launches, {}])]
+# The FP4 GEMM with a warp-wide expert lookup (one round of loads instead of the binary search's
+# dependent chain) and rt = 1 / 2 / 4 / 8 weight tiles a block with its ring (stages 4 / 8) running
+# across them lost and was not kept: the lookup changed nothing (T = 1 68.6 against 68.4-68.9 µs
+# for the whole op), more tiles a block or a deeper ring were slower at T <= 8 (rt 8: 96.6 µs at
+# T = 1) and within 2 % at 16-64: the kernel is bound by its instructions a weight byte, not by
+# latency (docs/perf/moe_experts.md). The kernel change is in commit edc3739
+# (benchmarks/results/h200/2026-12-04_edc3739/tune/fp4-gemm-tiles-flash.json)
 
 
 def _no_default_split(rows):
@@ -218,7 +218,7 @@ def _no_default_split(rows):
 
 SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
         "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES,
-        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM, "fp4-gemm-tiles": _fp4_gemm_tiles}
+        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM}
 
 
 def _parts(timer, shapes, rows):
@@ -258,7 +258,7 @@ def main(argv=None):
     rows = []
     if a.set == "all" and (want is None or "hc_pre" in want):
         _parts(timer, a.shapes, rows)
-    for label, mod, toks, variants in (SETS[a.set]() if callable(SETS[a.set]) else SETS[a.set]):
+    for label, mod, toks, variants in SETS[a.set]:
         if want is None or label in want:
             for T in toks:
                 case = make_case(label, a.shapes, T, "cuda")

@@ -10,7 +10,7 @@
 // Layout of the work (sm80+ mma.sync m16n8k16, bf16 operands, fp32 accumulators):
 // * the weight rows are the MMA's M (16 rows a tile), the pair rows its N (8 a group, NG groups
 //   a tile of BM = 8 NG rows, the same tiles as the Triton kernels' routing: tcum / starts);
-// * a block is 4 warps over RT 16-row tiles, each warp a quarter of K; their sums are added in
+// * a block is 4 warps over one 16-row tile, each warp a quarter of K; their sums are added in
 //   warp order through shared memory (no atomics: the result does not depend on scheduling);
 // * each lane reads its weights straight from global memory as 16-byte vectors in the
 //   checkpoint's own layout: for a 128-column step, lane (g, t) reads 32 codes (one scale group)
@@ -23,8 +23,7 @@
 //   bf16x2 multiply by 2^(s - 1) (two, by 2^126 and 2^(s - 127), for s > 128; s = 255 is NaN).
 //
 // NG (compile-time) is the number of 8-row pair groups a tile holds; STAGES the depth of each
-// warp's weight ring; RT the 16-row weight tiles a block computes one after the other (the
-// routing lookup and the ring's start paid once for all of them; the ring runs on across them).
+// warp's weight ring.
 
 #ifndef NG
 #define NG 2
@@ -42,9 +41,6 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
 
 #ifndef STAGES
 #define STAGES 4
-#endif
-#ifndef RT
-#define RT 1
 #endif
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
@@ -139,18 +135,6 @@ __device__ __forceinline__ void mma(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// the expert of tile j, the first e with tcum[e] > j: the number of e with tcum[e] <= j (tcum is
-// non-decreasing), counted by the whole warp at once (one round of loads instead of a binary
-// search's chain of dependent ones); E when j is past the last tile
-__device__ __forceinline__ int expert_of(const int* __restrict__ tcum, int E, int j, int lane) {
-    int n = 0;
-    for (int i0 = 0; i0 < E; i0 += 32) {
-        const int i = i0 + lane;
-        n += __popc(__ballot_sync(0xFFFFFFFFu, i < E && tcum[i] <= j));
-    }
-    return n;
-}
-
 extern "C" __global__ void __launch_bounds__(128)
 fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = columns 2j (low nibble), 2j + 1
                 const u8* __restrict__ scale,    // [E, R, K / 32] UE8M0
@@ -161,23 +145,26 @@ fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = colu
                 const int* __restrict__ starts,  // [E + 1] first sorted row of each expert
                 int E, int R, int K, int use_rows) {
     const int BM = 8 * NG;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    // this block's (expert, pair tile)
+    // this block's (expert, pair tile): the first e with tcum[e] > j
     const int j = blockIdx.x;
-    const int e = expert_of(tcum, E, j, lane);
-    if (e >= E) return;
+    if (j >= tcum[E - 1]) return;
+    int lo = 0, hi = E;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (tcum[mid] > j) hi = mid; else lo = mid + 1;
+    }
+    const int e = lo;
     const int t0 = e > 0 ? tcum[e - 1] : 0;
     const int r0 = starts[e] + (j - t0) * BM;
     const int cnt = min(BM, starts[e + 1] - r0);
     const int groups = (cnt + 7) >> 3;
 
-    // this block's 16-row weight tiles: RT of them from row 16 RT blockIdx.y (fewer at the end)
-    const int tile0 = blockIdx.y * RT;
-    const int ntiles = min(RT, R / 16 - tile0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int R0 = blockIdx.y * 16;
     const long long half = K >> 1, ngroups = K >> 5;
-    const u8* w0 = w + ((long long)e * R + 16 * tile0 + g) * half + 16 * t;
+    const u8* w0 = w + ((long long)e * R + R0 + g) * half + 16 * t;
     const u8* w1 = w0 + 8 * half;
-    const u8* s0 = scale + ((long long)e * R + 16 * tile0 + g) * ngroups;   // the row's scale bytes
+    const u8* s0 = scale + ((long long)e * R + R0 + g) * ngroups;   // the row's scale bytes
     const u8* s1 = s0 + 8 * ngroups;
     // the activation row of each of this lane's pair columns (column g of each group)
     const unsigned short* arow[NG];
@@ -189,89 +176,84 @@ fp4_expert_gemm(const u8* __restrict__ w,        // [E, R, K / 2]: byte j = colu
         arow[q] = ok ? a + (long long)src * K + 32 * t : nullptr;
     }
 
+    float acc[NG][4];
+#pragma unroll
+    for (int q = 0; q < NG; ++q)
+        acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
+
     const int steps = K >> 7;
     const int per = (steps + 3) >> 2;
-    const int st_lo = min(steps, warp * per), nst = min(steps, st_lo + per) - st_lo;
-    // the warp's work is one sequence of (tile, step) items, f = tile * nst + (step - st_lo); item
-    // f's weight vectors and scale words stream through a STAGES-deep ring of shared memory, across
-    // tile boundaries (cp.async: each lane copies and later reads only its own slots, so no barrier
-    // is needed)
-    const int items = ntiles * nst;
+    const int st_lo = warp * per, st_hi = min(steps, st_lo + per);
+    // the warp's weight vectors and scale words stream through a STAGES-deep ring of shared memory
+    // (cp.async: each lane copies and later reads only its own slots, so no barrier is needed)
     __shared__ uint4 ring_w[4][STAGES][2][32];
     __shared__ u32 ring_s[4][STAGES][2][32];
-    auto fetch_item = [&](int f) {
-        const int tile = f / nst, st = st_lo + f - tile * nst;
-        const long long wo = (long long)tile * 16 * half, so = (long long)tile * 16 * ngroups;
-        fetch(ring_w[warp][f % STAGES], ring_s[warp][f % STAGES], w0 + wo, w1 + wo, s0 + so, s1 + so, st, lane);
-    };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < items) fetch_item(i);
+        if (st_lo + i < st_hi) fetch(ring_w[warp][i], ring_s[warp][i], w0, w1, s0, s1, st_lo + i, lane);
         commit();
     }
-    __shared__ float red[4][NG][4][32];
-    int f = 0;
-    for (int tile = 0; tile < ntiles; ++tile) {
-        float acc[NG][4];
-#pragma unroll
-        for (int q = 0; q < NG; ++q)
-            acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
-        for (int i = 0; i < nst; ++i, ++f) {
-            const int k0 = (st_lo + i) << 7;
-            const int slot = f % STAGES;
-            if (f + STAGES - 1 < items) fetch_item(f + STAGES - 1);
+    for (int st = st_lo; st < st_hi; ++st) {
+        const int k0 = st << 7;
+        const int slot = (st - st_lo) % STAGES;
+        {
+            const int nxt = st + STAGES - 1, ns = (nxt - st_lo) % STAGES;
+            if (nxt < st_hi) fetch(ring_w[warp][ns], ring_s[warp][ns], w0, w1, s0, s1, nxt, lane);
             commit();
-            // the first group's activations are requested before waiting for the weights
-            u32 x0[16];
-            load_x(arow[0], k0, x0);
-            wait_all_but<STAGES - 1>();
-            const uint4 v0 = ring_w[warp][slot][0][lane], v1 = ring_w[warp][slot][1][lane];
-            const u32 sc0 = (ring_s[warp][slot][0][lane] >> (8 * t)) & 0xFFu;
-            const u32 sc1 = (ring_s[warp][slot][1][lane] >> (8 * t)) & 0xFFu;
-            u32 A0[16], A1[16];
-            decode16(v0, sc0, A0);
-            decode16(v1, sc1, A1);
-#pragma unroll
-            for (int q = 0; q < NG; ++q) {
-                if (q >= groups) break;
-                u32 x[16];
-                if (q == 0) {
-#pragma unroll
-                    for (int c = 0; c < 16; ++c) x[c] = x0[c];
-                } else {
-                    load_x(arow[q], k0, x);
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    // word c: columns 8c .. 8c + 7 of this lane's 32; x[4c + d] holds columns 2d, 2d + 1
-                    const u32 q0 = x[4 * c], q1 = x[4 * c + 1], q2 = x[4 * c + 2], q3 = x[4 * c + 3];
-                    // MMA 2c: slots (2t, 2t + 1) <- columns (0, 4), slots (2t + 8, 2t + 9) <- columns (1, 5)
-                    mma(acc[q], A0[4 * c], A1[4 * c], A0[4 * c + 1], A1[4 * c + 1],
-                        __byte_perm(q0, q2, 0x5410), __byte_perm(q0, q2, 0x7632));
-                    // MMA 2c + 1: columns (2, 6) and (3, 7)
-                    mma(acc[q], A0[4 * c + 2], A1[4 * c + 2], A0[4 * c + 3], A1[4 * c + 3],
-                        __byte_perm(q1, q3, 0x5410), __byte_perm(q1, q3, 0x7632));
-                }
-            }
         }
-        // the four warps' sums of this tile, added in warp order; warp c adds accumulator slot c
-        if (tile > 0) __syncthreads();   // the previous tile's sums have been read
-#pragma unroll
-        for (int q = 0; q < NG; ++q) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[warp][q][c][lane] = acc[q][c];
-        }
-        __syncthreads();
-        const int c = warp;
-        const int row = 16 * (tile0 + tile) + g + (c >= 2 ? 8 : 0);
+        // the first group's activations are requested before waiting for the weights
+        u32 x0[16];
+        load_x(arow[0], k0, x0);
+        wait_all_but<STAGES - 1>();
+        const uint4 v0 = ring_w[warp][slot][0][lane], v1 = ring_w[warp][slot][1][lane];
+        const u32 sc0 = (ring_s[warp][slot][0][lane] >> (8 * t)) & 0xFFu;
+        const u32 sc1 = (ring_s[warp][slot][1][lane] >> (8 * t)) & 0xFFu;
+        u32 A0[16], A1[16];
+        decode16(v0, sc0, A0);
+        decode16(v1, sc1, A1);
 #pragma unroll
         for (int q = 0; q < NG; ++q) {
             if (q >= groups) break;
+            u32 x[16];
+            if (q == 0) {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) x[i] = x0[i];
+            } else {
+                load_x(arow[q], k0, x);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                // word i: columns 8i .. 8i + 7 of this lane's 32; x[4i + c] holds columns 2c, 2c + 1
+                const u32 q0 = x[4 * i], q1 = x[4 * i + 1], q2 = x[4 * i + 2], q3 = x[4 * i + 3];
+                // MMA 2i: slots (2t, 2t + 1) <- columns (0, 4), slots (2t + 8, 2t + 9) <- columns (1, 5)
+                mma(acc[q], A0[4 * i], A1[4 * i], A0[4 * i + 1], A1[4 * i + 1],
+                    __byte_perm(q0, q2, 0x5410), __byte_perm(q0, q2, 0x7632));
+                // MMA 2i + 1: columns (2, 6) and (3, 7)
+                mma(acc[q], A0[4 * i + 2], A1[4 * i + 2], A0[4 * i + 3], A1[4 * i + 3],
+                    __byte_perm(q1, q3, 0x5410), __byte_perm(q1, q3, 0x7632));
+            }
+        }
+    }
+
+    __shared__ float red[4][NG][4][32];
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp][q][c][lane] = acc[q][c];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+        if (q >= groups) break;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
             float v = red[0][q][c][lane];
             v += red[1][q][c][lane];
             v += red[2][q][c][lane];
             v += red[3][q][c][lane];
             const int col = 8 * q + 2 * t + (c & 1);   // pair column within the tile
+            const int row = R0 + g + (c >= 2 ? 8 : 0);
             if (col < cnt) out[(long long)(r0 + col) * R + row] = v;
         }
     }

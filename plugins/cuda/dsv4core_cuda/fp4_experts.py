@@ -69,44 +69,15 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-#: static shared memory a block may use (the kernel's rings and its cross-warp sums)
-SHARED_LIMIT = 48 * 1024
-
-
-def shared_bytes(ng: int, stages: int) -> int:
-    """The kernel's static shared memory: 4 warps' rings of ``stages`` slots (two 16-byte weight
-    vectors and two scale words a lane) and the warps' sums (NG groups of 4 fp32 a lane)."""
-    return WARPS * stages * 2 * 32 * (16 + 4) + WARPS * ng * 4 * 32 * 4
-
-
 class Fp4ExpertGemm:
     """``serves(w, scale, BM, P)`` and ``__call__(a, rows, w, scale, out, tcum, starts, BM)``: the
-    ``gemm`` contract of dsv4core.kernels.triton.moe.
+    ``gemm`` contract of dsv4core.kernels.triton.moe."""
 
-    Launch parameters: ``rt`` 16-row weight tiles a block (the routing lookup and the ring's start
-    paid once for all of them), ``stages`` the depth of each warp's weight ring (at most what fits
-    :data:`SHARED_LIMIT` beside the NG groups' sums: :meth:`stages_for`)."""
-
-    def __init__(self, rt: int = 1, stages: int = 4):
-        if not (isinstance(rt, int) and rt >= 1) or not (isinstance(stages, int) and stages >= 2):
-            raise ValueError(f"cuda FP4 expert GEMM: rt must be an int >= 1 and stages an int >= 2, "
-                             f"got rt={rt!r}, stages={stages!r}")
-        if shared_bytes(1, stages) > SHARED_LIMIT:
-            raise ValueError(f"cuda FP4 expert GEMM: stages={stages} needs {shared_bytes(1, stages)} B of shared "
-                             f"memory, over {SHARED_LIMIT}")
-        self.rt, self.stages = rt, stages
+    def __init__(self):
         self._kernels: dict[tuple[int, int], object] = {}   # (device index, NG) -> loaded function
 
-    def __repr__(self) -> str:   # launch plans, sweeps and errors name it
-        return f"cuda.Fp4ExpertGemm(rt={self.rt}, stages={self.stages})"
-
-    def stages_for(self, ng: int) -> int:
-        """The ring depth used with NG groups: ``stages``, less where the sums of NG groups leave
-        no room for it in :data:`SHARED_LIMIT`."""
-        s = self.stages
-        while s > 2 and shared_bytes(ng, s) > SHARED_LIMIT:
-            s -= 1
-        return s
+    def __repr__(self) -> str:   # launch plans and errors name it
+        return "cuda.Fp4ExpertGemm"
 
     def serves(self, w: torch.Tensor, scale: torch.Tensor | None, BM: int, P: int) -> bool:
         if scale is None or w.dtype not in (torch.uint8, torch.int8) or w.dim() != 3 or w.device.type != "cuda":
@@ -127,10 +98,8 @@ class Fp4ExpertGemm:
         key = (device.index if device.index is not None else torch.cuda.current_device(), ng)
         fn = self._kernels.get(key)
         if fn is None:   # compiled and loaded once a device and NG
-            st = self.stages_for(ng)
-            fn = self._kernels[key] = nvrtc.module(SOURCE.read_text(), f"fp4_experts_ng{ng}_rt{self.rt}_s{st}",
-                                                   device, (f"-DNG={ng}", f"-DRT={self.rt}", f"-DSTAGES={st}")
-                                                   ).kernel(KERNEL)
+            fn = self._kernels[key] = nvrtc.module(SOURCE.read_text(), f"fp4_experts_ng{ng}", device,
+                                                   (f"-DNG={ng}",)).kernel(KERNEL)
         return fn
 
     def __call__(self, a, rows, w, scale, out, tcum, starts, BM: int) -> None:
@@ -151,7 +120,7 @@ class Fp4ExpertGemm:
         fn = self._kernel(a.device, ng)
         s8 = scale.view(torch.uint8)
         rows_arg = rows if rows is not None else tcum   # unused by the kernel then (use_rows 0)
-        grid = (-(-P // BM) + min(E, P), -(-(R // 16) // self.rt), 1)
+        grid = (-(-P // BM) + min(E, P), R // 16, 1)
         args = [ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(s8.data_ptr()), ctypes.c_void_p(a.data_ptr()),
                 ctypes.c_void_p(rows_arg.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                 ctypes.c_void_p(tcum.data_ptr()), ctypes.c_void_p(starts.data_ptr()),
