@@ -270,7 +270,10 @@ class Timer:
 
 
 def measure_ceilings(device, timer: Timer) -> dict:
-    """Copy bandwidth (read + write counted) and the bf16 matmul rate on this device, now."""
+    """Copy bandwidth (read + write counted), the bf16 matmul rate and, on a CUDA device with FP8
+    tensor cores, the dense FP8 rate (``torch._scaled_mm``, e4m3 x e4m3 -> bf16, unit scales) on
+    this device, now; ``fp8_mm_TFLOPs`` is None where torch has no FP8 matmul for the device
+    (``fp8_mm_note`` says why)."""
     dev = torch.device(device)
     out = {}
     n = (1 << 30) if dev.type == "cuda" else (1 << 26)
@@ -285,6 +288,17 @@ def measure_ceilings(device, timer: Timer) -> dict:
     y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
     t = timer.time(lambda: x @ y, warmup=3, reps=10, graph=False, host=False)
     out["bf16_mm_TFLOPs"] = 2 * m ** 3 / t / 1e12
+    out["fp8_mm_TFLOPs"], out["fp8_mm_note"] = None, "not a CUDA device"
+    if dev.type == "cuda":
+        try:
+            xf = x.to(torch.float8_e4m3fn)
+            yf = y.t().contiguous().to(torch.float8_e4m3fn).t()   # column-major: what _scaled_mm takes
+            one = torch.ones((), device=dev)
+            t = timer.time(lambda: torch._scaled_mm(xf, yf, one, one, out_dtype=torch.bfloat16),
+                           warmup=3, reps=10, graph=False, host=False)
+            out["fp8_mm_TFLOPs"], out["fp8_mm_note"] = 2 * m ** 3 / t / 1e12, "torch._scaled_mm e4m3, 8192^3"
+        except (RuntimeError, TypeError, AttributeError) as e:   # no FP8 tensor cores / kernel for the device
+            out["fp8_mm_note"] = f"torch._scaled_mm: {type(e).__name__}: {str(e)[:120]}"
     return out
 
 
@@ -383,7 +397,8 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
         device = next((t for t in b.device_types if t not in ("*", "meta")), "cpu")
     timer = Timer(device, flush=flush)
     ceil = measure_ceilings(device, timer)
-    log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s")
+    log(f"# device {device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_mm_TFLOPs']:.0f} TFLOP/s, "
+        f"FP8 matmul {'%.0f TFLOP/s' % ceil['fp8_mm_TFLOPs'] if ceil.get('fp8_mm_TFLOPs') else ceil.get('fp8_mm_note', 'not measured')}")
     peers = peer_backends(backend, device, compare)
     if peers:
         log(f"# timed beside {backend}: {', '.join(peers)} (peer µs / our µs per row)")
@@ -428,6 +443,7 @@ def run_bench(backend: str, ops=DEFAULT_OPS, shapes="flash", tokens=(1, 64, 4096
                        GBps=case.bytes / t / 1e9, TFLOPs=case.flops / t / 1e12,
                        pct_copy=100 * case.bytes / t / 1e9 / ceil["copy_GBps"],
                        pct_mm=100 * case.flops / t / 1e12 / ceil["bf16_mm_TFLOPs"],
+                       pct_fp8_mm=(100 * case.flops / t / 1e12 / ceil["fp8_mm_TFLOPs"]) if ceil.get("fp8_mm_TFLOPs") else None,
                        roofline_us=1e6 * max(case.bytes / (ceil["copy_GBps"] * 1e9),
                                              case.flops / (ceil["bf16_mm_TFLOPs"] * 1e12)))
             # accuracy spot check against the reference (bf16 outputs: expect ~1e-2 or better)
