@@ -298,3 +298,107 @@ def test_paged_layer_view_addresses_both_pages_and_refuses_offsets_between_rows(
     far = torch.as_strided(buf, (4, 2, 12), (100, 12, 1), 40 + 7 * 12)   # 84 B after the window: past a block
     with pytest.raises(ValueError, match="span 108 B, more than the block stride 100 B"):
         paged_layer_view(win[:4], far, "layers.1")
+
+
+# ------------------------------------------------------------------ prefix-cache hits
+
+#: logits against dsv4core's own prefill of the whole prompt: the engine steps chunk the prompt
+#: differently, so fp32 rounds differently; the bound of tests/test_model_engine.py for a chunked
+#: against a whole prefill, 2e-5 x max|logit| (measured ~1e-6 there, under 1e-6 here)
+TOL = 2e-5
+
+
+class _CachingEngine(MiniEngine):
+    """The engine stand-in with vLLM's prefix cache: a block a sliding group releases stays cached
+    (it leaves the request's table but is not handed out again; vLLM evicts cached blocks only when
+    it runs out of free ones, which these tests never do), and `hit` gives a new request another's
+    blocks of its first n tokens (whole blocks of every group), as vLLM's allocator does."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.held = {g: {} for g in self.info}        # request -> every block its table listed
+
+    def _release(self, b):
+        pass
+
+    def step(self, sched, **kw):
+        inp = super().step(sched, **kw)
+        for g, bt in inp["block_tables"].items():     # the tables as the step saw them, before releases
+            for (rid, _), row in zip(sched, bt.tolist()):
+                held = self.held[g].setdefault(rid, [])
+                held += [0] * (len(row) - len(held))
+                for j, b in enumerate(row):
+                    held[j] = b or held[j]
+        return inp
+
+    def hit(self, src, dst, n):
+        """Request `dst` starts with a prefix-cache hit on `src`'s first `n` tokens: its tables list
+        `src`'s blocks of them, and the null block where a sliding group's block holds no position
+        the first new token reads (vLLM's sliding-window hit). `src`'s blocks of tokens it has not
+        computed yet are allocated now: `src` computes them in the step that `dst` first runs in."""
+        for g, (bs, win) in self.info.items():
+            assert n % bs == 0, (g, n, bs)
+            t = self.tables[g].setdefault(src, [])
+            while len(t) * bs < n:
+                t.append(self.free.pop())
+            held = self.held[g].setdefault(src, [])
+            blocks = [t[j] or (held[j] if j < len(held) else 0) for j in range(n // bs)]
+            if win is not None:
+                blocks = [0 if (j + 1) * bs <= n - win + 1 else b for j, b in enumerate(blocks)]
+            assert all(blocks[j] for j in range(len(blocks)) if win is None or (j + 1) * bs > n - win + 1), g
+            self.tables[g][dst] = blocks
+        self.computed[dst] = n
+
+
+def _caching_engine(m):
+    m.configure_cache(max_requests=8, max_tokens=4096, max_request_tokens=512, max_step_tokens=512)
+    parts = cache_parts(m.config, m.act_dtype)
+    groups = groups_like_vllm(parts)
+    eng = _CachingEngine(parts, groups, num_blocks=512)
+    # the tiny model's compressor states: blocks of 4 tokens (rate 4) and 8 (rate 16)
+    assert {p.block_tokens for p in parts if p.part == "state"} == {4, 8}
+    return eng, EnginePools(m.config, parts, eng.tensors, groups)
+
+
+def _close(got, want, what):
+    assert torch.isfinite(want).all()
+    d, bound = (got - want).abs().max().item(), TOL * want.abs().max().item()
+    assert d <= bound, f"{what}: max |logit - own prefill's| {d:.3g} > {bound:.3g}"
+
+
+def test_a_prefix_hit_on_blocks_a_chunk_crossed_in_their_middle(tiny):
+    """Request 0's prompt runs in two chunks split at position 254, inside a compressor-state block
+    of both rates (4-token blocks 252..255, 8-token 248..255); request 1 then hits the cache on its
+    first 256 tokens (one compressed block, whole blocks of every group), and its first entry of
+    rate 4 (position 259) reads the state rows of positions 252..255 from request 0's blocks, rows
+    of both of request 0's chunks. Request 1's logits equal dsv4core's own prefill of its whole
+    prompt (within the bound of a chunked against a whole prefill): every state row a chunk
+    computes is written, not only the last ones its own request reads again."""
+    m = tiny
+    eng, pools = _caching_engine(m)
+    shared = tokens(256, 21)
+    a, b = shared + tokens(44, 22), shared + tokens(40, 23)
+    for sched in ([(0, a[:254])], [(0, a[254:])]):
+        m.forward_step(build_step(m, pools, **eng.step(sched)))
+    eng.hit(0, 1, 256)
+    got = m.forward_step(build_step(m, pools, **eng.step([(1, b[256:])])))
+    _close(got, m.logits(b)[256:], "request 1")
+
+
+def test_a_prefix_hit_on_blocks_computed_in_the_same_step(tiny):
+    """One step holds request 0's second prefill chunk (positions 200..299) and request 1, whose
+    prefix-cache hit covers request 0's first 256 tokens (a hit on the prefix of a running prefill,
+    as vLLM hands out blocks once they are scheduled): request 1's first entry of rate 4 reads the
+    state rows of positions 252..255, which request 0 writes in this very step (the state writes
+    land after the last layer), so it must take request 0's rows of this step. Both requests'
+    logits equal dsv4core's own prefill of their whole prompts (the bound of a chunked against a
+    whole prefill)."""
+    m = tiny
+    eng, pools = _caching_engine(m)
+    shared = tokens(256, 31)
+    a, b = shared + tokens(44, 32), shared + tokens(40, 33)
+    m.forward_step(build_step(m, pools, **eng.step([(0, a[:200])])))
+    eng.hit(0, 1, 256)
+    got = m.forward_step(build_step(m, pools, **eng.step([(0, a[200:]), (1, b[256:])])))
+    _close(got[:100], m.logits(a)[200:], "request 0")
+    _close(got[100:], m.logits(b)[256:], "request 1")
