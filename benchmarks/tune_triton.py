@@ -210,6 +210,30 @@ FP4_GEMM = [
 # (benchmarks/results/h200/2026-12-04_edc3739/tune/fp4-gemm-tiles-flash.json)
 
 
+# The official W8A8 with FP8 weights (UE8M0 scales; linear TUNE ``w8a8``): the FP8 x FP8 MMA on
+# the activation codes ("fp8") against the dequantised activation values through a bf16 MMA
+# ("values", the portable default), and tiles for the FP8 x FP8 launches. Each variant sets the
+# whole tile, so a row times what it names whatever the table holds. `--set w8a8`.
+def _t(mode, BM, BN, BK, nw, ns, **kw):
+    return {"w8a8": "fp8", "mode": mode, "BM": BM, "BN": BN, "BK": BK, "num_warps": nw, "num_stages": ns, **kw}
+
+
+W8A8 = [
+    ("linear_fp8_official", linear, (1, 8), [{}, {"w8a8": "values"}, {"w8a8": "fp8"},
+                                             _t("dot", 16, 64, 128, 4, 3), _t("swap", 16, 64, 128, 4, 3),
+                                             _t("swap", 16, 64, 128, 4, 4), _t("swap", 16, 128, 128, 4, 4),
+                                             _t("swap", 16, 64, 128, 4, 4, NBLK=2), _t("swap", 16, 128, 128, 8, 3),
+                                             {}]),
+    ("linear_fp8_official", linear, (64,), [{}, {"w8a8": "values"}, {"w8a8": "fp8"},
+                                            _t("dot", 64, 128, 128, 4, 3), _t("swap", 64, 128, 128, 4, 3),
+                                            _t("swap", 64, 64, 128, 4, 4), _t("dot", 64, 64, 128, 4, 4), {}]),
+    ("linear_fp8_official", linear, (512, 1024, 4096), [{}, {"w8a8": "values"}, {"w8a8": "fp8"},
+                                                        _t("dot", 128, 128, 128, 8, 3), _t("dot", 128, 128, 128, 8, 4),
+                                                        _t("swap", 128, 128, 128, 8, 4), _t("dot", 128, 256, 128, 8, 3),
+                                                        _t("dot", 64, 128, 128, 4, 4), {}]),
+]
+
+
 def _no_default_split(rows):
     """The split-k sets were timed before the split rule (moe._split_rule): a row's unset Su / Sd meant 1.
     Pinned so that a re-run times what their JSONs recorded."""
@@ -218,7 +242,7 @@ def _no_default_split(rows):
 
 SETS = {"all": SWEEPS, "variants": VARIANTS, "fp4-decode": FP4_DECODE, "split-k": _no_default_split(SPLIT_K),
         "split-k-rule": _no_default_split(SPLIT_K_RULE), "fp4-decode-tiles": FP4_DECODE_TILES,
-        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM}
+        "dequant": DEQUANT, "fp4-gemm": FP4_GEMM, "w8a8": W8A8}
 
 
 def _parts(timer, shapes, rows):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head", "rope", "q_norm_rope", "kv_norm_rope",
-               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8",
+               "sparse_mqa_attention", "compress_pool", "compress_pool_hca", "linear", "linear_fp8", "linear_fp8_official",
                "linear_lm_head", "wo_a", "wo_a_fp8", "moe_route", "moe_experts", "moe_experts_fp8", "moe_experts_fp4",
                "moe_experts_fp4_official", "moe_experts_shared")
 
@@ -120,18 +120,28 @@ def make_case(label: str, shapes: str, T: int, device, dtype=torch.bfloat16, gen
             kw.update(prev_kv=rn(m, d), prev_score=rn(m, d))
         return BenchCase("compress_pool", label, kw, 2 * Wn * m * cc * d * es + Wn * d * es + m * cc * d * 4,
                          Wn * m * cc * d * 5, f"{'CSA m=4 overlap' if cc == 2 else 'HCA m=128'}, Wn=T/m")
-    if label in ("linear", "linear_fp8", "linear_lm_head"):
-        # wq_b (q_lora -> heads * d), the largest attention projection; lm_head: vocab x H, fp32 out
+    if label in ("linear", "linear_fp8", "linear_fp8_official", "linear_lm_head"):
+        # wq_b (q_lora -> heads * d), the largest attention projection; lm_head: vocab x H, fp32 out.
+        # linear_fp8_official: the published checkpoints' FP8 (UE8M0 scales) under the official W8A8
         N, K = (129280, H) if label == "linear_lm_head" else (h * d, D["q_lora"])
         out_dt = torch.float32 if label == "linear_lm_head" else dtype
         w = rn(N, K, s=K ** -0.5)
         if label == "linear_fp8":
             w, sc = _fp8(w)
             wb = N * K + sc.numel() * 4
+        elif label == "linear_fp8_official":
+            from dsv4core.hal.quant import quantize_fp8_block
+
+            w, sc = quantize_fp8_block(w, torch.float8_e8m0fnu, pow2=True)
+            wb = N * K + sc.numel()
         else:
             sc, wb = None, N * K * es
         kw = dict(x=rn(T, K), weight=w, weight_scale=sc, out_dtype=out_dt)
-        what = "fp8 e4m3, fp32 128x128 scales" if label == "linear_fp8" else "bf16"
+        if label == "linear_fp8_official":
+            kw["act_block"] = 128
+        what = {"linear_fp8": "fp8 e4m3, fp32 128x128 scales",
+                "linear_fp8_official": "fp8 e4m3, ue8m0 128x128 scales, official activations (act_block 128)"
+                }.get(label, "bf16")
         return BenchCase("linear", label, kw, wb + T * K * es + T * N * torch.tensor([], dtype=out_dt).element_size(),
                          2 * T * N * K, f"{what} [{N},{K}]" + (", fp32 out" if label == "linear_lm_head" else ""))
     if label in ("wo_a", "wo_a_fp8"):

@@ -131,6 +131,29 @@ def _(shapes, dtype, device, gen):
         for T in (1, 2, 8):
             yield Case(f"lm_head-T{T}-V{D['V']}", dict(x=randn((T, H), gen, dtype, device), weight=w,
                                                        out_dtype=torch.float32), ("extreme",))
+    yield from _w8a8_fp8_cases(shapes, dtype, device, gen)
+
+
+def _w8a8_fp8_cases(shapes, dtype, device, gen):
+    """The official W8A8 on FP8 weights as the published checkpoints store them (e4m3 codes,
+    UE8M0 128x128 block scales), the call a backend may run as an FP8 x FP8 product on the
+    activation codes: decode and batch row counts (and a prefill one in the flash / pro sets),
+    per-block activation magnitudes 2^-6 .. 2^6 with a zero token, and a ragged N (a partial
+    output tile and scale block). Drawn after every other case (their draws are unchanged)."""
+    D = dims(shapes)
+    H = D["H"]
+    w = randn((D["q_lora"], H), gen, torch.float32, device, H ** -0.5)
+    q, s = quantize_fp8_block(w, torch.float8_e8m0fnu, BLOCK, pow2=True)
+    rows = (1, TOKENS[shapes][-1]) + ((1024,) if shapes != "small" else ())
+    for T in rows:
+        x = block_varied(randn((T, H), gen, torch.float32, device), levels=13, block=BLOCK)
+        if T > 1:
+            x[T // 2] = 0.0
+        yield Case(f"w8a8-fp8-T{T}", dict(x=x.to(dtype), weight=q, weight_scale=s, act_block=128), ("w8a8", "fp8"))
+    wr = randn((200, 256), gen, torch.float32, device, 256 ** -0.5 * 8)
+    q, s = quantize_fp8_block(wr, torch.float8_e8m0fnu, BLOCK, pow2=True)
+    yield Case("w8a8-fp8-ragged-N", dict(x=randn((5, 256), gen, dtype, device, 3.0), weight=q, weight_scale=s,
+                                         act_block=128), ("w8a8", "fp8"))
 
 
 def _w8a8_cases(shapes, dtype, device, gen, wv):

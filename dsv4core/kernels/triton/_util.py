@@ -142,6 +142,19 @@ def _round_int(t):
 
 
 @triton.jit
+def e4m3_bits(q):
+    """Exact e4m3fn values ``q`` (float32, |q| <= 448, e.g. from :func:`e4m3_rne`) -> their
+    e4m3fn bytes (uint8), from the float32 bits: normal (|q| >= 2^-6) exponent rebiased 127 -> 7
+    and the top three mantissa bits; subnormal ``|q| * 2^9`` (an integer 0..7); sign bit 7."""
+    u = q.to(tl.uint32, bitcast=True)
+    w = u & 0x7FFFFFFF
+    a = w.to(tl.float32, bitcast=True)
+    normal = (((w >> 23) - 120) << 3) | ((w >> 20) & 7)
+    b = tl.where(a < 0.015625, (a * 512.0).to(tl.uint32), normal) | ((u >> 24) & 0x80)
+    return b.to(tl.uint8)
+
+
+@triton.jit
 def e4m3_rne(v):
     """float32 values with |v| <= 448 rounded to the nearest e4m3fn value (ties to even), kept in
     float32, sign kept. Normal range (|v| >= 2^-6): the mantissa rounded to 3 bits on the bits (a

@@ -49,8 +49,10 @@ AMD_ONLY = ("waves_per_eu", "matrix_instr_nonkdim", "kpack", "schedule_hint", "l
 #: the keys of grouped_gemm's launches (linear's and wo_a's; linear._config reads them)
 #: ("tiles": a function (rows, quantised, big) -> (mode, BM, BN, BK, num_warps, num_stages[, NBLK]),
 #: the op's tile table in place of the kernel's portable one: linear.linear_tiles)
+#: ("w8a8": linear's official W8A8 path with FP8 weights, linear.W8A8_PATHS; "w8a8_tiles": the
+#: tile function of its FP8 x FP8 launches, default the "tiles" one)
 GEMM_KEYS = ("mode", "BM", "BN", "BK", "num_warps", "num_stages", "KSUB", "NBLK", "fp8", "S", "target", "chain",
-             "dequant_rows", "dequant_bytes", "tiles")
+             "dequant_rows", "dequant_bytes", "tiles", "w8a8", "w8a8_tiles")
 
 #: kernel module -> the tuning keys its launchers read (``launch``, the extra launch keywords, is
 #: always allowed). Each module's ``TUNE = Tune(__name__)`` takes its keys from here, so a plugin's

@@ -78,13 +78,14 @@ def _mac(acc, a, w, MODE: tl.constexpr, IEEE: tl.constexpr, VIA32: tl.constexpr)
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
+def _gemm_kernel(a_ptr, w_ptr, s_ptr, as_ptr, out_ptr, part_ptr,
                  M, N, K, KPS, S, NB, KB, zero,
                  sa_m, sa_g, sa_k, sw_g, sw_n, sw_k, ss_g,
                  G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SCALE: tl.constexpr, E8M0: tl.constexpr, IEEE: tl.constexpr, KSUB: tl.constexpr,
                  NBLK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
-                 MODE: tl.constexpr, VIA32: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                 MODE: tl.constexpr, VIA32: tl.constexpr = False, CHAIN: tl.constexpr = False,
+                 A8: tl.constexpr = False):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     pz = tl.program_id(2)
@@ -107,7 +108,9 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     # summed into `blk` first: exactly one 128-column block of K, whose multiplier is applied once
     # to the block's sum (fp32 products: a two-level sum); otherwise KSUB and NBLK only unroll the
     # loop. NBLK > 1 puts several scale blocks' loads in one step (more bytes in flight). CHAIN:
-    # each sub-block's MMA starts from a runtime zero and its result is added to acc in fp32
+    # each sub-block's MMA starts from a runtime zero and its result is added to acc in fp32.
+    # A8 (with SCALE): a holds e4m3 codes and as_ptr their scales [M, KB], one a row a 128-column
+    # block: the block's sum is an FP8 x FP8 MMA on the codes, times both blocks' scales
     if CHAIN:
         rz = tl.zeros_like(acc) + zero
     for k1 in range(k_lo, k_hi, BK * KSUB * NBLK):
@@ -137,7 +140,13 @@ def _gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     sv = tl.exp2(tl.load(s_ptr + sidx, mask=cm, other=127).to(tl.float32) - 127.0)
                 else:
                     sv = tl.load(s_ptr + sidx, mask=cm, other=0.0)
-                if MODE == 1:
+                if A8:
+                    av = tl.load(as_ptr + rows.to(tl.int64) * KB + kb // 128, mask=rm, other=0.0)
+                    if MODE == 1:
+                        acc += blk * sv[:, None] * av[None, :]
+                    else:
+                        acc += blk * sv[None, :] * av[:, None]
+                elif MODE == 1:
                     acc += blk * sv[:, None]
                 else:
                     acc += blk * sv[None, :]
@@ -253,11 +262,14 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
     return cfg
 
 
-def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype):
+def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype, a8=False):
     """grouped_gemm's launch for these shapes: (S, grid, {KPS, NB, KB, const: the GEMM's constexprs
-    and launch keywords}, the reduction's (grid, keywords) or None)."""
+    and launch keywords}, the reduction's (grid, keywords) or None). ``a8``: FP8 activation codes
+    with per-row block scales (the FP8 x FP8 product; its tiles: TUNE ``w8a8_tiles``)."""
     fp8 = scaled and w_dtype != torch.bfloat16      # FP8 codes read (not bf16 codes converted once)
     chained = not ieee and not scaled and out.dtype == torch.float32
+    if a8:
+        tiles = tune.get("w8a8_tiles") or tune.get("tiles", tiles)
     cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8, chained=chained)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     NB, KB = cdiv(N, 128), cdiv(K, 128)
@@ -269,7 +281,7 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype)
     KPS = cdiv(kblocks, max(1, min(kblocks, S))) * step
     S = cdiv(K, KPS)
     # VIA32 / CHAIN are passed only when set: other launches keep their constexprs
-    via = {"VIA32": True} if fp8 and cfg["fp8"] == "via_f32" else {}
+    via = {"A8": True} if a8 else {"VIA32": True} if fp8 and cfg["fp8"] == "via_f32" else {}
     if cfg["chain"]:
         via["CHAIN"] = True
     const = dict(G=G, BM=BM, BN=BN, BK=BK, SCALE=scaled, E8M0=e8, IEEE=ieee, KSUB=KSUB, NBLK=NBLK,
@@ -284,11 +296,12 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype, *, tune=TUNE,
-                 tiles=linear_tiles, op: str = "linear") -> torch.Tensor:
+                 tiles=linear_tiles, op: str = "linear", a_scale=None) -> torch.Tensor:
     """``out[m, g, n] = sum_k a[m, g, k] * W[g, n, k] (* block scale)``; a [M, G, K] and w [G, N, K]
     in any strides; scale [G, ceil(N/128), ceil(K/128)] (fp32 / e8m0) or None. Returns [M, G, N].
     ``tune`` / ``tiles`` / ``op``: the calling op's launch parameters, defaults and name (wo_a
-    passes its own)."""
+    passes its own). ``a_scale``: a holds float8_e4m3fn codes (G = 1, w FP8 with ``scale``) and
+    a_scale [M, ceil(K/128)] float32 their multipliers per 128-column block: the FP8 x FP8 GEMM."""
     M, G, K = a.shape
     N = w.shape[1]
     out = torch.empty((M, G, N), dtype=out_dtype, device=a.device)
@@ -301,7 +314,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     ieee = f32 or interp(a)
     # many rows (TUNE "dequant_rows"; the scratch at most "dequant_bytes"): the FP8 codes converted
     # to bf16 once (dequant.py), then bf16 tiles; the block scales still multiply each block's sum
-    codes = scaled and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
+    a8 = a_scale is not None
+    if a8 and not (scaled and G == 1 and a.dtype == w.dtype == torch.float8_e4m3fn
+                   and tuple(a_scale.shape) == (M, cdiv(K, 128)) and a_scale.dtype == torch.float32):
+        raise ValueError(f"{op}: FP8 activations need e4m3 a and block-scaled e4m3 w (G = 1) and float32 a_scale "
+                         f"[{M}, {cdiv(K, 128)}]; got a {a.dtype}, w {w.dtype}, scale {scale is not None}, "
+                         f"a_scale {a_scale.dtype} {tuple(a_scale.shape)}")
+    codes = scaled and not a8 and w.dtype != torch.bfloat16 and dequant.wanted(tune, op, M) \
         and 2 * w.numel() <= dequant.budget(tune, op)
     if codes and dequant.foldable(scale):   # UE8M0 scales: folded in, a plain bf16 GEMM
         w, scale, scaled = dequant.fp8_to_bf16(w, scale), None, False
@@ -313,13 +332,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     # launch parameters only: planned once per such key (Tune.memo; the device helpers in the key:
     # aot.device_branch and tests replace them)
     S, grid, kw, red = tune.memo((op, M, G, K, N, a.dtype, w.dtype, out_dtype, a.device, scaled, e8, ieee, big,
-                                  tiles, target_programs, rne),
-                                 lambda: _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w.dtype))
+                                  tiles, target_programs, rne, a8),
+                                 lambda: _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w.dtype,
+                                               a8))
     s = scale.contiguous() if scaled else a
     if e8:
         s = s.view(torch.uint8)
     part = torch.empty((S, M, G, N), dtype=torch.float32, device=a.device) if S > 1 else out
-    _gemm_kernel[grid](a, w, s, out, part, M, N, K, kw["KPS"], S, kw["NB"], kw["KB"], 0.0,
+    _gemm_kernel[grid](a, w, s, a_scale.contiguous() if a8 else s, out, part, M, N, K, kw["KPS"], S, kw["NB"], kw["KB"], 0.0,
                        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2), kw["NB"] * kw["KB"],
                        **kw["const"])
     if S > 1:
@@ -327,15 +347,41 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale, out_dtype: torch.dtype
     return out
 
 
+#: how linear runs the official W8A8 (``act_block``) with FP8 weights (TUNE key ``w8a8``):
+#: "values" (default; portable: any tensor-core backend) multiplies the dequantised activation
+#: values (quant.fake_quant_fp8, exact in x's dtype) with the weight codes converted in registers,
+#: a bf16 MMA; "fp8" runs an FP8 x FP8 MMA on the activation codes (quant.quant_fp8) and the
+#: weight codes, for targets with FP8 tensor cores (a plugin's table says which). Both compute
+#: each 128-column block's sum of exact products, scaled once per block; "fp8" is taken for
+#: half-precision outputs only: an FP8 MMA's own accumulation over a block's 128 columns is not
+#: an fp32 sum on every target (docs/perf/linear.md "W8A8 on FP8 tensor cores"), which an fp32
+#: output's bound would see and a bf16 / fp16 output's rounding hides
+W8A8_PATHS = ("values", "fp8")
+
+
+def _w8a8_codes(x, weight, weight_scale, act_block, out_dtype) -> bool:
+    """linear takes the FP8 x FP8 path for this call (TUNE ``w8a8`` "fp8" and a call it computes)."""
+    path = TUNE.get("w8a8", W8A8_PATHS[0])
+    if path not in W8A8_PATHS:
+        raise ValueError(f"linear: TUNE w8a8={path!r}; expected one of {', '.join(W8A8_PATHS)}")
+    half = (torch.bfloat16, torch.float16)
+    return (path == "fp8" and act_block == 128 and weight.dtype == torch.float8_e4m3fn and weight_scale is not None
+            and x.dtype in half and (out_dtype or x.dtype) in half)
+
+
 @implements("linear", supports=predicates.linear_supports)
 def linear(x, weight, weight_scale=None, out_dtype=None, act_block=None):
     K = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # a view whenever the leading dims allow it; strides are passed through
+    ws = None if weight_scale is None else weight_scale.unsqueeze(0)
+    a_scale = None
     if act_block is not None:
-        from .quant import fake_quant_fp8
+        from .quant import fake_quant_fp8, quant_fp8
 
-        x2 = fake_quant_fp8(x2, act_block)
-    out = grouped_gemm(x2.unsqueeze(1), weight.unsqueeze(0), None if weight_scale is None else weight_scale.unsqueeze(0),
-                       out_dtype or x.dtype)
+        if _w8a8_codes(x, weight, weight_scale, act_block, out_dtype):
+            x2, a_scale = quant_fp8(x2, act_block)
+        else:
+            x2 = fake_quant_fp8(x2, act_block)
+    out = grouped_gemm(x2.unsqueeze(1), weight.unsqueeze(0), ws, out_dtype or x.dtype, a_scale=a_scale)
     return out.view(*lead, weight.shape[0])
