@@ -45,10 +45,22 @@ VARIANTS = [({"mode": "swap", "S": 1}, (F32, BF16), False),
             ({"NBLK": 2, "S": 2, "BN": 32}, (F32, BF16), False),
             ({"mode": "swap", "NBLK": 4, "S": 1}, (F32, BF16), True),
             ({"mode": "swap", "S": 3, "BN": 16}, (F32, BF16), True),
-            ({"fp8": "via_f32", "S": 2}, (F32, BF16), True)]
+            ({"fp8": "via_f32", "S": 2}, (F32, BF16), True),
+            # the official W8A8 on FP8 weights as an FP8 x FP8 product on the activation codes (taken
+            # for bf16 in and out; the other W8A8 calls keep the activation values), split and not
+            ({"w8a8": "fp8", "S": 2}, (F32, BF16), True),
+            ({"w8a8": "fp8", "mode": "swap", "NBLK": 2, "S": 1, "BN": 16}, (BF16,), True)]
+# calls of the GEMM on FP8 activation codes, per variant
+codes = []
+_gg = linear.grouped_gemm
+def _spy(*a, **k):
+    codes[-1] += k.get("a_scale") is not None
+    return _gg(*a, **k)
+linear.grouped_gemm = _spy
 results = []
 for v, dts, fp8_only in VARIANTS:
     rows = []
+    codes.append(0)
     for op, mod in (("linear", linear), ("wo_a", wo_a)):
         mod.TUNE.clear()
         mod.TUNE.update(v)
@@ -60,7 +72,7 @@ for v, dts, fp8_only in VARIANTS:
                 rows.append({"op": op, "case": case.name, "dtype": str(dt), "status": r["status"],
                              "detail": str(r.get("detail", ""))})
         mod.TUNE.clear()
-    results.append({"variant": repr(v), "rows": rows})
+    results.append({"variant": repr(v), "rows": rows, "codes": codes[-1]})
 json.dump(results, open(sys.argv[1], "w"))
 """
 
@@ -69,10 +81,13 @@ def test_every_mode_nblk_and_split_passes_the_conformance_rule_in_interpreter(tm
     rep = interpreted_report(_MODES, tmp_path, "modes", timeout=900)
     bad = [(v["variant"], r) for v in rep for r in v["rows"] if r["status"] != "pass"]
     assert not bad, bad
-    # cases passed, none declined: all cases = linear 19 (6 of them W8A8, act_block=128) + wo_a 7 a
-    # dtype; FP8 cases = linear 6 (one W8A8) + wo_a 2
+    # cases passed, none declined: all cases = linear 22 (9 of them W8A8, act_block=128) + wo_a 7 a
+    # dtype; FP8 cases = linear 9 (four W8A8 on FP8 weights) + wo_a 2
     passed = [sum(r["status"] == "pass" for r in v["rows"]) for v in rep]
-    assert passed == [2 * 26, 2 * 26, 2 * 8, 2 * 8, 2 * 8], [(v["variant"], n) for v, n in zip(rep, passed)]
+    assert passed == [2 * 29, 2 * 29, 2 * 11, 2 * 11, 2 * 11, 2 * 11, 11], \
+        [(v["variant"], n) for v, n in zip(rep, passed)]
+    # the FP8 x FP8 product ran for the four W8A8-on-FP8 cases in bf16, and only with TUNE w8a8 "fp8"
+    assert [v["codes"] for v in rep] == [0, 0, 0, 0, 0, 4, 4], [(v["variant"], v["codes"]) for v in rep]
 
 
 def test_launch_config_keys_and_errors():
@@ -110,6 +125,18 @@ def test_launch_config_keys_and_errors():
             wo_a.wo_a(torch.zeros(1, 2, 128), torch.zeros(2, 64, 128))
     finally:
         wo_a.TUNE.clear()
+    # TUNE w8a8: a path linear knows, checked before anything is computed; the FP8 x FP8 GEMM's
+    # operands checked at its entry
+    f8 = torch.float8_e4m3fn
+    x, w, s = torch.zeros(1, 128, dtype=torch.bfloat16), torch.zeros(128, 128, dtype=f8), torch.ones(1, 1)
+    linear.TUNE.update(w8a8="int8")
+    try:
+        with pytest.raises(ValueError, match="linear: TUNE w8a8='int8'; expected one of values, fp8"):
+            linear.linear(x, w, s, act_block=128)
+    finally:
+        linear.TUNE.clear()
+    with pytest.raises(ValueError, match=r"linear: FP8 activations need .* a_scale \[1, 1\]; got a torch.bfloat16"):
+        linear.grouped_gemm(x.unsqueeze(1), w.unsqueeze(0), s.unsqueeze(0), torch.bfloat16, a_scale=torch.ones(1, 1))
 
 
 _VIA32 = """

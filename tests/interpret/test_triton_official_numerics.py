@@ -7,7 +7,8 @@ under the Triton interpreter.
   conversion, the e2m1 grid rounding, ``act_scale``) on every e4m3 / e2m1 value, every midpoint
   between neighbours and the float32 neighbours of each, the amax clamps, subnormals, and 2 x 10^5
   random float32 bit patterns plus 5 x 10^4 values of spread magnitude; so is the activation pass
-  of ``linear`` / ``moe_experts`` (``quant.fake_quant_fp8``) against ``hal.quant.fake_quant``.
+  of ``linear`` / ``moe_experts`` (``quant.fake_quant_fp8``) against ``hal.quant.fake_quant``, and
+  its codes-and-scales form (``quant.quant_fp8``, byte for byte) against ``hal.quant.act_quant``.
 * Each served semantic passes the conformance rule (``selftest.check_case``: the op's tolerance,
   with its ``quantized_rows`` allowance, against an fp64 evaluation) on the quantised "small"
   sample cases of the op in float32 and bfloat16, every one served by the kernel (none declined), and
@@ -31,7 +32,7 @@ import torch
 import triton, triton.language as tl
 from dsv4core.hal import Backend, catalogue, quant
 from dsv4core.kernels.triton._util import e2m1_rne, e4m3_rne, exp2_int, group_scale_exp
-from dsv4core.kernels.triton.quant import fake_quant_fp8
+from dsv4core.kernels.triton.quant import fake_quant_fp8, quant_fp8
 from dsv4core.kernels.triton.registry import register_ops
 from dsv4core.kernels.triton.selftest import check_case
 from dsv4core.conformance.cases import iter_cases
@@ -185,6 +186,11 @@ rep["act_pass"] = {}
 for name, xx in (("fp32", xa), ("bf16", xa.bfloat16()), ("strided", strided)):
     got, ref = fake_quant_fp8(xx, 128), quant.fake_quant(xx, "fp8", 128)
     rep["act_pass"][name] = int((got.float().view(torch.int32) != ref.float().view(torch.int32)).sum())
+    # the codes / scales pass (linear's FP8 x FP8 path): the e4m3 bytes and float32 scales of act_quant
+    q, sc = quant_fp8(xx, 128)
+    rq, rs = quant.act_quant(xx, 128)
+    rep["act_pass"][name + "_codes"] = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()) + \
+        int((sc.view(torch.int32) != rs.float().view(torch.int32)).sum())
 json.dump(rep, open(sys.argv[1], "w"))
 """
 
@@ -197,7 +203,8 @@ def report(tmp_path_factory):
 def test_quantisation_rules_bit_exact(report):
     assert report["values"] > 250000
     assert report["rules"] == {"e4m3": 0, "e2m1": 0, "fp8_scale": 0, "fp4_scale": 0}, report["rules"]
-    assert report["act_pass"] == {"fp32": 0, "bf16": 0, "strided": 0}, report["act_pass"]
+    assert report["act_pass"] == {"fp32": 0, "bf16": 0, "strided": 0, "fp32_codes": 0, "bf16_codes": 0,
+                                  "strided_codes": 0}, report["act_pass"]
 
 
 @pytest.mark.parametrize("op,least", [("kv_norm_rope", 8), ("indexer_rotate_quant", 16), ("linear", 10),

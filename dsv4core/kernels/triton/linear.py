@@ -16,12 +16,16 @@ cover several 128-column scale blocks (more bytes in flight per program; each bl
 still multiplies its own partial sum). ``grouped_gemm`` takes G groups: it serves ``wo_a`` too
 (wo_a.py passes its own defaults and TUNE).
 
-``act_block`` (the official W8A8): x is first fake-quantised per token per ``act_block`` columns
-(quant.py: the e4m3 codes times their power-of-two scales, exact in x's dtype), then the same
-GEMM runs on those values: bf16 (or fp32) products of e4m3 activations and FP8 weight codes are
-exact, so the fp32-accumulated result is the FP8 x FP8 product with both scales applied, up to
-the order of the fp32 sums. (An FP8 MMA on the codes themselves would read half the activation
-bytes; not done here.)
+``act_block`` (the official W8A8), two paths (TUNE ``w8a8``, :data:`W8A8_PATHS`): "values" (the
+portable default) fake-quantises x per token per ``act_block`` columns (quant.py: the e4m3 codes
+times their power-of-two scales, exact in x's dtype), then the same GEMM runs on those values:
+bf16 (or fp32) products of e4m3 activations and FP8 weight codes are exact, so the
+fp32-accumulated result is the FP8 x FP8 product with both scales applied, up to the order of the
+fp32 sums. "fp8" (FP8 weights, half-precision in and out) quantises x to its e4m3 codes and
+per-block scales (quant.quant_fp8) and the kernel (constexpr ``A8``) runs each 128-column
+block's sum as an FP8 x FP8 MMA on the two codes, then multiplies it by the weight block's and
+the token's scale, as the official kernel does: no conversion of the weight codes, half the
+activation bytes.
 
 Many rows (TUNE ``dequant_rows``, dequant.py): an FP8 weight is converted to bf16 once per call
 instead of once per row tile in registers (UE8M0 scales folded in: a plain bf16 GEMM; fp32 scales:

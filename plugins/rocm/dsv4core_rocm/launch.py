@@ -75,16 +75,19 @@ def _gemm_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
     return "dot", 128, 128, 64, 8, 3
 
 
-def _linear(fp8_tiles: dict):
-    """linear: :func:`_gemm_tiles`, with FP8 weights ``fp8_tiles`` over them. The 16 x 64 x 128 x
+def _linear(fp8_tiles: dict, fp8_rows: dict | None = None):
+    """linear: :func:`_gemm_tiles`, with FP8 weights ``fp8_tiles`` over them, and above 64 rows
+    also ``fp8_rows``. The 16 x 64 x 128 x
     3-stage FP8 tile spills SGPRs in its masked-K specialisation (EVEN_K false: 63 on
     gfx942, 148 on gfx950; device-branch compile, benchmarks/results/rocm-aot/2026-12-01_a6ae32f/aot/device-branch-flash.json).
     EVEN_K follows the split-K factor, i.e. the device's CU count, not only K % 128, so the entry
-    covers every FP8 call."""
+    covers every FP8 call. Above 64 rows the 128 x 128 x 64 tile holds its FP8 weight tile
+    converted to bf16, 32 KiB a stage: 3 stages need 96 KiB of LDS, over gfx942's 64."""
     def entry(*args, **kwargs):
         x = activation(args, kwargs)
         fp8 = x is not None and x.dtype != torch.float32 and _fp8(args, kwargs)
-        return {"tiles": _gemm_tiles, **(fp8_tiles if fp8 else {})}
+        rows = fp8_rows if fp8 and fp8_rows and x.numel() > 64 * x.shape[-1] else {}
+        return {"tiles": _gemm_tiles, **(fp8_tiles if fp8 else {}), **rows}
     return entry
 
 
@@ -116,7 +119,7 @@ TABLES = LaunchTable("rocm", {
     "gfx942": {
         "attention": _attention(16, 2),     # 32 KiB LDS; BK 32 spills SGPRs
         "mhc": {"num_stages": 1, "BK": 64},  # hc_pre's mixes: BK 128 (3 bf16 dots) spills 5-13 SGPRs
-        "linear": _linear({"BK": 64}),
+        "linear": _linear({"BK": 64}, {"num_stages": 2}),   # 2 x 32 KiB of LDS above 64 rows
         "moe": _moe(64, 1),
         "wo_a": _wo_a,
         "indexer": _indexer(2),             # bf16 32 KiB LDS, fp32 24 KiB
