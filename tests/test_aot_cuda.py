@@ -55,6 +55,13 @@ def test_compare_matches_cases_in_order_code_and_grid():
                    "gone": ["op/c3/bf16"]}
     # the same kernels in another order is another launch sequence
     assert compare({"x": [["a", "1", [1]], ["b", "2", [1]]]}, {"x": [["b", "2", [1]], ["a", "1", [1]]]})["changed"] == ["x"]
+    # a None argument is a compile-time constant, not a launch argument: an added pointer argument
+    # left None is the same launch; a tensor or a value in its place is not
+    args = [[[4, 8], [8, 1], "torch.bfloat16"], 4, 0.0]
+    old = {"x": [["k", "aa", [1], args]]}
+    assert compare(old, {"x": [["k", "aa", [1], args[:1] + [None] + args[1:]]]})["same"] == ["x"]
+    assert compare(old, {"x": [["k", "aa", [1], args[:1] + [[[4], [1], "torch.float32"]] + args[1:]]]})["changed"] == ["x"]
+    assert compare(old, {"x": [["k", "aa", [1], args[:1] + [7] + args[1:]]]})["changed"] == ["x"]
 
 
 def test_code_sha_ignores_locations_comments_debug_but_not_instructions():

@@ -415,9 +415,15 @@ def compare(old: dict, new: dict) -> dict[str, list[str]]:
     shapes / strides / dtypes, in the same order), "changed", "new" (only in ``new``), "gone" (only
     in ``old``). A "same" case runs the same instructions over the same programs and the same
     memory layout as before on this target (for the Triton version that compiled both). Both runs
-    must come from the same aot.py (the fingerprint's rules are part of it)."""
+    must come from the same aot.py (the fingerprint's rules are part of it). A None argument is
+    not passed to the kernel (Triton compiles it as a constant): launches are compared without
+    them, so a pointer argument added to a kernel and given None by the launches that do not use
+    it leaves those launches "same" where their code is."""
+    def runtime(launches):
+        return [[*launch[:3], *([a for a in arg if a is not None] for arg in launch[3:4])] for launch in launches]
+
     both = sorted(set(old) & set(new))
-    same = [k for k in both if old[k] == new[k] and all(launch[1] for launch in new[k])]
+    same = [k for k in both if runtime(old[k]) == runtime(new[k]) and all(launch[1] for launch in new[k])]
     return {"same": same, "changed": sorted(set(both) - set(same)),
             "new": sorted(set(new) - set(old)), "gone": sorted(set(old) - set(new))}
 
