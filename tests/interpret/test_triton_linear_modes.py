@@ -125,6 +125,12 @@ def test_launch_config_keys_and_errors():
             wo_a.wo_a(torch.zeros(1, 2, 128), torch.zeros(2, 64, 128))
     finally:
         wo_a.TUNE.clear()
+    # TUNE w8a8_tiles: the FP8 x FP8 launches' tile function, before "tiles" (which it falls back to)
+    t1, t8 = (lambda M, q, big: ("dot", 16, 64, 64, 4, 2)), (lambda M, q, big: ("swap", 16, 128, 128, 4, 4))
+    pick = {a8: linear._config("linear", 1, False, True, {"tiles": t1, "w8a8_tiles": t8}, linear.linear_tiles, a8=a8)
+            for a8 in (False, True)}
+    assert [(pick[a8]["mode"], pick[a8]["BN"]) for a8 in (False, True)] == [("dot", 64), ("swap", 128)]
+    assert linear._config("linear", 1, False, True, {"tiles": t1}, linear.linear_tiles, a8=True)["BN"] == 64
     # TUNE w8a8: a path linear knows, checked before anything is computed; the FP8 x FP8 GEMM's
     # operands checked at its entry
     f8 = torch.float8_e4m3fn

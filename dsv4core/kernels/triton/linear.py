@@ -216,9 +216,10 @@ def linear_tiles(M: int, scaled: bool, big: bool = False) -> tuple:
 
 
 def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = True, big: bool = False,
-            quantised=None, chained: bool = False) -> dict:
+            quantised=None, chained: bool = False, a8: bool = False) -> dict:
     """The launch of one call: ``tiles(M, quantised, big)`` (TUNE ``tiles``, a plugin table's tile
-    function, else ``tiles``, the op's portable defaults; ``quantised``: FP8
+    function, else ``tiles``, the op's portable defaults; ``a8``, the FP8 x FP8 GEMM: TUNE
+    ``w8a8_tiles`` first; ``quantised``: FP8
     codes read, default ``scaled``; bf16 codes converted once take the bf16 tiles; small fp32
     tiles when the products are fp32), then the TUNE / launch-table keys ``mode`` (dot | swap), ``BM``, ``BN``,
     ``BK``, ``num_warps``, ``num_stages``, ``KSUB`` (unrolled sub-blocks a group; set by BK with
@@ -233,7 +234,8 @@ def _config(op: str, M: int, ieee: bool, scaled: bool, tune, tiles, f32: bool = 
         # levels), bf16 inputs under the interpreter one dot a block (fewer interpreted steps)
         mode, BM, BN, BK, nw, ns, *nblk = "dot", min(64, max(16, np2(M))), 64, 32 if f32 else 128, 4, 2
     else:
-        mode, BM, BN, BK, nw, ns, *nblk = tune.get("tiles", tiles)(M, scaled if quantised is None else quantised, big)
+        tf = (a8 and tune.get("w8a8_tiles")) or tune.get("tiles", tiles)
+        mode, BM, BN, BK, nw, ns, *nblk = tf(M, scaled if quantised is None else quantised, big)
         if scaled:
             BK = min(BK, 128)   # bf16 codes with block scales: a K step within one 128-column block
     cfg = dict(mode=mode, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns, NBLK=nblk[0] if nblk else 1)
@@ -272,9 +274,7 @@ def _plan(op, M, G, K, N, f32, ieee, big, scaled, e8, out, tune, tiles, w_dtype,
     with per-row block scales (the FP8 x FP8 product; its tiles: TUNE ``w8a8_tiles``)."""
     fp8 = scaled and w_dtype != torch.bfloat16      # FP8 codes read (not bf16 codes converted once)
     chained = not ieee and not scaled and out.dtype == torch.float32
-    if a8:
-        tiles = tune.get("w8a8_tiles") or tune.get("tiles", tiles)
-    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8, chained=chained)
+    cfg = _config(op, M, ieee, scaled, tune, tiles, f32, big, quantised=fp8, chained=chained, a8=a8)
     BM, BN, BK, KSUB, NBLK = cfg["BM"], cfg["BN"], cfg["BK"], cfg["KSUB"], cfg["NBLK"]
     NB, KB = cdiv(N, 128), cdiv(K, 128)
     mt, nt = cdiv(M, BM), cdiv(N, BN)
