@@ -105,8 +105,11 @@ def _linear_tiles_sm90(M: int, scaled: bool, big: bool = False) -> tuple:
 
 def _w8a8_tiles_sm90(M: int, scaled: bool, big: bool = False) -> tuple:
     """linear's tiles for the official W8A8 on FP8 tensor cores (TUNE ``w8a8_tiles``: FP8 x FP8
-    MMAs on the activation and weight codes, 128-column K steps, one scale block each).
-    Not yet timed: a first choice by the operand bytes (half of bf16's a tile)."""
+    MMAs on the activation and weight codes, 128-column K steps, one scale block each), used where
+    TUNE ``w8a8`` is "fp8". Not timed: a first choice by the operand bytes (half of bf16's a tile),
+    "swap" at T <= 16 so that the FP8 wgmma takes the weight rows as its M side (the "dot" tile
+    there compiles to mma.sync with every code converted to f16: SASS counts in
+    benchmarks/results/sm90-aot/2026-12-07_RESULT/aot/linear-w8a8-fp8-sass.json)."""
     if M <= 16:
         return "swap", 16, 64, 128, 4, 4
     if M <= 64:
@@ -232,9 +235,11 @@ TABLES = LaunchTable("cuda", {
         # 64 K columns err 3.1e-7 - 4.5e-7 of max |y| at 94 - 103 % of the weight-streaming floor;
         # 16 / 32 columns 4.3e-7 - 9.3e-7 at 44 - 90 %; one chain over K 4.8e-6 - 1.0e-5 (the lm_head
         # cases' bounds 1.7e-6 - 5.7e-6): benchmarks/results/h200/2026-12-03_1570b6f/bench/lm-head-chains-{flash,pro}.json
-        # w8a8: the official W8A8 with FP8 weights as an FP8 x FP8 MMA (linear.W8A8_PATHS)
+        # w8a8_tiles: the tiles of the official W8A8 as an FP8 x FP8 MMA (linear.W8A8_PATHS), which
+        # is not switched on here ("w8a8": "fp8") until a GPU conformance run and `tune_triton.py
+        # --set w8a8` on this GPU have judged and timed it; the kernel's "values" path serves
         "linear": {"fp8": "via_f32", "dequant_rows": DEQUANT_GEMM_ROWS, "tiles": _linear_tiles_sm90, "chain": 64,
-                   "w8a8": "fp8", "w8a8_tiles": _w8a8_tiles_sm90},
+                   "w8a8_tiles": _w8a8_tiles_sm90},
         "wo_a": _wo_a_sm90,
         "attention": _attention_sm90,
         "mhc": _mhc_sm90,
