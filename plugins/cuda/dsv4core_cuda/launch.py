@@ -109,7 +109,7 @@ def _w8a8_tiles_sm90(M: int, scaled: bool, big: bool = False) -> tuple:
     TUNE ``w8a8`` is "fp8". Not timed: a first choice by the operand bytes (half of bf16's a tile),
     "swap" at T <= 16 so that the FP8 wgmma takes the weight rows as its M side (the "dot" tile
     there compiles to mma.sync with every code converted to f16: SASS counts in
-    benchmarks/results/sm90-aot/2026-12-07_RESULT/aot/linear-w8a8-fp8-sass.json)."""
+    benchmarks/results/sm90-aot/2026-12-07_488da1e/aot/linear-w8a8-fp8-sass.json)."""
     if M <= 16:
         return "swap", 16, 64, 128, 4, 4
     if M <= 64:
